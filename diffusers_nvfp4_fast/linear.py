@@ -1,0 +1,113 @@
+"""``NVFP4Linear``: a W4A4 NVFP4 linear layer that diffusers' model code calls like ``nn.Linear``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ops
+from .format import BLOCK_SIZE, ScaleLayout, fast_math_from_env, round_up, swizzle_scales
+
+
+class NVFP4Linear(nn.Module):
+    """``y = bf16(fp4_gemm(quantize(x, 1/input_scale), W) * alpha) (+ bias)``, DESIGN.md section 3.
+
+    Deliberately not an ``nn.Linear`` subclass: nothing may call ``F.linear`` on packed bytes.
+
+    Buffers (so ``.to()``, ``state_dict`` and offloading work):
+        weight: uint8 ``[N, K/2]``, low nibble first.
+        weight_scale: uint8 E4M3 bytes, ``[round_up(N,128), round_up(K/16,4)]`` (128x4) or ``[N, K/16]`` (linear);
+            ``scale_layout`` says which, and only ``swizzle_weight_scales_`` changes it (once).
+        weight_scale_2, input_scale: FP32 0-d.
+        bias: ``[N]`` in the model dtype, or absent.
+        alpha (= input_scale * weight_scale_2), input_scale_inv (= 1 / input_scale): derived, not saved.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        scale_layout: ScaleLayout = "128x4",
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if in_features % BLOCK_SIZE:
+            raise ValueError(f"NVFP4Linear needs in_features divisible by {BLOCK_SIZE}, got {in_features}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.scale_layout = scale_layout
+        if scale_layout == "128x4":
+            scale_shape = (round_up(out_features, 128), round_up(in_features // BLOCK_SIZE, 4))
+        else:
+            scale_shape = (out_features, in_features // BLOCK_SIZE)
+        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale", torch.zeros(scale_shape, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.register_buffer("alpha", torch.ones((), dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("input_scale_inv", torch.ones((), dtype=torch.float32, device=device), persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _: module.refresh_derived_scales_())
+
+    @torch.no_grad()
+    def load_nvfp4(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_scale_2: torch.Tensor,
+        input_scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        scale_layout: ScaleLayout,
+    ) -> NVFP4Linear:
+        """Take checkpoint tensors (shapes already checked by the caller) and record their scale layout."""
+        device = self.weight.device
+        self.weight = weight.view(torch.uint8).to(device).contiguous()
+        self.weight_scale = weight_scale.view(torch.uint8).to(device).contiguous()
+        self.scale_layout = scale_layout
+        self.weight_scale_2 = weight_scale_2.reshape(()).to(device=device, dtype=torch.float32)
+        self.input_scale = input_scale.reshape(()).to(device=device, dtype=torch.float32)
+        if bias is not None:
+            self.bias = bias.to(device=device, dtype=self.bias.dtype if self.bias is not None else bias.dtype)
+        return self.refresh_derived_scales_()
+
+    @torch.no_grad()
+    def refresh_derived_scales_(self) -> NVFP4Linear:
+        self.alpha = self.input_scale * self.weight_scale_2
+        self.input_scale_inv = 1.0 / self.input_scale
+        return self
+
+    @torch.no_grad()
+    def swizzle_weight_scales_(self) -> bool:
+        """Convert linear block scales to the 128x4 layout. Returns False (and does nothing) if already 128x4."""
+        if self.scale_layout == "128x4":
+            return False
+        self.weight_scale = swizzle_scales(self.weight_scale)
+        self.scale_layout = "128x4"
+        return True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[..., K]`` BF16/FP16 -> ``[..., N]`` in x's dtype."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"NVFP4Linear expected input [..., {self.in_features}], got {tuple(x.shape)}")
+        x_packed, x_scales = ops.quantize_nvfp4(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math_from_env())
+        y = self.forward_prequantized(x_packed, x_scales, x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_prequantized(
+        self, x_packed: torch.Tensor, x_scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
+    ) -> torch.Tensor:
+        """x_packed: uint8 ``[M, K/2]``; x_scales: uint8 128x4 ``[round_up(M,128), round_up(K/16,4)]`` -> ``[M, N]``."""
+        return ops.nvfp4_linear(
+            x_packed, x_scales, self.weight, self.weight_scale, self.alpha, self.bias, out_dtype,
+            self.scale_layout == "128x4",
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"scale_layout={self.scale_layout}"
+        )

@@ -1,0 +1,158 @@
+"""Custom ops: the one place that decides which implementation (Triton kernel, FlashInfer, torch) runs.
+
+Every op is a ``torch.library`` custom op with a fake (meta) implementation, so ``torch.compile(fullgraph=True)``
+traces through it and CUDA graphs capture it. On CPU, and on GPUs without a kernel for the op, the torch
+reference runs; it is byte-identical to the kernels by construction and by test.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from . import format as nvfp4
+from .format import round_up
+
+_GEMM_BACKEND_VAR = "DIFFUSERS_NVFP4_GEMM_BACKEND"
+
+
+@functools.cache
+def _kernels():
+    """The Triton kernels package, or None where Triton is missing."""
+    try:
+        from . import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and _kernels() is not None and cuda_capability(x.device) >= (8, 0)
+
+
+def _scale_shape(rows, k: int) -> tuple:
+    return (round_up(rows, 128), round_up(k // nvfp4.BLOCK_SIZE, 4))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Standalone quantize: the unfused path.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("nvfp4_fast::quantize", mutates_args=())
+def _quantize(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(x):
+        return _kernels().quantize_nvfp4(x, global_scale, fast_math=fast_math)
+    return nvfp4.quantize_nvfp4(x, global_scale, fast_math=fast_math)
+
+
+@_quantize.register_fake
+def _(x, global_scale, fast_math):
+    rows, k = x.shape
+    return x.new_empty((rows, k // 2), dtype=torch.uint8), x.new_empty(_scale_shape(rows, k), dtype=torch.uint8)
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: ``[M, K]`` BF16/FP16 -> (packed uint8 ``[M, K/2]``, 128x4 scales uint8)."""
+    return _quantize(x.contiguous(), global_scale, fast_math)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NVFP4 linear: FP4 x FP4 GEMM, times alpha, plus bias.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def gemm_backend(device: torch.device) -> str:
+    """'flashinfer' (SM100+ with FlashInfer), 'triton' (SM80-SM90 with the Triton GEMM) or 'emulated' (torch)."""
+    forced = os.environ.get(_GEMM_BACKEND_VAR, "").strip().lower()
+    if forced:
+        if forced not in ("flashinfer", "triton", "emulated"):
+            raise ValueError(f"{_GEMM_BACKEND_VAR}={forced!r}: expected 'flashinfer', 'triton' or 'emulated'")
+        return forced
+    if device.type != "cuda":
+        return "emulated"
+    major, _ = cuda_capability(device)
+    if major >= 10 and _flashinfer() is not None:
+        return "flashinfer"
+    if 8 <= major < 10 and _kernels() is not None and hasattr(_kernels(), "nvfp4_gemm"):
+        return "triton"
+    return "emulated"
+
+
+@functools.cache
+def _flashinfer():
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    return flashinfer
+
+
+def emulated_nvfp4_gemm(
+    x_packed: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_swizzled: bool = True,
+) -> torch.Tensor:
+    """Exact W4A4 emulation: decode both operands (exact in FP32), FP32 matmul. Returns FP32 ``[M, N]``."""
+    x = nvfp4.decode_nvfp4(x_packed, x_scales, scale_layout="128x4", dtype=torch.float32)
+    w = nvfp4.decode_nvfp4(w_packed, w_scales, scale_layout="128x4" if w_swizzled else "linear", dtype=torch.float32)
+    return x @ w.t()
+
+
+@torch.library.custom_op("nvfp4_fast::linear", mutates_args=())
+def _linear(
+    x_packed: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scales: torch.Tensor,
+    alpha: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    w_swizzled: bool,
+) -> torch.Tensor:
+    backend = gemm_backend(x_packed.device)
+    if backend != "emulated" and not w_swizzled:
+        raise RuntimeError(
+            "NVFP4Linear holds linear-layout weight scales; the FP4 GEMM needs 128x4. Call "
+            "module.swizzle_weight_scales_() or enable_fast_paths(...) first."
+        )
+    if backend == "flashinfer":
+        fi = _flashinfer()
+        out = fi.mm_fp4(
+            x_packed, w_packed.t(), x_scales.view(torch.float8_e4m3fn), w_scales.view(torch.float8_e4m3fn).t(),
+            alpha, out_dtype, backend="cutlass",
+        )
+    elif backend == "triton":
+        out = _kernels().nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype)
+    else:
+        out = (emulated_nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, w_swizzled) * alpha).to(out_dtype)
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+@_linear.register_fake
+def _(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled):
+    return x_packed.new_empty((x_packed.shape[0], w_packed.shape[0]), dtype=out_dtype)
+
+
+def nvfp4_linear(
+    x_packed: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scales: torch.Tensor,
+    alpha: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    w_swizzled: bool = True,
+) -> torch.Tensor:
+    """``bf16(gemm(x, w) * alpha) (+ bias)``; x_packed ``[M, K/2]``, w_packed ``[N, K/2]`` -> ``[M, N]``."""
+    return _linear(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
