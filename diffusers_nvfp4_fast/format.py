@@ -57,8 +57,12 @@ def env_enabled(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "off", "no")
 
 
+@torch.compiler.assume_constant_result
 def fast_math_from_env() -> bool:
-    """True (fast-math) unless FLASHINFER_/TRTLLM_DISABLE_FP4_QUANT_FAST_MATH is enabled."""
+    """True (fast-math) unless FLASHINFER_/TRTLLM_DISABLE_FP4_QUANT_FAST_MATH is enabled.
+
+    Read at every eager call; a compiled graph reads it when it is traced.
+    """
     if env_enabled(_FOUR_OVER_SIX_VAR):
         _warn_four_over_six()
     return not any(env_enabled(v) for v in _FAST_MATH_OFF_VARS)

@@ -21,6 +21,12 @@ class NVFP4Linear(nn.Module):
         weight_scale_2, input_scale: FP32 0-d.
         bias: ``[N]`` in the model dtype, or absent.
         alpha (= input_scale * weight_scale_2), input_scale_inv (= 1 / input_scale): derived, not saved.
+
+    ``dynamic_input_scale`` (attribute, default False): when True, ``forward`` ignores ``input_scale`` and uses
+    ``amax(|x|) / (448 * 6)`` of each call's whole input instead. That is NOT the checkpoint's recipe (the result
+    depends on what else is in the batch); it exists for checkpoints that ship no ``input_scale`` for a layer and is
+    only ever switched on by an explicit user choice (``load_nvfp4_transformer(..., dynamic_input_scale=True)``).
+    Such a layer refuses pre-quantized input: a fused path must check the flag in its gate.
     """
 
     def __init__(
@@ -51,6 +57,7 @@ class NVFP4Linear(nn.Module):
         self.register_buffer("alpha", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("input_scale_inv", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         self.register_load_state_dict_post_hook(lambda module, _: module.refresh_derived_scales_())
+        self.dynamic_input_scale = False
 
     @torch.no_grad()
     def load_nvfp4(
@@ -93,14 +100,34 @@ class NVFP4Linear(nn.Module):
         """x: ``[..., K]`` BF16/FP16 -> ``[..., N]`` in x's dtype."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear expected input [..., {self.in_features}], got {tuple(x.shape)}")
+        if self.dynamic_input_scale:
+            return self._forward_dynamic(x)
         x_packed, x_scales = ops.quantize_nvfp4(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math_from_env())
         y = self.forward_prequantized(x_packed, x_scales, x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _forward_dynamic(self, x: torch.Tensor) -> torch.Tensor:
+        # Per-call activation global scale. Computed on the device without a host sync (CUDA graphs); an all-zero
+        # or NaN amax falls back to 1.0, where any scale quantizes the same (zeros stay 0, NaN encodes as +6).
+        rows = x.reshape(-1, self.in_features)
+        amax = rows.abs().amax().to(torch.float32)
+        input_scale = torch.where(amax > 0, amax / (448.0 * 6.0), torch.ones_like(amax))
+        x_packed, x_scales = ops.quantize_nvfp4(rows, 1.0 / input_scale, fast_math_from_env())
+        y = ops.nvfp4_linear(
+            x_packed, x_scales, self.weight, self.weight_scale, input_scale * self.weight_scale_2, self.bias, x.dtype,
+            self.scale_layout == "128x4",
+        )
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_prequantized(
         self, x_packed: torch.Tensor, x_scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
     ) -> torch.Tensor:
         """x_packed: uint8 ``[M, K/2]``; x_scales: uint8 128x4 ``[round_up(M,128), round_up(K/16,4)]`` -> ``[M, N]``."""
+        if self.dynamic_input_scale:
+            raise RuntimeError(
+                "this NVFP4Linear uses dynamic_input_scale (no checkpoint input_scale), so input quantized with its static "
+                "input_scale_inv would be wrong; fused paths must fall back for it (check `dynamic_input_scale` in the gate)"
+            )
         return ops.nvfp4_linear(
             x_packed, x_scales, self.weight, self.weight_scale, self.alpha, self.bias, out_dtype,
             self.scale_layout == "128x4",
@@ -109,5 +136,5 @@ class NVFP4Linear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"scale_layout={self.scale_layout}"
+            f"scale_layout={self.scale_layout}" + (", dynamic_input_scale=True" if self.dynamic_input_scale else "")
         )

@@ -209,8 +209,14 @@ def load_nvfp4_transformer(
     torch_dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str | None = None,
     scale_layout: ScaleLayout | None = None,
+    filename: str | None = None,
+    **single_file_kwargs,
 ) -> nn.Module:
     """Load a ModelOpt NVFP4 diffusers export (FLUX.2 dev/klein, Qwen-Image) as its diffusers model class.
+
+    A single ``.safetensors`` file (a local file path, or ``filename=`` inside a repo/directory) is read as the
+    BFL / ComfyUI FLUX.2 NVFP4 format instead: see ``diffusers_nvfp4_fast.bfl.load_bfl_nvfp4_transformer`` for its
+    extra keyword arguments (``config``, ``nibble_order``, ``input_scales``, ``dynamic_input_scale``).
 
     Quantized Linears become ``NVFP4Linear`` (never materialized in BF16); the rest load in ``torch_dtype``. Every
     key is checked (missing, unexpected, dtype, shape) and all problems are raised together in one
@@ -222,7 +228,17 @@ def load_nvfp4_transformer(
         torch_dtype: dtype of unquantized weights and biases.
         device: where to put the model (default: stays on CPU).
         scale_layout: force how stored block scales are read ("linear" or "128x4") when the shape cannot tell.
+        filename: a single-file checkpoint inside ``path_or_repo_id`` (BFL format).
     """
+    if filename is not None or Path(path_or_repo_id).is_file():
+        from .bfl import load_bfl_nvfp4_transformer
+
+        return load_bfl_nvfp4_transformer(
+            path_or_repo_id, filename=filename, subfolder=subfolder, torch_dtype=torch_dtype, device=device,
+            scale_layout=scale_layout, **single_file_kwargs,
+        )
+    if single_file_kwargs:
+        raise TypeError(f"{sorted(single_file_kwargs)} only apply to single-file (BFL format) checkpoints")
     from accelerate import init_empty_weights
 
     model_dir = _resolve_dir(path_or_repo_id, subfolder)

@@ -156,3 +156,111 @@ def nvfp4_linear(
 ) -> torch.Tensor:
     """``bf16(gemm(x, w) * alpha) (+ bias)``; x_packed ``[M, K/2]``, w_packed ``[N, K/2]`` -> ``[M, N]``."""
     return _linear(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FLUX.2: fused token-cat quantize.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _token_cat_impl(attn, mlp, global_scale, fast_math):
+    if _use_triton(attn):
+        return _kernels().token_cat_quantize(attn, mlp, global_scale, fast_math=fast_math)
+    from .fused_reference import token_cat_quantize_reference
+
+    return token_cat_quantize_reference(attn, mlp, global_scale, fast_math)
+
+
+def _token_cat_fake(attn, mlp, global_scale, fast_math, *_):
+    rows = attn.numel() // attn.shape[-1]
+    k = attn.shape[-1] + mlp.shape[-1]
+    return attn.new_empty((rows, k // 2), dtype=torch.uint8), attn.new_empty(_scale_shape(rows, k), dtype=torch.uint8)
+
+
+@torch.library.custom_op("nvfp4_fast::token_cat_quantize", mutates_args=())
+def token_cat_quantize(
+    attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, fast_math: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize(cat([attn, mlp], -1))`` without the concatenation: attn ``[..., A]``, mlp ``[..., B]`` ->
+    packed uint8 ``[R, (A+B)/2]``, 128x4 scales uint8 ``[round_up(R,128), round_up((A+B)/16,4)]``."""
+    return _token_cat_impl(attn, mlp, global_scale, fast_math)
+
+
+token_cat_quantize.register_fake(_token_cat_fake)
+
+
+@torch.library.custom_op("nvfp4_fast::token_cat_quantize_checked", mutates_args=())
+def token_cat_quantize_checked(
+    attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_cat_quantize`` with first-use byte verification against ``quantize(cat)`` (gates.run_checked)."""
+    from .fused_reference import token_cat_quantize_reference
+    from .gates import run_checked
+
+    return run_checked(
+        stats_id, "flux2_token_cat", shape_class, ("packed", "scales"),
+        lambda: _token_cat_impl(attn, mlp, global_scale, fast_math),
+        lambda: token_cat_quantize_reference(attn, mlp, global_scale, fast_math),
+    )
+
+
+token_cat_quantize_checked.register_fake(_token_cat_fake)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Qwen-Image: residual + gate * attn -> LayerNorm -> modulate -> quantize.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def qwen_kernel_available(x: torch.Tensor) -> bool:
+    return _use_triton(x) and hasattr(_kernels(), "qwen_resnorm_quantize")
+
+
+def _qwen_impl(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math):
+    if qwen_kernel_available(x):
+        return _kernels().qwen_resnorm_quantize(residual, x, bias, gate, scale, shift, global_scale, eps=eps, fast_math=fast_math)
+    from .fused_reference import qwen_resnorm_quantize_reference
+
+    return qwen_resnorm_quantize_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
+
+
+def _qwen_fake(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math, *_):
+    d = residual.shape[-1]
+    rows = residual.numel() // d
+    return (
+        torch.empty_like(residual, memory_format=torch.contiguous_format),
+        residual.new_empty((rows, d // 2), dtype=torch.uint8),
+        residual.new_empty(_scale_shape(rows, d), dtype=torch.uint8),
+    )
+
+
+@torch.library.custom_op("nvfp4_fast::qwen_resnorm_quantize", mutates_args=())
+def qwen_resnorm_quantize(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
+    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """residual, x ``[B, L, D]``; bias ``[D]``/None; gate/scale/shift ``[B, L, D]`` views (stride 0 over L for
+    per-sample rows) -> (residual_out ``[B, L, D]``, packed ``[B*L, D/2]``, 128x4 scales of the modulated FC1 input)."""
+    return _qwen_impl(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
+
+
+qwen_resnorm_quantize.register_fake(_qwen_fake)
+
+
+@torch.library.custom_op("nvfp4_fast::qwen_resnorm_quantize_checked", mutates_args=())
+def qwen_resnorm_quantize_checked(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
+    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool, stats_id: int, shape_class: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``qwen_resnorm_quantize`` with first-use byte verification against the eager chain + standalone quantize."""
+    from .fused_reference import qwen_resnorm_quantize_reference
+    from .gates import run_checked
+
+    return run_checked(
+        stats_id, "qwen_resnorm", shape_class, ("residual_out", "packed", "scales"),
+        lambda: _qwen_impl(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math),
+        lambda: qwen_resnorm_quantize_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math),
+    )
+
+
+qwen_resnorm_quantize_checked.register_fake(_qwen_fake)

@@ -319,3 +319,42 @@ def quantize_tiny_pipeline(which: str, out_dir: str | Path, *, size: int = 64, s
     amax = calibrate_input_amax(pipe.transformer, lambda: run_pipeline(pipe, kwargs, size=size, steps=steps), names)
     return export_nvfp4(pipe.transformer, out_dir, exclude, amax)
 
+
+
+@torch.no_grad()
+def quantize_model_inplace(
+    model: nn.Module, exclude: tuple[str, ...], input_amax: dict[str, float] | float, *, init_std: float | None = None
+) -> int:
+    """Replace every non-excluded ``nn.Linear`` by an ``NVFP4Linear`` quantized from its weight, layer by layer.
+
+    With ``init_std`` the BF16 weight is first drawn as ``randn * init_std`` on the layer's device (meta layers
+    included), so a full-size model never exists in BF16 at once. ``input_amax`` gives each layer's calibrated
+    activation max (or one value for all). Returns the number of layers replaced.
+    """
+    from .linear import NVFP4Linear
+
+    count = 0
+    for name, linear in list(model.named_modules()):
+        if not isinstance(linear, nn.Linear) or _pattern_match(name, exclude) or linear.in_features % 16:
+            continue
+        device = linear.weight.device
+        if init_std is not None or device.type == "meta":
+            device = device if device.type != "meta" else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            weight = torch.randn(linear.out_features, linear.in_features, device=device, dtype=torch.bfloat16) * init_std
+        else:
+            weight = linear.weight.to(torch.bfloat16)
+        weight_scale_2 = (weight.abs().max().float() / 2688.0).reshape(())
+        packed, scales = quantize_nvfp4(weight, 1.0 / weight_scale_2, fast_math=False)
+        amax = input_amax if isinstance(input_amax, float) else input_amax.get(name, 1.0)
+        new = NVFP4Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device=device)
+        bias = None
+        if linear.bias is not None:
+            bias = linear.bias if linear.bias.device.type != "meta" else torch.randn(linear.out_features, device=device) * 0.02
+        new.load_nvfp4(packed, scales, weight_scale_2, torch.tensor(amax / 2688.0, device=device), bias, scale_layout="128x4")
+        for attr in ("_tp_packed_row_blocks", "_tp_packed_col_blocks"):
+            if hasattr(linear, attr):
+                setattr(new, attr, getattr(linear, attr))
+        model.set_submodule(name, new)
+        del weight
+        count += 1
+    return count

@@ -1,0 +1,67 @@
+"""Shared helpers of the GPU benchmarks: timing, copy bandwidth, result files (DESIGN.md section 10)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def time_us(fn, *, warmup: int = 10, iters: int = 100) -> float:
+    """Median microseconds of ``fn()`` measured with CUDA events, after warm-up."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second, in GB/s) measured now."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    us = time_us(lambda: y.copy_(x), warmup=5, iters=30)
+    del x, y
+    return 2 * nbytes / (us * 1e-6) / 1e9
+
+
+def device_slug() -> str:
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h200", "h100", "b200", "gb200", "b100", "rtx 5090", "l40s", "a100"):
+        if tag in name:
+            return tag.replace(" ", "")
+    return name.replace("nvidia ", "").replace(" ", "_")
+
+
+def header(benchmark: str, copy_gbps: float) -> dict:
+    import triton
+
+    return {
+        "benchmark": benchmark,
+        "device": torch.cuda.get_device_name(),
+        "capability": list(torch.cuda.get_device_capability()),
+        "torch": torch.__version__.split("+")[0],
+        "triton": triton.__version__,
+        "date": datetime.date.today().isoformat(),
+        "copy_bandwidth_GBps": round(copy_gbps, 1),
+        "cases": [],
+    }
+
+
+def write_result(result: dict, name: str | None = None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name or result['benchmark']}-{device_slug()}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path

@@ -1,0 +1,138 @@
+"""Public entry points: ``enable_fast_paths``, ``disable_fast_paths``, ``fast_paths``, ``fast_path_report``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+
+from torch import nn
+
+from . import gates, ops
+from .gates import VerifyMode
+from .linear import NVFP4Linear
+from .patches.flux2 import patch_flux2
+from .patches.qwenimage import patch_qwenimage
+
+logger = logging.getLogger("diffusers_nvfp4_fast")
+
+_STATE_ATTR = "_nvfp4_fast_paths"
+_PATCHERS = {
+    "Flux2Transformer2DModel": patch_flux2,
+    "QwenImageTransformer2DModel": patch_qwenimage,
+}
+
+
+def _transformers(pipe_or_model) -> list[nn.Module]:
+    """The denoiser(s) of a pipeline, or the model itself; ``torch.compile`` wrappers are looked through."""
+    found = []
+    if isinstance(pipe_or_model, nn.Module) and not hasattr(pipe_or_model, "components"):
+        found.append(pipe_or_model)
+    else:
+        for name in ("transformer", "transformer_2"):
+            model = getattr(pipe_or_model, name, None)
+            if model is not None:
+                found.append(model)
+    if not found:
+        raise TypeError(f"expected a diffusers pipeline with a transformer or an nn.Module, got {type(pipe_or_model).__name__}")
+    return [getattr(m, "_orig_mod", m) for m in found]
+
+
+def _convert_in_memory_modelopt(model: nn.Module) -> None:
+    try:
+        from .modelopt_convert import convert_modelopt_model, has_modelopt_modules
+    except ImportError:
+        return
+    if has_modelopt_modules(model):
+        convert_modelopt_model(model)
+
+
+def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> dict:
+    """Make an NVFP4 FLUX.2 / Qwen-Image pipeline (or transformer) faster without changing any output byte.
+
+    Converts in-memory ModelOpt modules to ``NVFP4Linear``, puts every NVFP4 layer's block scales in the 128x4
+    layout (once), and installs the fused paths per instance. Enabling twice is harmless; a model without NVFP4
+    layers gets a warning and is left alone.
+
+    Args:
+        verify: "first" compares each fused site kind with the unfused path byte for byte at its first call per
+            shape class and device (default); "always" at every call; "off" never.
+
+    Returns:
+        ``fast_path_report`` of the pipeline.
+    """
+    for model in _transformers(pipe_or_transformer):
+        state = getattr(model, _STATE_ATTR, None)
+        if state is not None:
+            gates.stats_for(state["stats_id"]).verify_mode = verify
+            continue
+        _convert_in_memory_modelopt(model)
+        linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+        if not linears:
+            warnings.warn(
+                f"enable_fast_paths: {type(model).__name__} has no NVFP4 layers (load it with load_nvfp4_transformer); "
+                "nothing was changed.",
+                stacklevel=2,
+            )
+            continue
+        swizzled = sum(m.swizzle_weight_scales_() for m in linears)
+        stats_id, stats = gates.new_stats(verify)
+        restore: list = []
+        patcher = _PATCHERS.get(type(model).__name__)
+        if patcher is not None:
+            stats.sites[patcher.__name__.removeprefix("patch_")] = patcher(model, stats_id, restore)
+        setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore})
+        logger.info(
+            "fast paths on for %s: %d NVFP4 linears (%d scale tensors swizzled now), fused sites %s, GEMM backend %s",
+            type(model).__name__, len(linears), swizzled, dict(stats.sites), ops.gemm_backend(linears[0].weight.device),
+        )
+    return fast_path_report(pipe_or_transformer)
+
+
+def disable_fast_paths(pipe_or_transformer) -> None:
+    """Undo ``enable_fast_paths``: every replaced processor and forward is put back (the same objects).
+
+    Block scales stay in the 128x4 layout: that conversion is a property of the loaded weights, not a fast path,
+    and both layouts give the same outputs.
+    """
+    for model in _transformers(pipe_or_transformer):
+        state = getattr(model, _STATE_ATTR, None)
+        if state is None:
+            continue
+        for undo in reversed(state["restore"]):
+            undo()
+        gates.drop_stats(state["stats_id"])
+        delattr(model, _STATE_ATTR)
+
+
+@contextlib.contextmanager
+def fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> Iterator[dict]:
+    """``with fast_paths(pipe): ...`` enables the fast paths for the block and restores the model after it."""
+    already = all(getattr(m, _STATE_ATTR, None) is not None for m in _transformers(pipe_or_transformer))
+    report = enable_fast_paths(pipe_or_transformer, verify=verify)
+    try:
+        yield report
+    finally:
+        if not already:
+            disable_fast_paths(pipe_or_transformer)
+
+
+def fast_path_report(pipe_or_transformer) -> dict:
+    """Per transformer: fused sites, fused calls, fallbacks by reason, verifications, NVFP4 layers, GEMM backend.
+
+    Counts come from the ops at run time (also under torch.compile); calls replayed from a CUDA graph run no
+    Python and are not counted.
+    """
+    report = {}
+    for model in _transformers(pipe_or_transformer):
+        linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
+        state = getattr(model, _STATE_ATTR, None)
+        stats = gates.stats_for(state["stats_id"]) if state else None
+        entry = {"enabled": state is not None, "nvfp4_linears": len(linears)}
+        if linears:
+            entry["gemm_backend"] = ops.gemm_backend(linears[0].weight.device)
+        if stats is not None:
+            entry.update(stats.as_dict())
+        report[type(model).__name__] = entry
+    return report

@@ -1,0 +1,146 @@
+"""Qwen-Image blocks: ``residual + gate*attn -> LayerNorm -> modulate -> quantize`` fused into one kernel.
+
+``fused_block_forward`` is diffusers' ``QwenImageTransformerBlock.forward`` with the norm2 section of each stream
+replaced by ``_mlp_stream``: the kernel returns the new residual and FC1's quantized input, and FC1 runs
+``forward_prequantized``; GELU, FC2 and the gate2 residual stay diffusers' code. It is installed per block
+instance with ``swap_forward`` so cache hooks keep wrapping it.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..format import fast_math_from_env
+from ..gates import failed_kind_reason, record_fallback, stats_for
+from ..linear import NVFP4Linear
+from .forward_swap import swap_forward
+
+KIND = "qwen_resnorm"
+
+
+def _fc1(ff: nn.Module) -> nn.Module | None:
+    net = getattr(ff, "net", None)
+    return getattr(net[0], "proj", None) if net is not None and len(net) > 0 else None
+
+
+def resnorm_gate(ff: nn.Module, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> str | None:
+    """None when the fused path applies to this stream's call, else the reason it does not."""
+    if not isinstance(_fc1(ff), NVFP4Linear):
+        return "FC1 is not an NVFP4Linear"
+    if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
+        return "norm2 is not an affine-free LayerNorm"
+    if residual.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        return f"dtype {residual.dtype} (bf16 only)"
+    if residual.dim() != 3 or x.shape != residual.shape:
+        return f"shapes {tuple(residual.shape)} / {tuple(x.shape)}"
+    if residual.shape[-1] % 16:
+        return f"hidden size {residual.shape[-1]} not a multiple of 16"
+    if residual.is_cuda and not ops.qwen_kernel_available(residual):
+        return "no Triton kernel for this GPU"
+    if residual.is_cuda and residual.shape[-1] % 512:
+        return f"hidden size {residual.shape[-1]} not a multiple of 512 (kernel reproduces torch's LayerNorm there only)"
+    if failed_kind_reason(KIND) is not None:
+        return "verification failed earlier in this process"
+    return None
+
+
+def _mod_params(mod: torch.Tensor, index: torch.Tensor | None, length: int):
+    """(shift, scale, gate) as ``[B, L, D]`` views, selected per token like ``QwenImageTransformerBlock._modulate``."""
+    shift, scale, gate = mod.chunk(3, dim=-1)
+    if index is None:
+        return tuple(p.unsqueeze(1).expand(p.shape[0], length, p.shape[1]) for p in (shift, scale, gate))
+    half = shift.size(0) // 2
+    pick = index.unsqueeze(-1) == 0
+    return tuple(torch.where(pick, p[:half].unsqueeze(1), p[half:].unsqueeze(1)) for p in (shift, scale, gate))
+
+
+def _mlp_stream(
+    block: nn.Module, ff: nn.Module, norm: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor,
+    gate1: torch.Tensor, mod2: torch.Tensor, index: torch.Tensor | None,
+) -> torch.Tensor:
+    """``residual + gate1*attn_out``, then norm2 + modulate + MLP + gate2 residual, fused where the gate allows."""
+    reason = resnorm_gate(ff, norm, residual, attn_out)
+    stats = stats_for(block._nvfp4_stats_id)
+    if reason is not None:
+        if stats is not None:
+            record_fallback(stats, KIND, reason)
+        hidden = residual + gate1 * attn_out
+        modulated, gate2 = block._modulate(norm(hidden), mod2, index)
+        return hidden + gate2 * ff(modulated)
+    shift, scale, gate2 = _mod_params(mod2, index, residual.shape[1])
+    fc1: NVFP4Linear = _fc1(ff)
+    gate1_full = gate1.expand_as(residual)
+    shape_class = f"D={residual.shape[-1]},eps={norm.eps},{residual.device.type}"
+    hidden, packed, scales = ops.qwen_resnorm_quantize_checked(
+        residual, attn_out, None, gate1_full, scale, shift, fc1.input_scale_inv, float(norm.eps),
+        fast_math_from_env(), block._nvfp4_stats_id, shape_class,
+    )
+    y = fc1.forward_prequantized(packed, scales, residual.dtype).reshape(*residual.shape[:-1], fc1.out_features)
+    y = ff.net[0].gelu(y)
+    for module in ff.net[1:]:
+        y = module(y)
+    return hidden + gate2 * y
+
+
+def fused_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+    modulate_index: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
+    if self.zero_cond_t:
+        temb = torch.chunk(temb, 2, dim=0)[0]
+    txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
+
+    img_modulated, img_gate1 = self._modulate(self.img_norm1(hidden_states), img_mod1, modulate_index)
+    txt_modulated, txt_gate1 = self._modulate(self.txt_norm1(encoder_hidden_states), txt_mod1)
+    img_attn_output, txt_attn_output = self.attn(
+        hidden_states=img_modulated,
+        encoder_hidden_states=txt_modulated,
+        encoder_hidden_states_mask=encoder_hidden_states_mask,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    hidden_states = _mlp_stream(
+        self, self.img_mlp, self.img_norm2, hidden_states, img_attn_output, img_gate1, img_mod2, modulate_index
+    )
+    encoder_hidden_states = _mlp_stream(
+        self, self.txt_mlp, self.txt_norm2, encoder_hidden_states, txt_attn_output, txt_gate1, txt_mod2, None
+    )
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> int:
+    """Swap the forward of every block whose image or text FC1 is NVFP4. Returns the count."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    count = 0
+    for block in getattr(model, "transformer_blocks", []):
+        if not isinstance(block, QwenImageTransformerBlock):
+            continue
+        if not (isinstance(_fc1(block.img_mlp), NVFP4Linear) or isinstance(_fc1(block.txt_mlp), NVFP4Linear)):
+            continue
+        block._nvfp4_stats_id = stats_id
+        undo = swap_forward(block, types.MethodType(fused_block_forward, block))
+
+        def restore_block(block=block, undo=undo):
+            undo()
+            del block._nvfp4_stats_id
+
+        restore.append(restore_block)
+        count += 1
+    return count

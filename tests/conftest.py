@@ -1,0 +1,33 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on a GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def modelopt_exports(tmp_path_factory):
+    """which -> directory of a real ModelOpt NVFP4 export of the tiny transformer (built once per session)."""
+    from modelopt_fixtures import export_with_modelopt
+
+    cache = {}
+
+    def get(which: str) -> Path:
+        if which not in cache:
+            cache[which] = export_with_modelopt(which, tmp_path_factory.mktemp(f"modelopt_{which}"))
+        return cache[which]
+
+    return get
