@@ -140,6 +140,12 @@ class SafetensorsHeader:
                 out[k] = h.get_tensor(k)
         return out
 
+    def open(self):
+        """A ``safe_open`` handle (context manager) for reading tensors one at a time."""
+        from safetensors import safe_open
+
+        return safe_open(str(self.path), framework="pt")
+
 
 def detect_key_prefix(keys: Sequence[str]) -> str:
     """The ComfyUI prefix (``model.diffusion_model.``) if every key carries it, else ''."""
@@ -820,34 +826,39 @@ def load_bfl_nvfp4_transformer(
         )
     if plan.missing_input_scale:
         raise NVFP4CheckpointError(_missing_input_scale_message(file, plan.missing_input_scale))
-    return _materialize(plan, header, torch_dtype, device, user_scales, dynamic_input_scale)
+    return _materialize(plan, header, torch_dtype, device, user_scales)
 
 
 def _materialize(
     plan: BflPlan, header: SafetensorsHeader, torch_dtype: torch.dtype, device, user_scales: dict[str, float],
-    dynamic_input_scale: bool,
 ) -> nn.Module:
     from accelerate import init_empty_weights
     from diffusers import Flux2Transformer2DModel
 
     with init_empty_weights(include_buffers=False):
         model = Flux2Transformer2DModel.from_config(plan.config)
-    state = {}
     by_key: dict[str, list[tuple[str, Segments]]] = {}
     for target, (key, segs) in plan.plain.items():
         by_key.setdefault(key, []).append((target, segs))
-    for key, tensor in header.load(list(by_key)).items():
-        for target, segs in by_key[key]:
-            state[target] = take_rows(tensor, segs, key).to(torch_dtype)
-    model.load_state_dict(state, strict=False, assign=True)
-    del state
+    with header.open() as handle:
+        # One stored tensor at a time, so the peak is one fused tensor plus its parts, not the whole file.
+        for key, targets in by_key.items():
+            tensor = handle.get_tensor(key)
+            state = {target: take_rows(tensor, segs, key).to(torch_dtype) for target, segs in targets}
+            model.load_state_dict(state, strict=False, assign=True)
+        return _materialize_nvfp4(plan, handle, model, torch_dtype, device, user_scales)
 
+
+def _materialize_nvfp4(
+    plan: BflPlan, handle, model: nn.Module, torch_dtype: torch.dtype, device, user_scales: dict[str, float],
+) -> nn.Module:
     problems: list[str] = []
     sources = {"checkpoint": 0, "input_scales": 0, "dynamic": 0}
     nvfp4_bytes = 0
     for source in plan.nvfp4.values():
         k = source.keys
-        tensors = header.load([k[s] for s in ("weight", "weight_scale", "weight_scale_2", "input_scale", "bias") if s in k])
+        tensors = {k[s]: handle.get_tensor(k[s]) for s in ("weight", "weight_scale", "weight_scale_2", "input_scale", "bias")
+                   if s in k}
         packed = tensors[k["weight"]].view(torch.uint8)
         if source.nibble_order == "hi_first":
             packed = swap_nibbles(packed)
@@ -959,6 +970,8 @@ def calibrate_input_scales(
     if callable(prompts_or_run):
         run = prompts_or_run
     else:
+        if not hasattr(pipe_or_transformer, "transformer"):
+            raise TypeError("prompts need a pipeline to run; with a bare transformer pass a callable that runs it")
         prompts = [prompts_or_run] if isinstance(prompts_or_run, str) else list(prompts_or_run)
 
         def run() -> None:
@@ -971,11 +984,14 @@ def calibrate_input_scales(
         # e2m1 * e4m3 is exact; times weight_scale_2 is the weight the checkpoint encodes (up to one FP32 rounding).
         weight = decode_nvfp4(module.weight, module.weight_scale, scale_layout=module.scale_layout, dtype=torch.float32)
         weight = weight * module.weight_scale_2
+        cast: dict[torch.dtype, torch.Tensor] = {}
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             seen = x.detach().abs().amax().to(torch.float32)
             amax[name] = seen if amax[name] is None else torch.maximum(amax[name], seen)
-            return nn.functional.linear(x, weight.to(x.dtype), module.bias)
+            if x.dtype not in cast:
+                cast[x.dtype] = weight.to(x.dtype)
+            return nn.functional.linear(x, cast[x.dtype], module.bias)
 
         return forward
 

@@ -58,14 +58,18 @@ class _Layer:
 
 
 def _quantizer_problem(name: str, module: nn.Module, dynamic_input_scale: bool) -> str | None:
-    from modelopt.torch.export.model_config import QUANTIZATION_NVFP4
+    from modelopt.torch.export.model_config import QUANTIZATION_NVFP4, QUANTIZATION_W4A16_NVFP4
     from modelopt.torch.export.quant_utils import get_quantization_format
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
     fmt = get_quantization_format(module)
-    if fmt != QUANTIZATION_NVFP4:
-        return f"{name}: ModelOpt format {fmt!r}; only NVFP4 W4A4 (the diffusers 'nvfp4' preset) converts to NVFP4Linear"
     wq, iq = module.weight_quantizer, module.input_quantizer
+    # Weight-only NVFP4 (input quantizer off) has the same weight tensors; it only lacks the activation scale.
+    if fmt == QUANTIZATION_W4A16_NVFP4 and not iq.is_enabled and not dynamic_input_scale:
+        return (f"{name}: weight-only NVFP4 (input quantizer disabled), so there is no input_scale "
+                "(pass dynamic_input_scale=True to accept that)")
+    if fmt not in (QUANTIZATION_NVFP4, QUANTIZATION_W4A16_NVFP4):
+        return f"{name}: ModelOpt format {fmt!r}; only NVFP4 W4A4 (the diffusers 'nvfp4' preset) converts to NVFP4Linear"
     block_sizes = wq.block_sizes or {}
     if block_sizes.get(-1) != BLOCK_SIZE or block_sizes.get("four_over_six", False):
         return f"{name}: weight block sizes {block_sizes}; only 16-element blocks without 4/6 search are supported"
