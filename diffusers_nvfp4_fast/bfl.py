@@ -456,7 +456,7 @@ def _missing_input_scale_message(file: Path, names: list[str]) -> str:
         f"calibrated with), e.g. the '-mixed' FLUX.2 file. Using 1.0 would saturate activations, so nothing was "
         f"loaded. Choose one:\n"
         f"  (A) input_scales={{layer: value}} or input_scales='scales.json' -- your own calibration; "
-        f"diffusers_nvfp4_fast.calibrate_input_scales(...) records one over a few prompts and writes that file;\n"
+        f"diffusers_nvfp4_fast.bfl.calibrate_input_scales(...) records one over a few prompts and writes that file;\n"
         f"  (B) dynamic_input_scale=True -- per-call amax/2688 of each layer's actual input (not the checkpoint's "
         f"recipe: results depend on the batch).\n"
         f"Layers (diffusers names):\n  {shown}"

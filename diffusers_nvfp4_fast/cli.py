@@ -260,6 +260,9 @@ def format_report(facts: dict[str, Any]) -> str:
             lines.append(f"    config: {json.dumps(dry['config'])}")
             lines.append(f"    nibble order {dry['nibble_order']} from {dry['nibble_order_source']}; "
                          f"scale layout {dry['scale_layout']} from {dry['scale_layout_source']}")
+            if dry["missing_input_scale"]:
+                lines.append(f"    loading needs input_scales= or dynamic_input_scale=True for {len(dry['missing_input_scale'])} "
+                             f"layer(s): {', '.join(dry['missing_input_scale'][:12])}")
             probs = dry["problems"]
             lines.append(f"    problems: {len(probs)}" + "".join(f"\n      {p}" for p in probs[:30]))
     if facts["metadata_problems"]:
@@ -275,7 +278,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["demo"]:
         # The demo owns its own options; hand everything after "demo" over untouched.
-        from .demo import main as demo_main
+        try:
+            from .demo import main as demo_main
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.demo":
+                raise  # the demo exists but something it needs is missing: show that, not a vague message
+            print("diffusers-nvfp4-fast demo: not available in this installation", file=sys.stderr)
+            return 2
 
         result = demo_main(args_list[1:])
         return int(result or 0)
