@@ -1,0 +1,426 @@
+"""Fused Qwen-Image residual + LayerNorm + modulate + NVFP4 quantize (DESIGN.md section 6).
+
+Between the attention output and FC1 a ``QwenImageTransformerBlock`` runs, op by op in BF16::
+
+    a = bf16(x + bias)                          # the biased attention output projection
+    r = bf16(residual + bf16(gate * a))         # residual_out (kept by the block)
+    n = F.layer_norm(r, (D,), eps=eps)          # torch's CUDA LayerNorm, no affine
+    m = bf16(bf16(n * bf16(1 + scale)) + shift) # _modulate
+    packed, scales = quantize(m, g)             # FC1's input quantization
+
+``qwen_resnorm_quantize`` does all of it in one pass and never writes ``m``. Byte identity with the eager ops needs
+two things:
+
+* every BF16 rounding happens exactly where torch rounds (explicit FP32 -> BF16 -> FP32, no FMA contraction:
+  launched with ``enable_fp_fusion=False``). For BF16 operands FP32-then-BF16 equals the correctly rounded BF16
+  result (the FP32 product is exact, and double rounding of a sum is innocuous since 24 >= 2*8 + 2), which is also
+  why LLVM may, and does, turn these sequences into native ``add/mul.rn.bf16x2``: same bits, fewer instructions;
+* the LayerNorm reproduces torch's ``vectorized_layer_norm_kernel`` (aten/src/ATen/native/cuda/layer_norm_kernel.cu)
+  operation for operation: one block of 128 threads per row, thread ``t`` walks the 4-element vectors
+  ``t, t+128, ...`` and runs Welford per element (``mean = fma(delta, 1/count, mean)``,
+  ``m2 = fma(delta, v - mean, m2)``, ``1/count`` correctly rounded), then ``cuWelfordCombine`` over a shuffle-down
+  tree (offsets 16, 8, 4, 2, 1 inside each warp, then warps 2,3 into 0,1 and 1 into 0), ``var = m2 / N`` (IEEE),
+  ``rstd = rsqrt.approx.f32(var + eps)`` and ``y = bf16(rstd * (x - mean))``. The Triton tensors below are indexed
+  so that element ``t`` of a ``[128]`` vector is what torch's thread ``t`` holds; which hardware thread computes it
+  does not matter, only the order of the floating-point operations does.
+
+Limits (checked by the wrappers): BF16 tensors, ``D`` a multiple of 512 (every one of torch's 128 threads then holds
+the same number of elements, so all combine steps merge equal counts) and ``nA = nB = 0.5`` exactly at every combine
+level (true for every such ``D`` below 20,992). With ``nA = nB = 0.5`` the two products of the combined mean are
+exact, so whether nvcc contracted ``nA*mean_A + nB*mean_B`` into an FMA cannot change the result, except when a
+partial mean is subnormal (rows of subnormal values). ``TORCH_MEAN_FMA`` selects the variant; the GPU test
+``test_layer_norm_subnormal_means`` checks it against the installed torch and names the right one if it differs.
+
+Interpreter (``TRITON_INTERPRET=1``, CPU smoke tests only): inline PTX cannot run, so ``approx_rsqrt=False`` computes
+``rsqrt`` correctly rounded (in FP64) instead of with ``rsqrt.approx.f32``; the two differ in the last bit for some
+inputs, so there the result can differ from torch's CUDA LayerNorm in rare elements (the CPU test compares against
+an FP32 emulation of the CUDA algorithm with the same correctly rounded rsqrt). The interpreter's BF16 casts are
+also wrong (FP32 -> BF16 truncates, BF16 subnormals -> FP32 are mangled), so ``SOFT_BF16`` does both conversions
+in integer arithmetic there. GPU launches use ``rsqrt.approx.f32`` and the hardware conversions (the wrappers pick
+both whenever the interpreter is off).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from .launch import launch_options, padded_scale_shape
+from .nvfp4_epilogue import store_nvfp4_tile, swizzled_scale_offset
+
+THREADS = tl.constexpr(128)  # torch's LayerNorm block: 32 x 4 threads
+VEC = tl.constexpr(4)  # torch's vec_size: each thread reads 4 consecutive elements at a time
+CHUNK = tl.constexpr(512)  # one vector per thread: 512 consecutive elements of the row
+_THREADS, _CHUNK = 128, 512  # the same, for host code
+# How the combined mean is rounded (see _welford_combine); only subnormal means can tell the variants apart.
+TORCH_MEAN_FMA = 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# LayerNorm statistics, operation for operation as torch's vectorized_layer_norm_kernel.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _widen(v, SOFT_BF16: tl.constexpr):
+    """BF16 -> FP32 (exact). The interpreter's conversion mangles BF16 subnormals, so SOFT_BF16 shifts the bits."""
+    if SOFT_BF16:
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def _narrow(x, SOFT_BF16: tl.constexpr):
+    """FP32 -> BF16, round to nearest even (``cvt.rn.bf16.f32`` on the GPU). The interpreter's cast truncates, so
+    SOFT_BF16 rounds in integer arithmetic (same result for every non-NaN input; NaN becomes the quiet NaN 0x7FC0)."""
+    if SOFT_BF16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = tl.where(x != x, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
+        return (rounded >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _bf16(x, SOFT_BF16: tl.constexpr):
+    """Round FP32 to BF16 and widen back: the rounding torch applies at each BF16 op's output."""
+    return _widen(_narrow(x, SOFT_BF16), SOFT_BF16)
+
+
+@triton.jit
+def _rsqrt(x, APPROX_RSQRT: tl.constexpr):
+    if APPROX_RSQRT:
+        # c10::cuda::compat::rsqrt -> rsqrtf -> rsqrt.approx.f32 (torch is built without -ftz): the same instruction.
+        return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        # Interpreter stand-in: correctly rounded 1/sqrt (FP64, then one rounding to FP32). Not always equal to the
+        # approximate instruction in the last bit; see the module docstring.
+        return (1.0 / tl.sqrt(x.to(tl.float64))).to(tl.float32)
+
+
+@triton.jit
+def _welford_step(mean, m2, v, COUNT: tl.constexpr):
+    """cuWelfordOnlineSum for the COUNT-th element of every thread; ``1/COUNT`` is a correctly rounded FP32 constant
+    (the Python double 1/COUNT rounded to FP32: double rounding is innocuous for a quotient)."""
+    delta = v - mean
+    new_mean = tl.fma(delta, tl.full(v.shape, 1.0 / COUNT, tl.float32), mean)
+    new_m2 = tl.fma(delta, v - new_mean, m2)
+    return new_mean, new_m2
+
+
+@triton.jit
+def _welford_vector(mean, m2, v, SEEN: tl.constexpr):
+    """Feed one 4-element vector per thread: ``v`` is ``[128, 4]``, row ``t`` = thread t's vector, in element order.
+
+    ``SEEN`` = elements each thread has already consumed. The splits only regroup registers (no arithmetic).
+    """
+    even, odd = tl.split(tl.reshape(v, [THREADS, 2, 2]))  # even: elements 0, 2; odd: elements 1, 3
+    v0, v2 = tl.split(even)
+    v1, v3 = tl.split(odd)
+    mean, m2 = _welford_step(mean, m2, v0, SEEN + 1)
+    mean, m2 = _welford_step(mean, m2, v1, SEEN + 2)
+    mean, m2 = _welford_step(mean, m2, v2, SEEN + 3)
+    mean, m2 = _welford_step(mean, m2, v3, SEEN + 4)
+    return mean, m2
+
+
+@triton.jit
+def _welford_combine(own_m, own_s, other_m, other_s, COUNT: tl.constexpr, MEAN_FMA: tl.constexpr):
+    """cuWelfordCombine(dataB=own, dataA=other) where both sides hold COUNT elements (FP32 counts, as in torch).
+
+    ``mean = nA*mean_A + nB*mean_B``: MEAN_FMA selects how nvcc may have contracted it (0: no FMA,
+    1: fma(nA, mean_A, nB*mean_B), 2: fma(nB, mean_B, nA*mean_A)). With nA = nB = 0.5 all three agree unless a mean
+    is subnormal; the GPU test of subnormal rows tells which one torch's binary uses.
+    """
+    cnt = tl.full(own_m.shape, COUNT, tl.float32)
+    coef = tl.math.div_rn(tl.full(own_m.shape, 1.0, tl.float32), cnt + cnt)  # 1.f / count: IEEE division
+    n_other = cnt * coef
+    n_own = cnt * coef
+    delta = own_m - other_m
+    if MEAN_FMA == 1:
+        mean = tl.fma(n_other, other_m, n_own * own_m)
+    elif MEAN_FMA == 2:
+        mean = tl.fma(n_own, own_m, n_other * other_m)
+    else:
+        mean = n_other * other_m + n_own * own_m
+    m2 = tl.fma((delta * delta) * cnt, n_own, other_s + own_s)  # nvcc contracts the last multiply-add
+    return mean, m2
+
+
+@triton.jit
+def _shuffle_combine(m, s, src, AXIS: tl.constexpr, COUNT: tl.constexpr, MEAN_FMA: tl.constexpr):
+    """Every (warp, lane) merges the state at ``src`` along AXIS into its own, like WARP_SHFL_DOWN / the shared-memory
+    step of torch's compute_stats (each position keeps its own value where torch's shuffle has no source)."""
+    other_m = tl.gather(m, src, AXIS)
+    other_s = tl.gather(s, src, AXIS)
+    return _welford_combine(m, s, other_m, other_s, COUNT, MEAN_FMA)
+
+
+@triton.jit
+def _row_mean_rstd(mean, m2, eps, D: tl.constexpr, APPROX_RSQRT: tl.constexpr, MEAN_FMA: tl.constexpr):
+    """Per-thread Welford state ``[128]`` -> (mean, rstd) as ``[128, 1]`` FP32 (every entry equal), reduced in
+    torch's order. The gathers only move values: position (w, l) computes what torch's thread 32*w + l computes."""
+    PER_THREAD: tl.constexpr = D // THREADS
+    m = tl.reshape(mean, [4, 32])  # thread t = (warp t // 32, lane t % 32)
+    s = tl.reshape(m2, [4, 32])
+    warp = tl.broadcast_to(tl.arange(0, 4)[:, None], [4, 32])
+    lane = tl.broadcast_to(tl.arange(0, 32)[None, :], [4, 32])
+    # Intra-warp shuffle-down tree: offsets 16, 8, 4, 2, 1; lane l merges lane l + offset (itself when past 31).
+    m, s = _shuffle_combine(m, s, tl.where(lane + 16 < 32, lane + 16, lane), 1, PER_THREAD, MEAN_FMA)
+    m, s = _shuffle_combine(m, s, tl.where(lane + 8 < 32, lane + 8, lane), 1, PER_THREAD * 2, MEAN_FMA)
+    m, s = _shuffle_combine(m, s, tl.where(lane + 4 < 32, lane + 4, lane), 1, PER_THREAD * 4, MEAN_FMA)
+    m, s = _shuffle_combine(m, s, tl.where(lane + 2 < 32, lane + 2, lane), 1, PER_THREAD * 8, MEAN_FMA)
+    m, s = _shuffle_combine(m, s, tl.where(lane + 1 < 32, lane + 1, lane), 1, PER_THREAD * 16, MEAN_FMA)
+    # Inter-warp (shared memory in torch): warps 0,1 merge warps 2,3, then warp 0 merges warp 1. Only lane 0 of
+    # warp 0 is read afterwards; the other positions compute values nobody uses, as in torch.
+    m, s = _shuffle_combine(m, s, tl.where(warp < 2, warp + 2, warp), 0, PER_THREAD * 32, MEAN_FMA)
+    m, s = _shuffle_combine(m, s, tl.where(warp < 1, warp + 1, warp), 0, PER_THREAD * 64, MEAN_FMA)
+    # Broadcast (warp 0, lane 0) to everyone: pure data movement, so -0.0 and every bit survive.
+    zeros = tl.zeros([4, 32], tl.int32)
+    m = tl.gather(tl.gather(m, zeros, 0), zeros, 1)
+    s = tl.gather(tl.gather(s, zeros, 0), zeros, 1)
+    var = tl.math.div_rn(s, tl.full([4, 32], D, tl.float32))  # sigma2 / float(N): IEEE division
+    rstd = _rsqrt(var + eps, APPROX_RSQRT)
+    return tl.reshape(m, [THREADS, 1]), tl.reshape(rstd, [THREADS, 1])
+
+
+@triton.jit
+def _vector_offsets():
+    """``[128, 4]`` element offsets of one 512-element chunk: row t = torch thread t's vector of 4."""
+    return tl.arange(0, THREADS)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernels.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _qwen_resnorm_quantize_kernel(
+    res_ptr, x_ptr, bias_ptr, gate_ptr, scale_ptr, shift_ptr, g_ptr, rout_ptr, packed_ptr, scales_ptr,
+    M, L, eps,
+    s_res_b, s_res_l, s_x_b, s_x_l, s_gate_b, s_gate_l, s_scale_b, s_scale_l, s_shift_b, s_shift_l,
+    padded_cols,
+    D: tl.constexpr, HAS_BIAS: tl.constexpr, APPROX_RSQRT: tl.constexpr, SOFT_BF16: tl.constexpr,
+    MEAN_FMA: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr,
+):
+    # One program per row of the padded scale matrix: rows >= M only write their zero scale bytes.
+    row = tl.program_id(0)
+    if row < M:
+        rows = row + tl.arange(0, 1)
+        offs = _vector_offsets()
+        g = tl.load(g_ptr)
+        b32 = row // L  # 32-bit division (a 64-bit one is a slow software routine); M < 2^31
+        b = b32.to(tl.int64)
+        l_idx = (row - b32 * L).to(tl.int64)
+        res_row = res_ptr + b * s_res_b + l_idx * s_res_l
+        x_row = x_ptr + b * s_x_b + l_idx * s_x_l
+        gate_row = gate_ptr + b * s_gate_b + l_idx * s_gate_l
+        scale_row = scale_ptr + b * s_scale_b + l_idx * s_scale_l
+        shift_row = shift_ptr + b * s_shift_b + l_idx * s_shift_l
+        out_row = rout_ptr + row.to(tl.int64) * D
+
+        # Pass 1: residual_out and the per-thread Welford state, chunk by chunk in torch's element order.
+        mean = tl.zeros([THREADS], tl.float32)
+        m2 = tl.zeros([THREADS], tl.float32)
+        for j in tl.static_range(D // CHUNK):
+            o = j * CHUNK + offs
+            a = _widen(tl.load(x_row + o), SOFT_BF16)
+            if HAS_BIAS:
+                a = _bf16(a + _widen(tl.load(bias_ptr + o), SOFT_BF16), SOFT_BF16)
+            gate = _widen(tl.load(gate_row + o), SOFT_BF16)
+            r = _bf16(_widen(tl.load(res_row + o), SOFT_BF16) + _bf16(gate * a, SOFT_BF16), SOFT_BF16)
+            tl.store(out_row + o, _narrow(r, SOFT_BF16))  # exact: r is already a BF16 value
+            mean, m2 = _welford_vector(mean, m2, r, j * VEC)
+        row_mean, rstd = _row_mean_rstd(mean, m2, eps, D, APPROX_RSQRT, MEAN_FMA)
+
+        # Pass 2 reads residual_out back (L1/L2-resident, written by this program) instead of recomputing it; the
+        # barrier makes every thread's pass-1 stores visible to the whole program (same CTA).
+        tl.debug_barrier()
+        for j in tl.static_range(D // CHUNK):
+            o = j * CHUNK + offs
+            r = _widen(tl.load(out_row + o), SOFT_BF16)
+            n = _bf16(rstd * (r - row_mean), SOFT_BF16)
+            scale1 = _bf16(1.0 + _widen(tl.load(scale_row + o), SOFT_BF16), SOFT_BF16)
+            m = _bf16(_bf16(n * scale1, SOFT_BF16) + _widen(tl.load(shift_row + o), SOFT_BF16), SOFT_BF16)
+            store_nvfp4_tile(
+                tl.reshape(m, [1, CHUNK]), rows, j * CHUNK, g, packed_ptr, scales_ptr, M, D, padded_cols,
+                1, CHUNK, FAST_MATH, HW_E2M1,
+            )
+    else:
+        # Padding row of the 128x4 scale layout: its scale bytes are 0 (D % 512 == 0, so D/16 == padded_cols and
+        # every k-block is covered by the chunks).
+        for j in tl.static_range(D // CHUNK):
+            kblocks = j * (CHUNK // 16) + tl.arange(0, CHUNK // 16)
+            offs_sf = swizzled_scale_offset(row.to(tl.int64), kblocks, padded_cols)
+            tl.store(scales_ptr + offs_sf, tl.zeros([CHUNK // 16], tl.uint8))
+
+
+@triton.jit
+def _layer_norm_kernel(
+    x_ptr, y_ptr, mean_ptr, rstd_ptr, stride_x, eps,
+    D: tl.constexpr, WRITE_STATS: tl.constexpr, APPROX_RSQRT: tl.constexpr, SOFT_BF16: tl.constexpr,
+    MEAN_FMA: tl.constexpr,
+):
+    """LayerNorm alone (no affine): the statistics path of the fused kernel, for testing it against F.layer_norm.
+    With WRITE_STATS it also stores the FP32 mean and rstd (what torch.native_layer_norm returns)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = _vector_offsets()
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * D
+    mean = tl.zeros([THREADS], tl.float32)
+    m2 = tl.zeros([THREADS], tl.float32)
+    for j in tl.static_range(D // CHUNK):
+        v = _widen(tl.load(x_row + j * CHUNK + offs), SOFT_BF16)
+        mean, m2 = _welford_vector(mean, m2, v, j * VEC)
+    row_mean, rstd = _row_mean_rstd(mean, m2, eps, D, APPROX_RSQRT, MEAN_FMA)
+    if WRITE_STATS:  # row_mean/rstd are [128, 1] copies of one value: the first one stores it
+        first = tl.arange(0, THREADS)[:, None] == 0
+        tl.store(mean_ptr + row + tl.zeros([THREADS, 1], tl.int64), row_mean, mask=first)
+        tl.store(rstd_ptr + row + tl.zeros([THREADS, 1], tl.int64), rstd, mask=first)
+    for j in tl.static_range(D // CHUNK):
+        o = j * CHUNK + offs
+        v = _widen(tl.load(x_row + o), SOFT_BF16)
+        tl.store(y_row + o, _narrow(rstd * (v - row_mean), SOFT_BF16))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wrappers.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def unsupported_hidden_size(d: int) -> str | None:
+    """None when the kernel reproduces torch's LayerNorm for rows of ``d`` elements, else the reason it cannot."""
+    if d <= 0 or d % _CHUNK:
+        return f"hidden size {d} is not a positive multiple of {_CHUNK} (torch's 128 threads x 4-element vectors)"
+    count = np.float32(d // _THREADS)
+    for _ in range(7):  # 5 shuffle levels + 2 inter-warp levels, each merging two equal counts
+        half = count * (np.float32(1.0) / (count + count))
+        if half != np.float32(0.5):
+            return f"hidden size {d}: torch's combine weight is {half!r}, not 0.5 (FMA contraction of the mean unverified)"
+        count = count + count
+    return None
+
+
+def _check_hidden_size(d: int) -> None:
+    reason = unsupported_hidden_size(d)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def _row_strides(t: torch.Tensor, name: str, b: int, l_len: int, d: int) -> tuple[int, int]:
+    """(stride_b, stride_l) of a per-sample ``[B, D]`` / ``[B, 1, D]`` or per-token ``[B, L, D]`` parameter."""
+    if t.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+    if t.shape[-1] != d or t.stride(-1) != 1:
+        raise ValueError(f"{name}: last dim must be {d} and contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+    if t.dim() == 2 and t.shape[0] == b:
+        return t.stride(0), 0
+    if t.dim() == 3 and t.shape[0] == b and t.shape[1] in (1, l_len):
+        return t.stride(0), (t.stride(1) if t.shape[1] == l_len and l_len > 1 else 0)
+    raise ValueError(f"{name} must be [B, D], [B, 1, D] or [B, L, D] with B={b}, L={l_len}, D={d}; got {tuple(t.shape)}")
+
+
+def qwen_resnorm_quantize(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    gate: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    global_scale: torch.Tensor,
+    *,
+    eps: float,
+    fast_math: bool = True,
+    approx_rsqrt: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused ``residual + gate * (x + bias) -> LayerNorm -> * (1 + scale) + shift -> NVFP4``.
+
+    Args:
+        residual, x: ``[B, L, D]`` bfloat16; the last dim contiguous, the B and L dims may be strided.
+        bias: ``[D]`` bfloat16 contiguous, or None when ``x`` already includes the bias.
+        gate, scale, shift: bfloat16, per sample ``[B, D]`` (or ``[B, 1, D]``) or per token ``[B, L, D]``; any strides
+            in the leading dims (chunks of ``mod_params`` are fine), last dim contiguous.
+        global_scale: FP32 1-element tensor ``g`` (FC1's ``1 / input_scale``) on the same device.
+        eps: the LayerNorm's eps (used as FP32, like torch).
+        fast_math: the NVFP4 quantize recipe (DESIGN.md section 3).
+        approx_rsqrt: None = ``rsqrt.approx.f32`` unless running under ``TRITON_INTERPRET=1`` (see module docstring).
+
+    Returns:
+        residual_out ``[B, L, D]`` bfloat16 contiguous, packed uint8 ``[B*L, D/2]`` and 128x4 scales uint8
+        ``[round_up(B*L, 128), round_up(D/16, 4)]`` (padding written as 0).
+    """
+    if residual.dim() != 3 or x.shape != residual.shape:
+        raise ValueError(f"residual and x must both be [B, L, D], got {tuple(residual.shape)} and {tuple(x.shape)}")
+    if residual.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        raise TypeError(f"residual and x must be bfloat16, got {residual.dtype} and {x.dtype}")
+    if residual.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError("residual and x need a contiguous last dim")
+    b, l_len, d = residual.shape
+    _check_hidden_size(d)
+    if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (d,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be a contiguous bfloat16 [{d}] tensor, got {tuple(bias.shape)} {bias.dtype}")
+    if global_scale.numel() != 1 or global_scale.dtype != torch.float32:
+        raise ValueError(f"global_scale must be a 1-element float32 tensor, got {tuple(global_scale.shape)} {global_scale.dtype}")
+    strides = [s for p, name in ((gate, "gate"), (scale, "scale"), (shift, "shift")) for s in _row_strides(p, name, b, l_len, d)]
+    m = b * l_len
+    out = torch.empty((b, l_len, d), dtype=torch.bfloat16, device=residual.device)
+    packed = torch.empty((m, d // 2), dtype=torch.uint8, device=residual.device)
+    scales = torch.empty(padded_scale_shape(m, d), dtype=torch.uint8, device=residual.device)
+    if m == 0:
+        return out, packed, scales
+    if approx_rsqrt is None:
+        approx_rsqrt = not _interpreting()
+    _qwen_resnorm_quantize_kernel[(scales.shape[0],)](
+        residual, x, x if bias is None else bias, gate, scale, shift, global_scale, out, packed, scales,
+        m, l_len, float(eps),
+        residual.stride(0), residual.stride(1), x.stride(0), x.stride(1), *strides,
+        scales.shape[1],
+        D=d, HAS_BIAS=bias is not None, APPROX_RSQRT=bool(approx_rsqrt), SOFT_BF16=_interpreting(),
+        MEAN_FMA=TORCH_MEAN_FMA, **launch_options(residual.device, fast_math),
+    )
+    return out, packed, scales
+
+
+def layer_norm_torch_exact(
+    x: torch.Tensor, eps: float, *, approx_rsqrt: bool | None = None, return_stats: bool = False,
+    mean_fma: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``F.layer_norm(x, (D,), eps=eps)`` without affine, as torch's CUDA kernel computes it (the fused kernel's
+    statistics path alone). x: ``[..., D]`` bfloat16, last dim contiguous, D as for ``qwen_resnorm_quantize``.
+
+    Returns bfloat16 of x's shape (contiguous); with ``return_stats`` also the FP32 per-row mean and rstd ``[rows]``,
+    comparable bit for bit with ``torch.native_layer_norm(x, (D,), None, None, eps)[1:]``. ``mean_fma`` overrides
+    the contraction variant of the combined mean (diagnosis only; see ``_welford_combine``).
+    """
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"layer_norm_torch_exact takes bfloat16, got {x.dtype}")
+    d = x.shape[-1]
+    _check_hidden_size(d)
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = torch.empty(rows.shape, dtype=torch.bfloat16, device=x.device)
+    mean = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        if approx_rsqrt is None:
+            approx_rsqrt = not _interpreting()
+        _layer_norm_kernel[(rows.shape[0],)](
+            rows, y, mean, rstd, rows.stride(0), float(eps),
+            D=d, WRITE_STATS=return_stats, APPROX_RSQRT=bool(approx_rsqrt), SOFT_BF16=_interpreting(),
+            MEAN_FMA=TORCH_MEAN_FMA if mean_fma is None else int(mean_fma), enable_fp_fusion=False, num_warps=4,
+        )
+    y = y.reshape(x.shape)
+    return (y, mean, rstd) if return_stats else y
