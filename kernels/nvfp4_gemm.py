@@ -1,0 +1,502 @@
+"""NVFP4 x NVFP4 GEMM for GPUs without FP4 tensor cores (SM80-SM90), in Triton.
+
+``out[M, N] = out_dtype((sum_k x[m, k] * w[n, k]) * alpha)`` where ``x`` and ``w`` are NVFP4 (E2M1 values, one E4M3
+scale per 16 values of a row, 128x4-swizzled scales; DESIGN.md section 3) and ``alpha`` is an FP32 scalar tensor.
+
+Why it is exact: an E2M1 value (<= 2 significant bits) times an E4M3 scale (<= 4 significant bits) has at most 6
+significant bits and lies in [2^-10, 2688], so it is exact in FP16 (and BF16), and the product of two such numbers
+is exact in FP32. Decoding both operands to 16-bit floats and running a tensor-core MMA with FP32 accumulation
+therefore adds exactly the terms of the torch emulation (``ops.emulated_nvfp4_gemm``); only the FP32 summation
+order differs. The MMA runs in FP16 rather than BF16: same exactness, same tensor-core rate, FP16 multiplies can
+apply the scale to a decoded pair in one instruction, and Triton's interpreter (CPU tests) computes BF16 dots
+wrongly (triton 3.9) but FP16 dots correctly.
+
+Shape of the work:
+
+* The weight stays packed in memory (N*K/2 bytes + scales); each K step decodes a ``[BLOCK_N, BLOCK_K]`` tile in
+  registers. No BF16/FP16 weight copy exists at any time.
+* Large M (``M > PREDECODE_MAX_M``): X is decoded once per call into an FP16 ``[M, K]`` scratch (a memory-bound
+  pass, ~20 us for 4608x6144 on an H200, ~1-2 % of the GEMM) and the GEMM loads it like a dense operand. Decoding
+  X inside the GEMM instead would redo it for every one of the N/BLOCK_N weight tiles and double the ALU work per
+  MMA. The scratch has the size the activation had in BF16 before it was quantized; it is never the weight.
+  The decoded weight tile is the MMA's shared-memory B operand, which lets Hopper's wgmma run asynchronously.
+* Small M (``M <= PREDECODE_MAX_M``): X is decoded in the kernel too, and the kernel computes the transposed tile
+  ``W @ X^T`` so that weight rows fill the MMA's 64-row side and the few tokens its cheap N side ("swap AB").
+  When there are too few weight tiles to fill the GPU, K is split over a second grid axis; the FP32 partial sums
+  go to a workspace and a second kernel adds them in split order (deterministic, no atomics).
+* Deterministic: the result depends only on (M, N, K) and the device. Every config walks K in the same order in
+  16-wide MMA steps, and the split count is a function of the shape, not of the config the autotuner picks; the
+  GPU tests check that all configs give identical bytes.
+
+Decoding (integer arithmetic and one FP16 multiply; no lookup table, no FP8 cast, so the interpreter runs it):
+* E2M1 code ``s eem`` -> FP16 bits ``s<<15 | eem<<9`` = ``value * 2^-14`` (codes 0/1 land on FP16 subnormals,
+  mirroring E2M1's own subnormal). Both nibbles of a byte ``b`` are built at once in one 32-bit word:
+  ``(b * 0x00200200) & 0x0E000E00`` places the magnitudes, ``(b * 0x01001000) & 0x80008000`` the signs.
+* E4M3 byte ``s eeee mmm`` -> FP16 bits ``s<<15 | eeeemmm<<7`` = ``scale * 2^-8``, times 2^15 -> ``scale * 2^7``
+  (exact, <= 57344). One FP16 multiply gives ``value * scale * 2^-7`` exactly (magnitude in [2^-17, 21]; the
+  2^-7 keeps the scale operand below FP16's maximum). The epilogue multiplies the FP32 accumulator by 2^7 per
+  decoded operand (exact) and then by alpha (one rounding, like the emulation's ``result * alpha``).
+* E4M3 NaN bytes (0x7F/0xFF) decode to NaN, as in torch; quantizers never write them. Scale padding (rows past
+  M/N, columns past K/16) is never read into the result, so its bytes do not matter.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["nvfp4_gemm", "decode_nvfp4_rows", "gemm_configs", "split_k_for", "PREDECODE_MAX_M"]
+
+# Up to this many rows X is decoded inside the GEMM ("swap AB" kernel); above, once per call into FP16 scratch.
+PREDECODE_MAX_M = 64
+# Split-K granularity: a multiple of every config's BLOCK_K, so split boundaries never cut a K step.
+_SPLIT_QUANTUM = 256
+# Smallest K range worth a split of its own.
+_MIN_SPLIT_K = 1024
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _use_asm(t: torch.Tensor) -> bool:
+    """Whether to use the one-instruction PTX register split (CUDA only; the interpreter runs the shift version).
+
+    DIFFUSERS_NVFP4_TRITON_NO_ASM=1 forces the pure-Triton version on the GPU too (same values, slower).
+    """
+    return t.is_cuda and not _interpreting() and os.environ.get("DIFFUSERS_NVFP4_TRITON_NO_ASM", "") in ("", "0")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decode helpers (shared by the GEMM and the standalone decode).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _scale_bytes(words, ROWS: tl.constexpr, NB: tl.constexpr):
+    """int32 words ``[ROWS, NB/4]`` (4 consecutive scale columns each, little endian) -> int32 bytes ``[ROWS, NB]``."""
+    shifts = tl.arange(0, 4) * 8
+    return tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xFF, (ROWS, NB))
+
+
+@triton.jit
+def _e4m3_to_f16_x128(b):
+    """E4M3 bytes (int32, any shape) -> FP16 ``scale * 2^7`` (exact: in [2^-2, 57344]; NaN bytes -> NaN)."""
+    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)  # FP16 bits of scale * 2^-8 (E4M3 bias 7 -> FP16 bias 15)
+    s = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 32768.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), s).to(tl.float16)
+
+
+@triton.jit
+def _decode_tile(packed, s16, ROWS: tl.constexpr, NB: tl.constexpr, USE_ASM: tl.constexpr):
+    """packed uint8 ``[ROWS, NB*8]`` + FP16 ``scale * 2^7`` ``[ROWS, NB]`` -> FP16 ``[ROWS, NB*16]`` = value*scale*2^-7.
+
+    Element 2j of a row is the low nibble of byte j and 2j+1 the high nibble; ``join(lo, hi)`` + reshape puts them
+    side by side, which is also how a 16-bit MMA operand holds K pairs in one register.
+    """
+    b = tl.reshape(packed, (ROWS, NB, 8)).to(tl.int32)
+    # r = FP16 bits of (low nibble) | (high nibble) << 16, each value * 2^-14 (see the module docstring).
+    r = ((b * 0x00200200) & 0x0E000E00) | ((b * 0x01001000) & -0x7FFF8000)  # -0x7FFF8000 == 0x80008000 (int32)
+    if USE_ASM:
+        # Reinterpret the word as its two FP16 halves; written with shifts, the compiler splits the word and
+        # re-packs the pair with extra PRMTs (~10 % more instructions in the decode loop).
+        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=1)
+    else:
+        lo = r.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (r >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    # Multiply after the join so that one FP16x2 multiply scales the (2j, 2j+1) pair of a byte.
+    v = tl.join(lo, hi) * s16[:, :, None, None]  # [ROWS, NB, 8, 2]
+    return tl.reshape(v, (ROWS, NB * 16))
+
+
+@triton.jit
+def _swizzled_word_row(rows, Cp):
+    """Row part of the int32-word offset into a 128x4 scale matrix with Cp columns.
+
+    Byte (r, kb) lives at (r//128)*(Cp*128) + (kb//4)*512 + (r%32)*16 + ((r%128)//32)*4 + kb%4, so the four
+    columns kb = 4q..4q+3 of a row form one aligned int32 word at (r//128)*(Cp*32) + q*128 + (r%32)*4 + (r%128)//32.
+    Loading words rather than bytes lets the pipeliner prefetch scales with async copies.
+    """
+    r = rows.to(tl.int64)
+    return (r // 128) * (Cp * 32) + (r % 32) * 4 + (r % 128) // 32
+
+
+@triton.jit
+def _load_decode(p_ptrs, s_ptrs, k0, K, Cp, ROWS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr,
+                 USE_ASM: tl.constexpr):
+    """Load one K step of a packed operand and decode it -> FP16 ``[ROWS, NB*16]`` = value * scale * 2^-7.
+
+    p_ptrs: uint8 pointers ``[ROWS, NB*8]`` (rows already clamped into the matrix); s_ptrs: int32 word pointers
+    ``[ROWS, NB/4]`` into the 128x4 scales. K past the data reads as zero bytes with scale 0 (exact zeros), so the
+    padding columns of the scale matrix never reach the result.
+    """
+    if EVEN_K:
+        q = tl.load(p_ptrs)
+        sb = _scale_bytes(tl.load(s_ptrs), ROWS, NB)
+    else:
+        kbyte = k0 // 2 + tl.arange(0, NB * 8)
+        q = tl.load(p_ptrs, mask=(kbyte < K // 2)[None, :], other=0)
+        wq = k0 // 64 + tl.arange(0, NB // 4)
+        words = tl.load(s_ptrs, mask=(wq < Cp // 4)[None, :], other=0)
+        kb = k0 // 16 + tl.arange(0, NB)
+        sb = tl.where((kb < K // 16)[None, :], _scale_bytes(words, ROWS, NB), 0)
+    return _decode_tile(q, _e4m3_to_f16_x128(sb), ROWS, NB, USE_ASM)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The GEMM kernel.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(
+    x_ptr, xs_ptr, w_ptr, ws_ptr, alpha_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, Cp, k_chunk, m_bucket,
+    X_PACKED: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+):
+    """One ``[BLOCK_M, BLOCK_N]`` output tile over K range ``[pid1 * k_chunk, (pid1 + 1) * k_chunk)``.
+
+    x_ptr: packed uint8 ``[M, K/2]`` (X_PACKED) or exact FP16 ``[M, K]``; xs_ptr: X's 128x4 scales as int32 words
+    (X_PACKED only); w_ptr: packed uint8 ``[N, K/2]``; ws_ptr: W's 128x4 scales as int32 words; alpha_ptr: FP32
+    ``[1]``; out_ptr: ``[M, N]`` (or, with SPLIT, the FP32 workspace ``[splits, M, N]`` of unscaled partial sums).
+    Cp = round_up(K/16, 4); k_chunk is a multiple of 256. m_bucket only keys the autotuner.
+    """
+    NB: tl.constexpr = BLOCK_K // 16  # scale blocks per K step (a multiple of 4)
+    HALF_K: tl.constexpr = BLOCK_K // 2  # packed bytes per row per K step
+
+    # Grouped tile order: GROUP_N weight-row tiles take consecutive program ids, so CTAs running at the same
+    # time share X tiles and W tiles in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_N * num_pid_m
+    first_n = (pid // group_size) * GROUP_N
+    group_n = min(num_pid_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % group_size) % group_n
+    pid_m = (pid % group_size) // group_n
+    k_lo = tl.program_id(1) * k_chunk
+    k_hi = min(K, k_lo + k_chunk)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Rows past the end of X or W are clamped to the last row instead of masked: they only feed output rows and
+    # columns that are never stored, and unmasked loads need no per-iteration predicates.
+    rows_n = tl.minimum(offs_n, N - 1)
+    rows_m = tl.minimum(offs_m, M - 1)
+    kbytes = k_lo // 2 + tl.arange(0, HALF_K)
+    kwords = k_lo // 64 + tl.arange(0, NB // 4)
+
+    w_ptrs = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn + kbytes[None, :]
+    ws_ptrs = ws_ptr + _swizzled_word_row(rows_n, Cp)[:, None] + kwords[None, :] * 128
+    if X_PACKED:
+        x_ptrs = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm + kbytes[None, :]
+        xs_ptrs = xs_ptr + _swizzled_word_row(rows_m, Cp)[:, None] + kwords[None, :] * 128
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed tile ("swap AB")
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        w_tile = _load_decode(w_ptrs, ws_ptrs, k0, K, Cp, BLOCK_N, NB, EVEN_K, USE_ASM)  # [BN, BK] * 2^-7
+        if X_PACKED:
+            x_tile = _load_decode(x_ptrs, xs_ptrs, k0, K, Cp, BLOCK_M, NB, EVEN_K, USE_ASM)  # [BM, BK] * 2^-7
+            acc = tl.dot(w_tile, tl.trans(x_tile), acc)
+            x_ptrs += HALF_K
+            xs_ptrs += NB * 32
+        else:
+            if EVEN_K:
+                x_tile = tl.load(x_ptrs)
+            else:
+                x_tile = tl.load(x_ptrs, mask=((k0 + offs_k) < K)[None, :], other=0.0)
+            # The decoded weight is the shared-memory B operand: wgmma then runs asynchronously (a register A
+            # operand would serialize it with the decode).
+            acc = tl.dot(x_tile, tl.trans(w_tile), acc)
+            x_ptrs += BLOCK_K
+        w_ptrs += HALF_K
+        ws_ptrs += NB * 32  # NB/4 word columns of 128 words each
+
+    # Undo 2^-7 per decoded operand (exact power-of-two scaling).
+    if X_PACKED:
+        acc = tl.trans(acc * 16384.0)  # [BM, BN]
+    else:
+        acc = acc * 128.0
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if SPLIT:
+        part_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        tl.store(part_ptrs, acc, mask=mask)
+    else:
+        out = (acc * tl.load(alpha_ptr)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+
+
+@triton.jit
+def _split_reduce_kernel(part_ptr, alpha_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = out_dtype((part[0] + part[1] + ... + part[SPLITS-1]) * alpha), summed in split order."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, (acc * tl.load(alpha_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Standalone decode (large-M activations; also a GPU decode_nvfp4).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_rows_kernel(
+    p_ptr, s_ptr, out_ptr, R, K, stride_pr, stride_or, Cp,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """packed uint8 ``[R, K/2]`` + 128x4 scales (int32 words) -> ``[R, K]`` = e2m1 * e4m3 exactly."""
+    NB: tl.constexpr = BLOCK_K // 16
+    k0 = tl.program_id(1) * BLOCK_K
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ld_rows = tl.minimum(rows, R - 1)
+    p_ptrs = p_ptr + ld_rows.to(tl.int64)[:, None] * stride_pr + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
+    s_ptrs = s_ptr + _swizzled_word_row(ld_rows, Cp)[:, None] + (k0 // 64 + tl.arange(0, NB // 4))[None, :] * 128
+    v = _load_decode(p_ptrs, s_ptrs, k0, K, Cp, BLOCK_R, NB, False, USE_ASM) * 128.0  # exact: undo the 2^-7
+    cols = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_or + cols[None, :], v.to(out_ptr.dtype.element_ty),
+             mask=(rows < R)[:, None] & (cols < K)[None, :])
+
+
+def _scale_words(scales: torch.Tensor) -> torch.Tensor:
+    """uint8 128x4 scales -> the same bytes viewed as int32 words (copied only if the storage is misaligned)."""
+    s = scales.view(torch.uint8)
+    if s.data_ptr() % 4:
+        s = s.clone()
+    return s.view(torch.int32)
+
+
+def _check_scales(scales: torch.Tensor, rows: int, k: int, name: str) -> None:
+    want = (triton.cdiv(rows, 128) * 128, triton.cdiv(k // 16, 4) * 4)
+    if scales.dtype not in (torch.uint8, torch.float8_e4m3fn) or tuple(scales.shape) != want or not scales.is_contiguous():
+        raise ValueError(f"{name}: expected contiguous uint8/e4m3 128x4 scales of shape {want}, "
+                         f"got {scales.dtype} {tuple(scales.shape)}")
+
+
+def decode_nvfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """GPU ``format.decode_nvfp4``: packed uint8 ``[R, K/2]`` + 128x4 scales uint8 ``[round_up(R,128),
+    round_up(K/16,4)]`` -> ``[R, K]`` ``e2m1 * e4m3`` in ``dtype`` (FP16 default, BF16 or FP32).
+
+    Exact, so byte-identical to ``format.decode_nvfp4(packed, scales, scale_layout="128x4", dtype=dtype)``.
+    """
+    rows, half_k = packed.shape
+    k = 2 * half_k
+    _check_scales(scales, rows, k, "scales")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"decode_nvfp4_rows: unsupported dtype {dtype}")
+    packed = packed if packed.stride(1) == 1 else packed.contiguous()
+    out = torch.empty((rows, k), dtype=dtype, device=packed.device)
+    if rows == 0 or k == 0:
+        return out
+    block_r, block_k = 32, 256
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
+    _decode_rows_kernel[grid](packed, _scale_words(scales), out, rows, k, packed.stride(0), out.stride(0),
+                              scales.shape[1], BLOCK_R=block_r, BLOCK_K=block_k, USE_ASM=_use_asm(packed), num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Configs and autotuning.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": group},
+                         num_warps=warps, num_stages=stages)
+
+
+# Small M, X decoded in the kernel. BLOCK_M (tokens) is the MMA's N side (16..64); weight rows fill the 64-row
+# side. Bound by decoding the weight (ALU) and streaming it (HBM): long K steps, deep pipelines.
+_PACKED_CONFIGS = [
+    _cfg(16, 128, 128, 4, 4),
+    _cfg(32, 128, 128, 4, 4),
+    _cfg(16, 64, 256, 4, 4),
+    _cfg(64, 128, 128, 8, 3),
+]
+# Large M, X pre-decoded to FP16. ALU work per MMA falls with BLOCK_M; 128x128 tiles with 8 warps (117 registers,
+# 96 KB shared) fit two CTAs per SM, so one CTA's decode overlaps the other's MMA; 256x128 has the least decode per
+# MMA but runs one CTA per SM.
+_FP16_X_CONFIGS = [
+    _cfg(128, 128, 64, 8, 4),
+    _cfg(256, 128, 64, 8, 3),
+    _cfg(128, 128, 64, 4, 4),
+    _cfg(128, 256, 64, 8, 3),
+    _cfg(256, 128, 128, 8, 2),
+]
+
+
+def gemm_configs(x_packed: bool) -> list[triton.Config]:
+    """The autotuner's candidate configs for the in-kernel-X (True, M <= 64) or FP16-X (False) variant."""
+    return list(_PACKED_CONFIGS if x_packed else _FP16_X_CONFIGS)
+
+
+def _m_bucket(m: int) -> int:
+    """Autotune key for M: next power of two, capped (the best tile stops changing long before 8192 rows)."""
+    return min(triton.next_power_of_2(max(m, 1)), 8192)
+
+
+def _prune(configs, named_args, **kwargs):
+    # Drop tiles taller than the M bucket (wasted MMA work); always keep the smallest.
+    m = named_args["m_bucket"]
+    keep = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, m)]
+    return keep or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
+
+
+def _fast_bench(fn, quantiles=None):
+    # Short timing runs keep autotuning of all benchmark shapes within a minute or two.
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
+def _even_k(args) -> bool:
+    return args["K"] % args["BLOCK_K"] == 0
+
+
+def _make_tuned(x_packed: bool):
+    fn = triton.heuristics({"EVEN_K": _even_k})(_nvfp4_gemm_kernel)
+    return triton.autotune(
+        configs=gemm_configs(x_packed), key=["m_bucket", "N", "K"],
+        prune_configs_by={"early_config_prune": _prune}, do_bench=_fast_bench,
+    )(fn)
+
+
+_tuned_packed = _make_tuned(True)
+_tuned_fp16_x = _make_tuned(False)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_k_for(m: int, n: int, k: int, sm_count: int) -> tuple[int, int]:
+    """(splits, K elements per split) for the small-M kernel; (1, K) when splitting would not help.
+
+    A function of the shape and the SM count only (never of the autotuned config), so the summation order and
+    hence the output bytes do not depend on which config the autotuner picks. Aims at ~2 CTAs per SM counting
+    128-row weight tiles, with at least 1024 K elements per split.
+    """
+    if m > PREDECODE_MAX_M:
+        return 1, k
+    tiles = triton.cdiv(n, 128)
+    splits = max(1, min((2 * sm_count) // tiles, k // _MIN_SPLIT_K))
+    if splits == 1:
+        return 1, k
+    chunk = triton.cdiv(triton.cdiv(k, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+    splits = triton.cdiv(k, chunk)
+    return (splits, chunk) if splits > 1 else (1, k)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host entry point.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def nvfp4_gemm(
+    x_packed: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scales: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    x_decode: str = "auto",
+    split_k: int | None = None,
+    config: triton.Config | None = None,
+) -> torch.Tensor:
+    """NVFP4 W4A4 GEMM: ``out_dtype((decode(x) @ decode(w).T) * alpha)``, with ``decode = e2m1 * e4m3``.
+
+    Args:
+        x_packed: uint8 ``[M, K/2]``, low nibble first (element 2j in the low nibble of byte j); K % 16 == 0.
+        x_scales: uint8 (or float8_e4m3fn) 128x4-swizzled ``[round_up(M,128), round_up(K/16,4)]``.
+        w_packed: uint8 ``[N, K/2]``.
+        w_scales: uint8 (or float8_e4m3fn) 128x4-swizzled ``[round_up(N,128), round_up(K/16,4)]``.
+        alpha: FP32 tensor with one element, read inside the kernel (no host sync; CUDA-graph safe).
+        out_dtype: ``torch.bfloat16`` (default), ``torch.float16`` or ``torch.float32``.
+        x_decode: ``"auto"`` (in the GEMM when ``M <= PREDECODE_MAX_M``, else once into an FP16 scratch),
+            ``"in_kernel"`` or ``"predecode"``.
+        split_k: force the number of K splits of the in-kernel-X variant (tests); default ``split_k_for(...)``.
+        config: run this ``triton.Config`` instead of autotuning (tests; the interpreter always uses one).
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``: the FP32 sum equals ``ops.emulated_nvfp4_gemm`` up to summation order, then one
+        rounding for alpha and one for ``out_dtype``. Same bytes on every call for the same inputs and device.
+    """
+    if x_packed.dim() != 2 or w_packed.dim() != 2 or x_packed.shape[1] != w_packed.shape[1]:
+        raise ValueError(f"nvfp4_gemm: packed operands must be [M, K/2] and [N, K/2], got "
+                         f"{tuple(x_packed.shape)} and {tuple(w_packed.shape)}")
+    if x_packed.dtype != torch.uint8 or w_packed.dtype != torch.uint8:
+        raise TypeError("nvfp4_gemm: packed operands must be uint8")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"nvfp4_gemm: unsupported out_dtype {out_dtype}")
+    if x_decode not in ("auto", "in_kernel", "predecode"):
+        raise ValueError(f"nvfp4_gemm: x_decode must be 'auto', 'in_kernel' or 'predecode', got {x_decode!r}")
+    m, half_k = x_packed.shape
+    n = w_packed.shape[0]
+    k = 2 * half_k
+    if k % 16:
+        raise ValueError(f"nvfp4_gemm: K={k} is not a multiple of 16")
+    _check_scales(x_scales, m, k, "x_scales")
+    _check_scales(w_scales, n, k, "w_scales")
+    if alpha.numel() != 1 or alpha.dtype != torch.float32:
+        raise ValueError("nvfp4_gemm: alpha must be a one-element float32 tensor")
+    x_packed = x_packed if x_packed.stride(1) == 1 else x_packed.contiguous()
+    w_packed = w_packed if w_packed.stride(1) == 1 else w_packed.contiguous()
+
+    out = torch.empty((m, n), dtype=out_dtype, device=x_packed.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    device = x_packed.device
+    cp = w_scales.shape[1]
+    predecode = x_decode == "predecode" or (x_decode == "auto" and m > PREDECODE_MAX_M)
+    use_asm = _use_asm(x_packed)
+    w_words = _scale_words(w_scales)
+    if predecode:
+        # Exact FP16 values of X, decoded once (memory-bound) instead of once per weight tile.
+        x_arg = decode_nvfp4_rows(x_packed, x_scales, torch.float16)
+        xs_arg, stride_x = w_words, x_arg.stride(0)  # xs_ptr is unused by this variant
+        splits, chunk = 1, k
+    else:
+        x_arg, xs_arg, stride_x = x_packed, _scale_words(x_scales), x_packed.stride(0)
+        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 132
+        splits, chunk = split_k_for(m, n, k, sms)
+        if split_k is not None:
+            chunk = triton.cdiv(triton.cdiv(k, max(1, split_k)), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+            splits = triton.cdiv(k, chunk)
+    target = torch.empty((splits, m, n), dtype=torch.float32, device=device) if splits > 1 else out
+    alpha1 = alpha.reshape(1)
+    args = (x_arg, xs_arg, w_packed, w_words, alpha1, target,
+            m, n, k, stride_x, w_packed.stride(0), out.stride(0), cp, chunk, _m_bucket(m))
+    flags = dict(X_PACKED=not predecode, SPLIT=splits > 1, USE_ASM=use_asm)
+
+    def grid(meta):
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), splits)
+
+    if config is None and (_interpreting() or not x_packed.is_cuda):
+        # The interpreter cannot time configs: use the smallest tile of the variant.
+        config = min(gemm_configs(not predecode), key=lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]))
+    if config is None:
+        (_tuned_fp16_x if predecode else _tuned_packed)[grid](*args, **flags)
+    else:
+        kw = dict(config.kwargs)
+        _nvfp4_gemm_kernel[grid](*args, **flags, EVEN_K=k % kw["BLOCK_K"] == 0, **kw,
+                                 num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits > 1:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(m * n, block),)](target, alpha1, out, m * n, SPLITS=splits, BLOCK=block,
+                                                           num_warps=4)
+    return out
