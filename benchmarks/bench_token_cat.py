@@ -24,9 +24,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[17, 512, 4096, 4608])
     ap.add_argument("--a", type=int, default=6144)
     ap.add_argument("--b", type=int, default=18432)
+    ap.add_argument("--sweep", action="store_true", help="time tile configurations at 4096 rows and use the best")
     args = ap.parse_args()
     copy = copy_bandwidth_gbps()
     result = header("token_cat", copy)
+    if args.sweep:
+        result["tile_sweep"] = sweep(args.a, args.b)
+        best = min(result["tile_sweep"], key=lambda r: r["fused_us"])
+        print("best tile", best)
     g = torch.tensor([448.0 * 6.0 / 8.0], device="cuda")
     compiled_ref = torch.compile(lambda a, b: torch_quantize(torch.cat([a, b], -1), g[0], fast_math=False))
     for rows in args.rows:
@@ -61,6 +66,23 @@ def main() -> None:
     for c in result["cases"]:
         print(f"{str(c['shape']):45s} {c['variant']:20s} {c['us']:9.1f} us {c['bw_fraction']*100:5.1f}% bw "
               f"{c['speedup_vs']} exact={c['exact']}")
+
+
+def sweep(a_width: int, b_width: int) -> list[dict]:
+    """Fused and standalone kernel times for several (rows per tile, 16-blocks per tile, warps) at 4096 rows."""
+    g = torch.tensor([448.0 * 6.0 / 8.0], device="cuda")
+    a = torch.randn(4096, a_width, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, b_width, device="cuda", dtype=torch.bfloat16)
+    x = torch.cat([a, b], -1)
+    rows = []
+    for block_r, block_c, warps in [(1, 64, 2), (2, 32, 2), (4, 16, 2), (4, 32, 4), (8, 8, 2), (8, 16, 4), (16, 8, 4),
+                                    (8, 32, 8), (16, 16, 8), (32, 8, 8), (4, 64, 8), (2, 64, 4)]:
+        kw = dict(block_r=block_r, block_c=block_c, num_warps=warps)
+        rows.append({"block_r": block_r, "block_c": block_c, "num_warps": warps,
+                     "fused_us": round(time_us(lambda: kernels.token_cat_quantize(a, b, g, **kw)), 2),
+                     "standalone_us": round(time_us(lambda: kernels.quantize_nvfp4(x, g, **kw)), 2)})
+        print(rows[-1])
+    return rows
 
 
 def triton_scale_bytes(rows: int, k: int) -> int:

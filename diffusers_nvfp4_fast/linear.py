@@ -59,6 +59,22 @@ class NVFP4Linear(nn.Module):
         self.register_load_state_dict_post_hook(lambda module, _: module.refresh_derived_scales_())
         self.dynamic_input_scale = False
 
+    _FP32_BUFFERS = ("weight_scale_2", "input_scale", "alpha", "input_scale_inv")
+
+    def _apply(self, fn, recurse=True):
+        # `model.to(torch.bfloat16)` casts every floating buffer; the per-tensor scales must stay FP32 (rounding
+        # them to BF16 would change every output), so they only follow the device.
+        saved = {name: self._buffers[name] for name in self._FP32_BUFFERS}
+        for name in saved:
+            self._buffers[name] = None
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            device = self.weight.device
+            for name, tensor in saved.items():
+                self._buffers[name] = tensor.to(device=device, dtype=torch.float32)
+        return self
+
     @torch.no_grad()
     def load_nvfp4(
         self,

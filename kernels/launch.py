@@ -10,23 +10,39 @@ def padded_scale_shape(m: int, k: int) -> tuple[int, int]:
     return (triton.cdiv(m, 128) * 128, triton.cdiv(k // 16, 4) * 4)
 
 
-def tile_grid(m: int, padded_k: int, block_r: int, block_k: int) -> tuple[tuple[int], int]:
-    """1-D grid over (row tiles x column tiles) covering the padded scale area (no 65,535 grid-dimension limit)."""
-    col_tiles = triton.cdiv(padded_k, block_k)
+def tile_grid(m: int, padded_cols: int, block_r: int, block_c: int) -> tuple[tuple[int], int]:
+    """1-D grid over (row tiles x 16-block tiles) covering the padded scale area (no 65,535 grid-dimension limit)."""
+    col_tiles = triton.cdiv(padded_cols, block_c)
     row_tiles = triton.cdiv(triton.cdiv(m, 128) * 128, block_r)
     return (row_tiles * col_tiles,), col_tiles
 
 
-@functools.cache
+def as_word_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A 2-D bf16/fp16 matrix as int32 words (two values each) and its row stride in words.
+
+    Rows may be strided; the last dimension must be contiguous and every row start 4-byte aligned, otherwise a
+    contiguous copy is made.
+    """
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"NVFP4 kernels take bfloat16/float16 input, got {x.dtype}")
+    if x.stride(-1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()
+    words = x.view(torch.int32)
+    return words, words.stride(0)
+
+
+@functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
 def hardware_e2m1(device: torch.device) -> bool:
     """cvt.rn.satfinite.e2m1x2.f32 exists from SM100 on (ptxas rejects it for SM90)."""
-    return device.type == "cuda" and _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 10
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 10
 
 
-def launch_options(device: torch.device, fast_math: bool) -> dict:
+def launch_options(device: torch.device, fast_math: bool, num_warps: int = 4) -> dict:
     # No FMA contraction: every rounding step must happen exactly where the spec puts it.
-    return {"FAST_MATH": bool(fast_math), "HW_E2M1": hardware_e2m1(device), "enable_fp_fusion": False, "num_warps": 4}
+    return {"FAST_MATH": bool(fast_math), "HW_E2M1": hardware_e2m1(device), "enable_fp_fusion": False, "num_warps": num_warps}

@@ -100,30 +100,70 @@ def swizzled_scale_offset(rows, kblocks, padded_cols):
 
 
 @triton.jit
+def quantize_pairs(lo, hi, g, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
+    """FP32 ``lo``/``hi`` ``[R, C, 8]`` (elements 2j and 2j+1 of C 16-blocks per row) -> (bytes int32 ``[R, C, 8]``,
+    E4M3 scale bytes int32 ``[R, C]``). Working on element pairs keeps every 16-block inside one thread's registers
+    and makes the packed byte of a pair local, with no reshapes or layout conversions."""
+    a = tl.maximum(tl.abs(lo), tl.abs(hi))
+    vec_max = tl.max(tl.where(a != a, 0.0, a), axis=2)
+    sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
+    f = factor[:, :, None]
+    if HW_E2M1:
+        byte = e2m1x2_hw(hi * f, lo * f)
+    else:
+        byte = e2m1_code(lo * f) | (e2m1_code(hi * f) << 4)
+    return byte, sf_byte
+
+
+@triton.jit
+def store_nvfp4_pairs(
+    byte, sf_byte, rows, kb0, packed_ptr, scales_ptr, M, K, padded_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Store ``quantize_pairs`` output for rows ``rows`` (int ``[BLOCK_R]``) and 16-blocks ``kb0 .. kb0+BLOCK_C``.
+
+    Packed bytes go to ``packed_ptr[M, K/2]`` for real rows/blocks; scales go to the 128x4 layout for every row below
+    round_up(M, 128) and block below ``padded_cols``, so tiles that cover the padding write its zeros.
+    """
+    kbs = kb0 + tl.arange(0, BLOCK_C)
+    j = tl.arange(0, 8)
+    r = rows[:, None, None]
+    kb = kbs[None, :, None]
+    pmask = (r < M) & (kb < K // 16)
+    poffs = r.to(tl.int64) * (K // 2) + kb * 8 + j[None, None, :]
+    tl.store(packed_ptr + poffs, byte.to(tl.uint8), mask=pmask)
+    smask = (rows[:, None] < ((M + 127) // 128) * 128) & (kbs[None, :] < padded_cols)
+    soffs = swizzled_scale_offset(rows[:, None].to(tl.int64), kbs[None, :], padded_cols)
+    tl.store(scales_ptr + soffs, sf_byte.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def load_pairs(ptr, rows, kbs, row_stride, mask, IS_BF16: tl.constexpr):
+    """Load 16-blocks ``kbs`` (int ``[BLOCK_C]``) of rows ``rows`` from a bf16/fp16 matrix as FP32 (lo, hi) pairs.
+
+    ``ptr`` points at the matrix reinterpreted as int32 words (two 16-bit values per word, the even element in the
+    low half); ``row_stride`` is in words; ``mask`` is ``[BLOCK_R, BLOCK_C, 1]``. Masked elements read as 0.
+    """
+    j = tl.arange(0, 8)
+    offs = rows[:, None, None].to(tl.int64) * row_stride + kbs[None, :, None] * 8 + j[None, None, :]
+    w = tl.load(ptr + offs, mask=mask, other=0)
+    if IS_BF16:
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
 def store_nvfp4_tile(
     x, rows, col0, g, packed_ptr, scales_ptr, M, K, padded_cols,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr,
 ):
-    """Quantize ``x`` (FP32 ``[BLOCK_R, BLOCK_K]``; out-of-range elements must be 0) and store it.
+    """Quantize and store an FP32 tile ``x [BLOCK_R, BLOCK_K]`` whose first column is ``col0`` (a multiple of 16).
 
-    rows: int ``[BLOCK_R]``; col0: first column of the tile (a multiple of 16). Packed bytes land in
-    ``packed_ptr[M, K/2]`` for rows < M, cols < K; scales in the 128x4 layout for every row < round_up(M, 128)
-    and k-block < padded_cols, so padding is written as 0 by tiles that cover it.
+    For kernels that compute their values in registers (out-of-range elements must be 0); see ``store_nvfp4_pairs``.
     """
-    blocks = tl.reshape(x, [BLOCK_R, BLOCK_K // 16, 16])
-    a = tl.abs(blocks)
-    vec_max = tl.max(tl.where(a != a, 0.0, a), axis=2)
-    sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
-    scaled = tl.reshape(blocks * factor[:, :, None], [BLOCK_R, BLOCK_K // 2, 2])
-    lo, hi = tl.split(scaled)  # even elements go to the low nibble
-    if HW_E2M1:
-        byte = e2m1x2_hw(hi, lo)
-    else:
-        byte = e2m1_code(lo) | (e2m1_code(hi) << 4)
-    half_cols = col0 // 2 + tl.arange(0, BLOCK_K // 2)
-    pmask = (rows[:, None] < M) & (half_cols[None, :] < K // 2)
-    tl.store(packed_ptr + rows[:, None].to(tl.int64) * (K // 2) + half_cols[None, :], byte.to(tl.uint8), mask=pmask)
-    kblocks = col0 // 16 + tl.arange(0, BLOCK_K // 16)
-    smask = (rows[:, None] < ((M + 127) // 128) * 128) & (kblocks[None, :] < padded_cols)
-    offs = swizzled_scale_offset(rows[:, None].to(tl.int64), kblocks[None, :], padded_cols)
-    tl.store(scales_ptr + offs, sf_byte.to(tl.uint8), mask=smask)
+    lo, hi = tl.split(tl.reshape(x, [BLOCK_R, BLOCK_K // 16, 8, 2]))
+    byte, sf_byte = quantize_pairs(lo, hi, g, FAST_MATH, HW_E2M1)
+    store_nvfp4_pairs(byte, sf_byte, rows, col0 // 16, packed_ptr, scales_ptr, M, K, padded_cols, BLOCK_R, BLOCK_K // 16)

@@ -26,6 +26,8 @@ def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tenso
     to_out = attn.to_out
     if not isinstance(to_out, NVFP4Linear):
         return "to_out is not an NVFP4Linear"
+    if to_out.dynamic_input_scale:
+        return "to_out uses a dynamic input scale"
     if attn_out.dtype not in (torch.bfloat16, torch.float16) or mlp_out.dtype != attn_out.dtype:
         return f"dtype {attn_out.dtype}/{mlp_out.dtype} (bf16/fp16 only)"
     a, b = attn_out.shape[-1], mlp_out.shape[-1]

@@ -32,6 +32,8 @@ def resnorm_gate(ff: nn.Module, norm: nn.Module, residual: torch.Tensor, x: torc
     """None when the fused path applies to this stream's call, else the reason it does not."""
     if not isinstance(_fc1(ff), NVFP4Linear):
         return "FC1 is not an NVFP4Linear"
+    if _fc1(ff).dynamic_input_scale:
+        return "FC1 uses a dynamic input scale"
     if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
         return "norm2 is not an affine-free LayerNorm"
     if residual.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:

@@ -62,10 +62,9 @@ def test_full_size_qwen_block_identical():
         img = torch.randn(batch, 4096, dim, device="cuda", dtype=torch.bfloat16)
         txt = torch.randn(batch, 512, dim, device="cuda", dtype=torch.bfloat16)
         temb = torch.randn(batch, dim, device="cuda", dtype=torch.bfloat16)
-        mask = torch.ones(batch, 512, dtype=torch.int64, device="cuda")
-        off = block(img, txt, mask, temb)
+        off = block(img, txt, None, temb)
         stats, restore = _patched(holder, patch_qwenimage)
-        on = block(img, txt, mask, temb)
+        on = block(img, txt, None, temb)
         for undo in restore:
             undo()
         assert stats.fused_calls["qwen_resnorm"] == 2, fast_path_report

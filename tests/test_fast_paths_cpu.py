@@ -1,0 +1,215 @@
+"""Fast paths on CPU (torch-reference ops): same PNG bytes on/off, exact restore, report, hooks, compile."""
+
+import warnings
+
+import pytest
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+
+from diffusers_nvfp4_fast import (
+    disable_fast_paths,
+    enable_fast_paths,
+    fast_path_report,
+    fast_paths,
+    gates,
+    load_nvfp4_transformer,
+    ops,
+    tiny,
+)
+from modelopt_fixtures import pipeline_sha
+
+KIND = {"flux2": "flux2_token_cat", "klein": "flux2_token_cat", "qwen": "qwen_resnorm"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts():
+    gates.reset_verification()
+    yield
+    gates.reset_verification()
+
+
+def _pipeline(which, modelopt_exports):
+    pipe, kwargs = tiny.TINY_PIPELINES[which](load_nvfp4_transformer(modelopt_exports(which)))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, kwargs
+
+
+def _sha(pipe, kwargs):
+    return tiny.png_sha256(tiny.run_pipeline(pipe, kwargs))
+
+
+def _originals(model):
+    procs = [b.attn.processor for b in getattr(model, "single_transformer_blocks", [])]
+    forwards = [b.__dict__.get("forward") for b in getattr(model, "transformer_blocks", [])]
+    return procs, forwards
+
+
+@pytest.mark.parametrize("which", ["flux2", "klein", "qwen"])
+def test_png_identical_on_off_and_restored(which, modelopt_exports):
+    pipe, kwargs = _pipeline(which, modelopt_exports)
+    model = pipe.transformer
+    off = _sha(pipe, kwargs)
+    procs, forwards = _originals(model)
+    report = enable_fast_paths(pipe)
+    entry = report[type(model).__name__]
+    assert entry["enabled"] and sum(entry["sites"].values()) == 2  # 2 single blocks / 2 NVFP4 Qwen blocks
+    on = _sha(pipe, kwargs)
+    entry = fast_path_report(pipe)[type(model).__name__]
+    disable_fast_paths(pipe)
+    assert on == off
+    calls_per_step = {"flux2": 2, "klein": 4, "qwen": 4}[which]  # klein runs CFG: two transformer calls per step
+    assert entry["fused_calls"] == {KIND[which]: 3 * calls_per_step}
+    assert entry["verifications"]["passed"] == 1 and entry["verifications"]["failed"] == 0
+    assert entry["fallbacks"] == {}
+    new_procs, new_forwards = _originals(model)
+    assert all(a is b for a, b in zip(procs, new_procs)) and new_forwards == forwards
+    assert not hasattr(model, "_nvfp4_fast_paths") and fast_path_report(pipe)[type(model).__name__]["enabled"] is False
+    assert _sha(pipe, kwargs) == off
+
+
+def test_patched_objects_are_replaced_per_instance(modelopt_exports):
+    from diffusers.models.transformers.transformer_flux2 import Flux2ParallelSelfAttnProcessor
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    flux = load_nvfp4_transformer(modelopt_exports("flux2"))
+    qwen = load_nvfp4_transformer(modelopt_exports("qwen"))
+    class_forward = QwenImageTransformerBlock.forward
+    with fast_paths(flux), fast_paths(qwen):
+        assert all(type(b.attn.processor) is not Flux2ParallelSelfAttnProcessor for b in flux.single_transformer_blocks)
+        patched = [i for i, b in enumerate(qwen.transformer_blocks) if "forward" in b.__dict__]
+        assert patched == [2, 3]  # blocks 0, 1, 4, 5 are BF16 in the checkpoint and stay untouched
+        assert QwenImageTransformerBlock.forward is class_forward
+    assert all(type(b.attn.processor) is Flux2ParallelSelfAttnProcessor for b in flux.single_transformer_blocks)
+    assert not any("forward" in b.__dict__ for b in qwen.transformer_blocks)
+
+
+class _CountingHook(ModelHook):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.calls += 1
+        return args, kwargs
+
+
+@pytest.mark.parametrize("hooks_first", [True, False])
+def test_composes_with_diffusers_hooks(hooks_first, modelopt_exports):
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    model = pipe.transformer
+    block = model.transformer_blocks[2]
+    off = _sha(pipe, kwargs)
+    hook = _CountingHook()
+    if hooks_first:
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, "count")
+    enable_fast_paths(pipe)
+    if not hooks_first:
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, "count")
+    on = _sha(pipe, kwargs)
+    report = fast_path_report(pipe)["QwenImageTransformer2DModel"]
+    assert on == off and hook.calls == 3 and report["fused_calls"]["qwen_resnorm"] == 12
+    block._diffusers_hook.remove_hook("count")
+    assert _sha(pipe, kwargs) == off and fast_path_report(pipe)["QwenImageTransformer2DModel"]["fused_calls"]["qwen_resnorm"] == 24
+    disable_fast_paths(pipe)
+    assert "forward" not in block.__dict__ or block.__dict__["forward"].__func__ is type(block).forward
+    assert _sha(pipe, kwargs) == off
+
+
+def test_verification_mismatch_falls_back_with_a_warning(modelopt_exports, monkeypatch):
+    pipe, kwargs = _pipeline("flux2", modelopt_exports)
+    off = _sha(pipe, kwargs)
+
+    def broken(attn, mlp, g, fast_math):
+        packed, scales = ops.quantize_nvfp4(torch.cat([attn, mlp], -1).reshape(-1, attn.shape[-1] + mlp.shape[-1]), g, fast_math)
+        packed = packed.clone()
+        packed[0, 0] ^= 0x11
+        return packed, scales
+
+    monkeypatch.setattr(ops, "_token_cat_impl", broken)
+    enable_fast_paths(pipe)
+    with pytest.warns(RuntimeWarning, match=r"flux2_token_cat .*\(packed: 1 of \d+ bytes differ"):
+        on = _sha(pipe, kwargs)
+    report = fast_path_report(pipe)["Flux2Transformer2DModel"]
+    disable_fast_paths(pipe)
+    assert on == off
+    assert report["verifications"]["failed"] == 1 and "fused_calls" in report and not report["fused_calls"]
+    assert sum(report["fallbacks"].values()) == 5  # every later call of the 6 takes the unfused path
+
+
+def test_verify_always_and_off(modelopt_exports):
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    off = _sha(pipe, kwargs)
+    enable_fast_paths(pipe, verify="always")
+    assert _sha(pipe, kwargs) == off
+    assert fast_path_report(pipe)["QwenImageTransformer2DModel"]["verifications"]["passed"] == 12
+    enable_fast_paths(pipe, verify="off")  # enabling again only changes the mode
+    assert _sha(pipe, kwargs) == off
+    assert fast_path_report(pipe)["QwenImageTransformer2DModel"]["verifications"]["passed"] == 12
+    disable_fast_paths(pipe)
+    with pytest.raises(ValueError, match="verify"):
+        enable_fast_paths(pipe, verify="sometimes")
+
+
+def test_gate_reasons_are_counted(modelopt_exports):
+    model = load_nvfp4_transformer(modelopt_exports("qwen"))
+    model.transformer_blocks[3].txt_mlp.net[0].proj.dynamic_input_scale = True
+    pipe, kwargs = tiny.TINY_PIPELINES["qwen"](model)
+    pipe.set_progress_bar_config(disable=True)
+    enable_fast_paths(pipe)
+    tiny.run_pipeline(pipe, kwargs)
+    report = fast_path_report(pipe)["QwenImageTransformer2DModel"]
+    disable_fast_paths(pipe)
+    assert report["fallbacks"] == {"qwen_resnorm: FC1 uses a dynamic input scale": 3}
+    assert report["fused_calls"]["qwen_resnorm"] == 9
+
+
+def test_no_nvfp4_layers_warns_and_changes_nothing():
+    model = tiny.tiny_flux2_transformer(True)
+    procs = [b.attn.processor for b in model.single_transformer_blocks]
+    with pytest.warns(UserWarning, match="no NVFP4 layers"):
+        enable_fast_paths(model)
+    assert [b.attn.processor for b in model.single_transformer_blocks] == procs
+    assert not hasattr(model, "_nvfp4_fast_paths")
+
+
+@pytest.mark.parametrize("which", ["flux2", "qwen"])
+def test_torch_compile_fullgraph_keeps_fast_paths(which, modelopt_exports):
+    """aot_eager keeps eager numerics: compiled-on must equal eager-off. The fused ops run inside the graph."""
+    pipe, kwargs = _pipeline(which, modelopt_exports)
+    model = pipe.transformer
+    off = _sha(pipe, kwargs)
+    enable_fast_paths(model)
+    torch._dynamo.reset()
+    pipe.transformer = torch.compile(model, fullgraph=True, backend="aot_eager")
+    on = _sha(pipe, kwargs)
+    report = fast_path_report(model)[type(model).__name__]
+    pipe.transformer = model
+    disable_fast_paths(model)
+    assert on == off
+    assert sum(report["fused_calls"].values()) == {"flux2": 6, "qwen": 12}[which] and not report["fallbacks"]
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_on_equals_off(modelopt_exports):
+    """Inductor changes the numerics of the unfused BF16 ops by itself; with precision-cast emulation the compiled
+    model gives the same bytes with fast paths on and off."""
+    import torch._inductor.config as inductor_config
+
+    pipe, kwargs = _pipeline("flux2", modelopt_exports)
+    model = pipe.transformer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inductor_config.emulate_precision_casts = True
+        try:
+            torch._dynamo.reset()
+            pipe.transformer = torch.compile(model, fullgraph=True)
+            off = _sha(pipe, kwargs)
+            enable_fast_paths(model)
+            torch._dynamo.reset()
+            pipe.transformer = torch.compile(model, fullgraph=True)
+            on = _sha(pipe, kwargs)
+        finally:
+            inductor_config.emulate_precision_casts = False
+            pipe.transformer = model
+            disable_fast_paths(model)
+    assert on == off

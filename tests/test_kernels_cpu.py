@@ -1,0 +1,74 @@
+"""The NVFP4 Triton kernels without a GPU: the interpreter runs them on CPU tensors (precise mode, software E2M1)
+and must match the torch reference byte for byte; ahead-of-time compilation proves the SM90 and Blackwell variants
+(fast-math inline PTX, hardware E2M1 conversion) build."""
+
+import pytest
+
+from kernel_subprocess import run_interpreted
+
+triton = pytest.importorskip("triton", reason="Triton is not installed; these tests need it (pip install -e .[test])")
+
+
+def test_interpreted_kernels_match_reference():
+    out = run_interpreted("""
+        import torch
+        from diffusers_nvfp4_fast import kernels
+        from diffusers_nvfp4_fast.format import quantize_nvfp4
+        torch.manual_seed(0)
+        g = torch.tensor([2688 / 5.0])
+        cases = []
+        for m, k, dtype in [(1, 64, torch.bfloat16), (17, 48, torch.bfloat16), (130, 160, torch.bfloat16),
+                            (33, 96, torch.float16)]:
+            x = (torch.randn(m, k) * 3).to(dtype)
+            x[0, :16] = 0
+            if m > 3:
+                x[1, 3] = float("nan"); x[2, 5] = float("inf"); x[2, 6] = -1e-30; x[3, 16:32] = -0.0
+            cases.append((x, g))
+        # every scale binade, including E4M3 subnormals, saturation and underflow to 0
+        x = (torch.rand(64, 512) * 2 ** torch.randint(-40, 12, (64, 512)).float()).bfloat16()
+        cases.append((x, torch.tensor([1.0])))
+        cases.append((torch.randn(20, 200).bfloat16()[:, 8:168], g))  # row-strided view
+        bad = 0
+        for x, gs in cases:
+            got, ref = kernels.quantize_nvfp4(x, gs, fast_math=False), quantize_nvfp4(x, gs[0], fast_math=False)
+            bad += not (torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]))
+        a, b = torch.randn(3, 5, 48).bfloat16(), torch.randn(3, 5, 80).bfloat16() * 0.01
+        for block_c in (4, 8):
+            got = kernels.token_cat_quantize(a, b, g, fast_math=False, block_c=block_c)
+            ref = quantize_nvfp4(torch.cat([a, b], -1), g[0], fast_math=False)
+            bad += not (torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]))
+        # a broken reference must be caught: flip one nibble
+        got = kernels.quantize_nvfp4(cases[0][0], g, fast_math=False)
+        ref = quantize_nvfp4(cases[0][0], g[0], fast_math=False)
+        ref[0][0, 0] ^= 0x10
+        print("MISMATCHES", bad, "CANARY", torch.equal(got[0], ref[0]))
+    """)
+    assert "MISMATCHES 0 CANARY False" in out, out
+
+
+@pytest.mark.parametrize("capability", [90, 100, 120])
+@pytest.mark.parametrize("fast_math", [True, False])
+def test_kernels_compile_ahead_of_time(capability, fast_math):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
+    from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
+
+    hw = capability >= 100
+    consts = {"BLOCK_R": 16, "BLOCK_C": 8, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": hw}
+    signatures = {
+        _quantize_nvfp4_kernel: {"x_ptr": "*i32", "g_ptr": "*fp32", "packed_ptr": "*u8", "scales_ptr": "*u8", "M": "i32",
+                                 "K": "i32", "stride_words": "i32", "padded_cols": "i32", "col_tiles": "i32"},
+        _token_cat_quantize_kernel: {"a_ptr": "*i32", "b_ptr": "*i32", "g_ptr": "*fp32", "packed_ptr": "*u8",
+                                     "scales_ptr": "*u8", "M": "i32", "A": "i32", "B": "i32", "stride_a": "i32",
+                                     "stride_b": "i32", "padded_cols": "i32", "col_tiles": "i32"},
+    }
+    for fn, sig in signatures.items():
+        sig = {**sig, **dict.fromkeys(consts, "constexpr")}
+        compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", capability, 32),
+                                  options={"enable_fp_fusion": False})
+        ptx = compiled.asm["ptx"]
+        assert ("cvt.rn.satfinite.e2m1x2.f32" in ptx) == hw
+        assert ("rcp.approx.ftz.f32" in ptx) == fast_math
+        assert len(compiled.asm["cubin"]) > 0
