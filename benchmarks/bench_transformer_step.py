@@ -1,0 +1,404 @@
+"""One denoising step of the full-size FLUX.2-dev / Qwen-Image transformer: NVFP4 (fast paths off / on) vs BF16.
+
+Usage:
+    python benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024 [--steps-timed 5]
+    python benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024
+    python benchmarks/bench_transformer_step.py --model flux2-dev --tiny     # CPU dry run of the whole logic
+Writes benchmarks/results/transformer_step-<model>-<device>.json (DESIGN.md section 10) and prints a table.
+
+How the NVFP4 model is built without ever holding the BF16 model: the diffusers model is created on the meta device
+(``accelerate.init_empty_weights(include_buffers=False)``, class defaults = the public FLUX.2-dev / Qwen-Image
+configs). Each Linear that the public NVFP4 checkpoints quantize (exclusion patterns ``FLUX2_EXCLUDE`` /
+``qwen_exclude(60)`` from ``diffusers_nvfp4_fast.tiny``, matched like the loader does with ``loading.is_excluded``,
+and ``in_features % 16 == 0``) gets a random BF16 weight ``randn * 0.02`` on the GPU, quantized at once (precise
+mode, 128x4 scales, ``weight_scale_2 = amax / 2688``) into an ``NVFP4Linear``; the BF16 weight is freed before the
+next layer. ``input_scale`` is fixed to ``8 / 2688`` (activation amax 8: the block inputs are normalized and modulated,
+O(1) with tails of a few units; the value only changes which FP4 codes occur, not the speed). Every other parameter
+(excluded Linears, norms, embeddings) is random BF16 (norm weights 1, norm biases 0). The BF16 reference model is
+built the same way with BF16 Linears, after the NVFP4 model is freed, when it fits in memory.
+
+Inputs at H x W: FLUX.2: latent (H/16)*(W/16) tokens of 128 channels (4096 at 1024x1024) + ``--text-tokens`` text
+tokens of 15360 channels, timestep 0.5, guidance 4.0, position ids as Flux2Pipeline builds them. Qwen-Image:
+(H/16)*(W/16) tokens of 64 channels + text tokens of 3584 channels, no text mask (QwenImagePipeline drops an
+all-valid mask), ``img_shapes = [[(1, H/16, W/16)]]``.
+
+Measured per variant: ms per step (median of ``--steps-timed`` forwards after ``--warmup`` forwards, CUDA events),
+peak GPU memory during the timed forwards, weight bytes (parameters + buffers). ``exact``: the fast-paths-on output
+has the same bytes as the fast-paths-off output (and off is repeatable), compared in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+INPUT_AMAX = 8.0  # activation amax behind the fixed input_scale (see the module docstring)
+WEIGHT_STD = 0.02
+GOALS = {"nvfp4_vs_bf16_speed": 0.85, "weight_memory_ratio": 3.5}
+
+MODELS = {
+    "flux2-dev": {
+        "cls": "Flux2Transformer2DModel",
+        "full": {},  # diffusers 0.42 defaults: 8 double + 48 single blocks, 48 x 128 heads, in 128, text 15360
+        "tiny": dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                     num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(4, 4, 4, 4)),
+    },
+    "qwen-image": {
+        "cls": "QwenImageTransformer2DModel",
+        "full": {},  # diffusers 0.42 defaults: 60 blocks, 24 x 128 heads, in 64, out 16, text 3584
+        "tiny": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=6, attention_head_dim=128,
+                     num_attention_heads=4, joint_attention_dim=16, axes_dims_rope=(16, 56, 56)),
+    },
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model construction.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def exclude_patterns(model_name: str, config: dict) -> tuple[str, ...]:
+    from diffusers_nvfp4_fast.tiny import FLUX2_EXCLUDE, qwen_exclude
+
+    return FLUX2_EXCLUDE if model_name == "flux2-dev" else qwen_exclude(config["num_layers"])
+
+
+def empty_model(model_name: str, tiny: bool) -> nn.Module:
+    """The diffusers transformer with all parameters on the meta device (buffers real, on CPU)."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    spec = MODELS[model_name]
+    with init_empty_weights(include_buffers=False):
+        model = getattr(diffusers, spec["cls"])(**spec["tiny" if tiny else "full"])
+    return model.eval()
+
+
+def _quantize_weight(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16 ``[N, K]`` -> packed ``[N, K/2]`` + 128x4 scales, precise mode (Triton kernel on CUDA, else torch)."""
+    from diffusers_nvfp4_fast.format import quantize_nvfp4
+
+    if w.is_cuda:
+        try:
+            from diffusers_nvfp4_fast import kernels
+
+            return kernels.quantize_nvfp4(w, g.reshape(1), fast_math=False)
+        except (ImportError, AttributeError):
+            pass
+    return quantize_nvfp4(w, g, scale_layout="128x4", fast_math=False)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "Norm" in type(module).__name__
+
+
+def materialize(model: nn.Module, model_name: str, device: torch.device, *, nvfp4: bool, seed: int = 0) -> dict:
+    """Replace meta parameters with random ones on ``device``, layer by layer; quantize Linears when ``nvfp4``.
+
+    Returns counts: quantized and BF16 Linears.
+    """
+    from diffusers_nvfp4_fast import NVFP4Linear
+    from diffusers_nvfp4_fast.loading import is_excluded
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    patterns = list(exclude_patterns(model_name, dict(model.config)))
+    input_scale = torch.tensor(INPUT_AMAX / 2688.0, dtype=torch.float32)
+    counts = {"nvfp4_linears": 0, "bf16_linears": 0}
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, lin in linears:
+        quantize = nvfp4 and not is_excluded(name, patterns) and lin.in_features % 16 == 0
+        w = torch.randn(lin.out_features, lin.in_features, device=device, dtype=torch.bfloat16, generator=gen) * WEIGHT_STD
+        bias = None
+        if lin.bias is not None:
+            bias = torch.randn(lin.out_features, device=device, dtype=torch.bfloat16, generator=gen) * WEIGHT_STD
+        if quantize:
+            w_scale_2 = (w.float().abs().amax() / 2688.0).reshape(())
+            packed, scales = _quantize_weight(w, 1.0 / w_scale_2)
+            del w
+            new = NVFP4Linear(lin.in_features, lin.out_features, bias=bias is not None, device=device)
+            new.load_nvfp4(packed, scales, w_scale_2, input_scale, bias, scale_layout="128x4")
+            model.set_submodule(name, new)
+            counts["nvfp4_linears"] += 1
+        else:
+            lin.weight = nn.Parameter(w, requires_grad=False)
+            if bias is not None:
+                lin.bias = nn.Parameter(bias, requires_grad=False)
+            counts["bf16_linears"] += 1
+    # Everything else still on meta: norms get weight 1 / bias 0, the rest random.
+    for module in model.modules():
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            if p.device.type != "meta":
+                continue
+            if _is_norm(module):
+                value = torch.ones(p.shape, device=device, dtype=torch.bfloat16) if p_name == "weight" else \
+                    torch.zeros(p.shape, device=device, dtype=torch.bfloat16)
+            else:
+                value = torch.randn(p.shape, device=device, dtype=torch.bfloat16, generator=gen) * WEIGHT_STD
+            setattr(module, p_name, nn.Parameter(value, requires_grad=False))
+    # Buffers were created for real (include_buffers=False); move them without touching any dtype (NVFP4Linear
+    # keeps FP32 scales and uint8 weights, so no model.to(dtype)).
+    model.to(device)
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"parameters left on meta: {left[:5]}")
+    return counts
+
+
+def tensor_bytes(model: nn.Module) -> int:
+    """Bytes of all parameters and buffers (what the weights occupy on the device)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t is None or id(t) in seen:
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def bf16_param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters()) * 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs and timing.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def make_inputs(model_name: str, model: nn.Module, height: int, width: int, text_tokens: int, device) -> dict:
+    """Keyword arguments of one denoising-step forward (batch 1), as the diffusers pipelines build them."""
+    cfg = model.config
+    h, w = height // 16, width // 16  # VAE /8, then 2x2 patches
+    gen = torch.Generator(device=device).manual_seed(1234)
+    bf16 = torch.bfloat16
+    hidden = torch.randn(1, h * w, cfg.in_channels, device=device, dtype=bf16, generator=gen)
+    text = torch.randn(1, text_tokens, cfg.joint_attention_dim, device=device, dtype=bf16, generator=gen)
+    timestep = torch.full((1,), 0.5, device=device, dtype=bf16)
+    if model_name == "flux2-dev":
+        img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1)).to(device)
+        txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(text_tokens)).to(device)
+        return dict(hidden_states=hidden, encoder_hidden_states=text, timestep=timestep, img_ids=img_ids, txt_ids=txt_ids,
+                    guidance=torch.full((1,), 4.0, device=device, dtype=torch.float32), return_dict=False)
+    return dict(hidden_states=hidden, encoder_hidden_states=text, encoder_hidden_states_mask=None, timestep=timestep,
+                img_shapes=[[(1, h, w)]], return_dict=False)
+
+
+def forward(model: nn.Module, inputs: dict) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(**inputs)[0]
+
+
+def time_steps(model: nn.Module, inputs: dict, warmup: int, timed: int, device) -> tuple[float, float, torch.Tensor]:
+    """(median ms per step, peak GB during the timed steps, output of the last step)."""
+    cuda = device.type == "cuda"
+    out = None
+    for _ in range(warmup):
+        out = forward(model, inputs)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(timed):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = forward(model, inputs)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            out = forward(model, inputs)
+            times.append((time.perf_counter() - t0) * 1000.0)
+    times.sort()
+    peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
+    return times[len(times) // 2], peak, out
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (NaN-safe, unlike torch.equal on floats)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _free(*objs) -> None:
+    del objs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Main.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run(args) -> dict:
+    import importlib
+
+    from diffusers_nvfp4_fast import ops
+
+    try:
+        from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths
+    except ImportError:  # fast paths not available in this checkout: time 'off' only
+        enable_fast_paths = disable_fast_paths = None
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if args.tiny:
+        common = None
+        result = {"benchmark": "transformer_step", "device": "cpu (tiny dry run)", "cases": []}
+    else:
+        common = importlib.import_module("common")
+        result = common.header("transformer_step", common.copy_bandwidth_gbps())
+    result["model"] = args.model
+    result["tiny"] = args.tiny
+    result["inputs"] = {"height": args.height, "width": args.width, "image_tokens": (args.height // 16) * (args.width // 16),
+                        "text_tokens": args.text_tokens, "batch": 1}
+    result["timing"] = f"median of {args.steps_timed} forwards after {args.warmup} warm-up forwards (CUDA events)"
+    result["input_scale"] = f"fixed: amax {INPUT_AMAX} -> input_scale = {INPUT_AMAX}/2688"
+    shape = {"model": args.model, **result["inputs"]}
+    t_start = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+
+    # ---- NVFP4 model -----------------------------------------------------------------------------------------
+    model = empty_model(args.model, args.tiny)
+    bf16_bytes = bf16_param_bytes(model)
+    counts = materialize(model, args.model, device, nvfp4=True)
+    weight_bytes = tensor_bytes(model)
+    backend = ops.gemm_backend(device)
+    log(f"NVFP4 {args.model} built: {counts}, weights {weight_bytes / 1e9:.2f} GB (BF16 would be {bf16_bytes / 1e9:.2f} GB), "
+        f"GEMM backend {backend}")
+    result["gemm_backend"] = backend
+    result["layers"] = counts
+    inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
+
+    ms_off, peak_off, out_off = time_steps(model, inputs, args.warmup, args.steps_timed, device)
+    log(f"fast paths off: {ms_off:.1f} ms/step, peak {peak_off:.1f} GB")
+    out_off2 = forward(model, inputs)
+    repeatable = same_bytes(out_off, out_off2)
+    finite = torch.isfinite(out_off.float()).float().mean().item()
+    cases = [{"shape": shape, "variant": "nvfp4_fast_off", "ms_per_step": round(ms_off, 2), "peak_mem_GB": round(peak_off, 2),
+              "weight_GB": round(weight_bytes / 1e9, 3), "weight_bytes": weight_bytes, "exact": repeatable,
+              "finite_fraction": round(finite, 6)}]
+    if enable_fast_paths is not None:
+        report = enable_fast_paths(model)
+        ms_on, peak_on, out_on = time_steps(model, inputs, args.warmup, args.steps_timed, device)
+        report = enable_fast_paths(model)  # enabling twice only returns the report (with the counts of the runs)
+        disable_fast_paths(model)
+        out_after = forward(model, inputs)
+        exact = same_bytes(out_on, out_off) and same_bytes(out_after, out_off)
+        log(f"fast paths on: {ms_on:.1f} ms/step, peak {peak_on:.1f} GB, byte-identical to off: {exact}")
+        cases.append({"shape": shape, "variant": "nvfp4_fast_on", "ms_per_step": round(ms_on, 2),
+                      "peak_mem_GB": round(peak_on, 2), "weight_GB": round(weight_bytes / 1e9, 3), "weight_bytes": weight_bytes,
+                      "exact": exact,
+                      "fast_path_report": _jsonable(report)})
+        del out_on, out_after
+    else:
+        log("enable_fast_paths is not available: timing 'off' only")
+    _free(model, inputs, out_off, out_off2)
+    model = inputs = out_off = out_off2 = None
+
+    # ---- BF16 model (built only after the NVFP4 model is gone) -------------------------------------------------
+    fits = True
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        fits = bf16_bytes + 12e9 < free  # weights + headroom for activations at these token counts
+    if fits and not args.skip_bf16:
+        model = empty_model(args.model, args.tiny)
+        materialize(model, args.model, device, nvfp4=False)
+        bf16_weight = tensor_bytes(model)
+        inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
+        ms_bf16, peak_bf16, out_bf16 = time_steps(model, inputs, args.warmup, args.steps_timed, device)
+        log(f"BF16: {ms_bf16:.1f} ms/step, peak {peak_bf16:.1f} GB, weights {bf16_weight / 1e9:.2f} GB")
+        cases.append({"shape": shape, "variant": "bf16", "ms_per_step": round(ms_bf16, 2), "peak_mem_GB": round(peak_bf16, 2),
+                      "weight_GB": round(bf16_weight / 1e9, 3), "weight_bytes": bf16_weight, "exact": None})
+        _free(model, inputs, out_bf16)
+    else:
+        log(f"BF16 model skipped ({'--skip-bf16' if args.skip_bf16 else f'needs {bf16_bytes / 1e9:.1f} GB'})")
+
+    times = {c["variant"]: c["ms_per_step"] for c in cases}
+    for c in cases:
+        c["speedup_vs"] = {o: round(t / c["ms_per_step"], 3) for o, t in times.items() if o != c["variant"]}
+    result["cases"] = cases
+    result["goals"] = goals(cases)
+    result["wall_s"] = round(time.time() - t_start, 1)
+    return result
+
+
+def goals(cases: list[dict]) -> dict:
+    by = {c["variant"]: c for c in cases}
+    best = by.get("nvfp4_fast_on") or by.get("nvfp4_fast_off")
+    out = {}
+    if "bf16" in by and best:
+        speed = by["bf16"]["ms_per_step"] / best["ms_per_step"]
+        mem = by["bf16"]["weight_bytes"] / best["weight_bytes"]
+        out["nvfp4_vs_bf16_speed"] = {"value": round(speed, 3), "goal": GOALS["nvfp4_vs_bf16_speed"],
+                                      "met": speed >= GOALS["nvfp4_vs_bf16_speed"]}
+        out["weight_memory_ratio"] = {"value": round(mem, 2), "goal": f"about {GOALS['weight_memory_ratio']}",
+                                      "met": mem >= GOALS["weight_memory_ratio"] * 0.9}
+    if "nvfp4_fast_on" in by:
+        on, off = by["nvfp4_fast_on"], by["nvfp4_fast_off"]
+        faster = on["ms_per_step"] < off["ms_per_step"]
+        out["fast_paths_on_faster_and_identical"] = {"speedup": round(off["ms_per_step"] / on["ms_per_step"], 3),
+                                                     "exact": on["exact"], "met": faster and bool(on["exact"])}
+    return out
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj if not (isinstance(obj, float) and math.isnan(obj)) else None
+    return str(obj)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=list(MODELS), required=True)
+    ap.add_argument("--height", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--text-tokens", type=int, default=512)
+    ap.add_argument("--steps-timed", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed forwards first (Triton compile + GEMM autotune)")
+    ap.add_argument("--skip-bf16", action="store_true", help="do not build/time the BF16 model")
+    ap.add_argument("--tiny", action="store_true", help="tiny config on CPU (emulated GEMM): checks the logic, no timing value")
+    args = ap.parse_args()
+    if args.tiny:
+        args.height = args.width = min(args.height, 64)
+        args.text_tokens = min(args.text_tokens, 8)
+    elif not torch.cuda.is_available():
+        sys.exit("bench_transformer_step needs a CUDA GPU (or --tiny for a CPU dry run)")
+    if args.steps_timed < 1 or (args.steps_timed < 5 and not args.tiny):
+        print("note: the issue asks for the median of >= 5 timed steps", file=sys.stderr)
+
+    result = run(args)
+    if args.tiny:
+        print("tiny dry run (not written):")
+    else:
+        import common
+
+        path = common.write_result(result, name=f"transformer_step-{args.model}")
+        print(f"-> {path}")
+    print(f"{'variant':16s} {'ms/step':>10s} {'peak GB':>8s} {'weight GB':>9s} {'exact':>6s}  speedup_vs")
+    for c in result["cases"]:
+        print(f"{c['variant']:16s} {c['ms_per_step']:10.1f} {c['peak_mem_GB']:8.2f} {c['weight_GB']:9.3f} {str(c['exact']):>6s}  "
+              f"{c['speedup_vs']}")
+    print(f"goals: {result['goals']}")
+    print(f"wall {result['wall_s']} s")
+
+
+if __name__ == "__main__":
+    main()
