@@ -449,8 +449,11 @@ def nvfp4_gemm(
         raise ValueError(f"nvfp4_gemm: K={k} is not a multiple of 16")
     _check_scales(x_scales, m, k, "x_scales")
     _check_scales(w_scales, n, k, "w_scales")
-    if alpha.numel() != 1 or alpha.dtype != torch.float32:
-        raise ValueError("nvfp4_gemm: alpha must be a one-element float32 tensor")
+    if alpha.numel() != 1 or alpha.dtype != torch.float32 or alpha.device != x_packed.device:
+        raise ValueError(f"nvfp4_gemm: alpha must be a one-element float32 tensor on {x_packed.device}, got "
+                         f"{alpha.dtype} {tuple(alpha.shape)} on {alpha.device}")
+    if not (x_scales.device == w_packed.device == w_scales.device == x_packed.device):
+        raise ValueError("nvfp4_gemm: all operands must be on the same device")
     x_packed = x_packed if x_packed.stride(1) == 1 else x_packed.contiguous()
     w_packed = w_packed if w_packed.stride(1) == 1 else w_packed.contiguous()
 
