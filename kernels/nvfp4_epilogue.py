@@ -55,14 +55,19 @@ def e4m3_value(byte):
 
 @triton.jit
 def e2m1_code(v):
-    """FP32 -> E2M1 code (int32 0..15): nearest, ties to the even code, saturating; sign bit kept; NaN -> 7."""
-    a = tl.abs(v)
-    code = (
-        (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
-        + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
-    )
-    sign = (v.to(tl.int32, bitcast=True) >> 28) & 8
-    return tl.where(v != v, 7, code | sign)
+    """FP32 -> E2M1 code (int32 0..15): nearest, ties to the even code, saturating; sign bit kept; NaN -> 7.
+
+    Works on the bits instead of comparing against the seven midpoints: for |v| in [1, 6] rounding the FP32
+    mantissa to one bit (ties to even) yields (exponent, mantissa) = the code; below 1 the code is rint(2|v|).
+    """
+    nan = v != v
+    a = tl.where(nan, 6.0, tl.minimum(tl.abs(v), 6.0))
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    small = ((a * 2.0 + TWO_POW_23) - TWO_POW_23).to(tl.int32)
+    code = tl.where(a >= 1.0, normal, small)
+    sign = tl.where(nan, 0, (v.to(tl.int32, bitcast=True) >> 28) & 8)
+    return code | sign
 
 
 @triton.jit
@@ -121,19 +126,24 @@ def store_nvfp4_pairs(
 ):
     """Store ``quantize_pairs`` output for rows ``rows`` (int ``[BLOCK_R]``) and 16-blocks ``kb0 .. kb0+BLOCK_C``.
 
-    Packed bytes go to ``packed_ptr[M, K/2]`` for real rows/blocks; scales go to the 128x4 layout for every row below
-    round_up(M, 128) and block below ``padded_cols``, so tiles that cover the padding write its zeros.
+    ``packed_ptr`` and ``scales_ptr`` are int32 views of the uint8 outputs: bytes are assembled into little-endian
+    words first, so each thread issues a quarter of the stores. Packed words go to ``[M, K/8]`` for real rows and
+    blocks; scale words to the 128x4 layout (4 consecutive k-blocks of a row are one word there; ``kb0`` and
+    ``BLOCK_C`` are multiples of 4) for every row below round_up(M, 128) and block below ``padded_cols``, so tiles
+    that cover the padding write its zeros.
     """
+    shift = (tl.arange(0, 4) * 8)[None, None, None, :]
+    words = tl.sum(tl.reshape(byte, [BLOCK_R, BLOCK_C, 2, 4]) << shift, axis=3)
     kbs = kb0 + tl.arange(0, BLOCK_C)
-    j = tl.arange(0, 8)
     r = rows[:, None, None]
-    kb = kbs[None, :, None]
-    pmask = (r < M) & (kb < K // 16)
-    poffs = r.to(tl.int64) * (K // 2) + kb * 8 + j[None, None, :]
-    tl.store(packed_ptr + poffs, byte.to(tl.uint8), mask=pmask)
-    smask = (rows[:, None] < ((M + 127) // 128) * 128) & (kbs[None, :] < padded_cols)
-    soffs = swizzled_scale_offset(rows[:, None].to(tl.int64), kbs[None, :], padded_cols)
-    tl.store(scales_ptr + soffs, sf_byte.to(tl.uint8), mask=smask)
+    pmask = (r < M) & (kbs[None, :, None] < K // 16)
+    poffs = r * (K // 8) + kbs[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
+    tl.store(packed_ptr + poffs, words, mask=pmask)
+    sf_words = tl.sum(tl.reshape(sf_byte, [BLOCK_R, BLOCK_C // 4, 4]) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
+    kb4 = kb0 + tl.arange(0, BLOCK_C // 4) * 4
+    smask = (rows[:, None] < ((M + 127) // 128) * 128) & (kb4[None, :] < padded_cols)
+    soffs = swizzled_scale_offset(rows[:, None], kb4[None, :], padded_cols) // 4
+    tl.store(scales_ptr + soffs, sf_words, mask=smask)
 
 
 @triton.jit
@@ -144,8 +154,8 @@ def load_pairs(ptr, rows, kbs, row_stride, mask, IS_BF16: tl.constexpr):
     low half); ``row_stride`` is in words; ``mask`` is ``[BLOCK_R, BLOCK_C, 1]``. Masked elements read as 0.
     """
     j = tl.arange(0, 8)
-    offs = rows[:, None, None].to(tl.int64) * row_stride + kbs[None, :, None] * 8 + j[None, None, :]
-    w = tl.load(ptr + offs, mask=mask, other=0)
+    row_ptr = ptr + rows[:, None, None].to(tl.int64) * row_stride
+    w = tl.load(row_ptr + (kbs[None, :, None] * 8 + j[None, None, :]), mask=mask, other=0)
     if IS_BF16:
         lo = (w << 16).to(tl.float32, bitcast=True)
         hi = (w & -65536).to(tl.float32, bitcast=True)
@@ -162,7 +172,8 @@ def store_nvfp4_tile(
 ):
     """Quantize and store an FP32 tile ``x [BLOCK_R, BLOCK_K]`` whose first column is ``col0`` (a multiple of 16).
 
-    For kernels that compute their values in registers (out-of-range elements must be 0); see ``store_nvfp4_pairs``.
+    For kernels that compute their values in registers (out-of-range elements must be 0); see ``store_nvfp4_pairs``
+    (including its int32 views of the outputs). ``BLOCK_K`` must be a multiple of 64.
     """
     lo, hi = tl.split(tl.reshape(x, [BLOCK_R, BLOCK_K // 16, 8, 2]))
     byte, sf_byte = quantize_pairs(lo, hi, g, FAST_MATH, HW_E2M1)

@@ -56,7 +56,7 @@ def token_cat_quantize(
     scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=a.device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
     _token_cat_quantize_kernel[grid](
-        a_words, b_words, global_scale, packed, scales, m, width_a, width_b, stride_a, stride_b, scales.shape[1], col_tiles,
+        a_words, b_words, global_scale, packed.view(torch.int32), scales.view(torch.int32), m, width_a, width_b, stride_a, stride_b, scales.shape[1], col_tiles,
         BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=a.dtype == torch.bfloat16, **launch_options(a.device, fast_math, num_warps),
     )
     return packed, scales
