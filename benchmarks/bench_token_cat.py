@@ -75,8 +75,8 @@ def sweep(a_width: int, b_width: int) -> list[dict]:
     b = torch.randn(4096, b_width, device="cuda", dtype=torch.bfloat16)
     x = torch.cat([a, b], -1)
     rows = []
-    for block_r, block_c, warps in [(1, 64, 2), (2, 32, 2), (4, 16, 2), (4, 32, 4), (8, 8, 2), (8, 16, 4), (16, 8, 4),
-                                    (8, 32, 8), (16, 16, 8), (32, 8, 8), (4, 64, 8), (2, 64, 4)]:
+    for block_r, block_c, warps in [(4, 32, 4), (8, 32, 4), (8, 16, 4), (16, 16, 4), (8, 64, 8), (16, 32, 8),
+                                    (32, 16, 8), (4, 64, 4)]:
         kw = dict(block_r=block_r, block_c=block_c, num_warps=warps)
         rows.append({"block_r": block_r, "block_c": block_c, "num_warps": warps,
                      "fused_us": round(time_us(lambda: kernels.token_cat_quantize(a, b, g, **kw)), 2),

@@ -17,21 +17,21 @@ def tile_grid(m: int, padded_cols: int, block_r: int, block_c: int) -> tuple[tup
     return (row_tiles * col_tiles,), col_tiles
 
 
-def as_word_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A 2-D bf16/fp16 matrix as int32 words (two values each) and its row stride in words.
+def as_block_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A 2-D bf16/fp16 matrix as int64 words (four values each) and its row stride in words.
 
-    Rows may be strided; the last dimension must be contiguous and every row start 4-byte aligned, otherwise a
+    Rows may be strided; the last dimension must be contiguous and every row start 8-byte aligned, otherwise a
     contiguous copy is made.
     """
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"NVFP4 kernels take bfloat16/float16 input, got {x.dtype}")
-    if x.stride(-1) != 1 or x.stride(0) % 2 or x.data_ptr() % 4:
+    if x.shape[0] and (x.stride(-1) != 1 or x.stride(0) % 4 or x.data_ptr() % 8):
         x = x.contiguous()
-    words = x.view(torch.int32)
+    words = x.view(torch.int64)
     return words, words.stride(0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 

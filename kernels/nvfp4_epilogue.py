@@ -60,14 +60,13 @@ def e2m1_code(v):
     Works on the bits instead of comparing against the seven midpoints: for |v| in [1, 6] rounding the FP32
     mantissa to one bit (ties to even) yields (exponent, mantissa) = the code; below 1 the code is rint(2|v|).
     """
-    nan = v != v
-    a = tl.where(nan, 6.0, tl.minimum(tl.abs(v), 6.0))
+    # NaN gets a meaningless code from the bit path (tl.minimum does not define NaN handling) and is replaced last.
+    a = tl.minimum(tl.abs(v), 6.0)
     bits = a.to(tl.int32, bitcast=True)
     normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
     small = ((a * 2.0 + TWO_POW_23) - TWO_POW_23).to(tl.int32)
-    code = tl.where(a >= 1.0, normal, small)
-    sign = tl.where(nan, 0, (v.to(tl.int32, bitcast=True) >> 28) & 8)
-    return code | sign
+    code = tl.where(a >= 1.0, normal, small) | ((v.to(tl.int32, bitcast=True) >> 28) & 8)
+    return tl.where(v != v, 7, code)
 
 
 @triton.jit
@@ -126,11 +125,10 @@ def store_nvfp4_pairs(
 ):
     """Store ``quantize_pairs`` output for rows ``rows`` (int ``[BLOCK_R]``) and 16-blocks ``kb0 .. kb0+BLOCK_C``.
 
-    ``packed_ptr`` and ``scales_ptr`` are int32 views of the uint8 outputs: bytes are assembled into little-endian
-    words first, so each thread issues a quarter of the stores. Packed words go to ``[M, K/8]`` for real rows and
-    blocks; scale words to the 128x4 layout (4 consecutive k-blocks of a row are one word there; ``kb0`` and
-    ``BLOCK_C`` are multiples of 4) for every row below round_up(M, 128) and block below ``padded_cols``, so tiles
-    that cover the padding write its zeros.
+    ``packed_ptr`` is an int32 view of the packed output (bytes are assembled into little-endian words first, so
+    each thread issues a quarter of the stores): words go to ``[M, K/8]`` for real rows and blocks. ``scales_ptr``
+    is uint8: scale bytes go to the 128x4 layout for every row below round_up(M, 128) and block below
+    ``padded_cols``, so tiles that cover the padding write its zeros.
     """
     shift = (tl.arange(0, 4) * 8)[None, None, None, :]
     words = tl.sum(tl.reshape(byte, [BLOCK_R, BLOCK_C, 2, 4]) << shift, axis=3)
@@ -139,11 +137,9 @@ def store_nvfp4_pairs(
     pmask = (r < M) & (kbs[None, :, None] < K // 16)
     poffs = r * (K // 8) + kbs[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
     tl.store(packed_ptr + poffs, words, mask=pmask)
-    sf_words = tl.sum(tl.reshape(sf_byte, [BLOCK_R, BLOCK_C // 4, 4]) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
-    kb4 = kb0 + tl.arange(0, BLOCK_C // 4) * 4
-    smask = (rows[:, None] < ((M + 127) // 128) * 128) & (kb4[None, :] < padded_cols)
-    soffs = swizzled_scale_offset(rows[:, None], kb4[None, :], padded_cols) // 4
-    tl.store(scales_ptr + soffs, sf_words, mask=smask)
+    smask = (rows[:, None] < ((M + 127) // 128) * 128) & (kbs[None, :] < padded_cols)
+    soffs = swizzled_scale_offset(rows[:, None], kbs[None, :], padded_cols)
+    tl.store(scales_ptr + soffs, sf_byte.to(tl.uint8), mask=smask)
 
 
 @triton.jit
@@ -178,3 +174,85 @@ def store_nvfp4_tile(
     lo, hi = tl.split(tl.reshape(x, [BLOCK_R, BLOCK_K // 16, 8, 2]))
     byte, sf_byte = quantize_pairs(lo, hi, g, FAST_MATH, HW_E2M1)
     store_nvfp4_pairs(byte, sf_byte, rows, col0 // 16, packed_ptr, scales_ptr, M, K, padded_cols, BLOCK_R, BLOCK_K // 16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Whole-block path for kernels that load their input: one thread owns whole 16-blocks, so the block maximum, the
+# scale and the packing need no cross-thread reductions or layout conversions.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _unpack4(q, IS_BF16: tl.constexpr):
+    """int64 holding four consecutive 16-bit values (first in the lowest bits) -> four FP32 values."""
+    lo = q.to(tl.int32)
+    hi = (q >> 32).to(tl.int32)
+    if IS_BF16:
+        return ((lo << 16).to(tl.float32, bitcast=True), (lo & -65536).to(tl.float32, bitcast=True),
+                (hi << 16).to(tl.float32, bitcast=True), (hi & -65536).to(tl.float32, bitcast=True))
+    else:
+        return ((lo & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                (lo >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                (hi & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                (hi >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def _nan_abs(v):
+    return tl.where(v != v, 0.0, tl.abs(v))
+
+
+@triton.jit
+def _max4(a, b, c, d):
+    return tl.maximum(tl.maximum(_nan_abs(a), _nan_abs(b)), tl.maximum(_nan_abs(c), _nan_abs(d)))
+
+
+@triton.jit
+def _pair_byte(lo, hi, f, HW_E2M1: tl.constexpr):
+    if HW_E2M1:
+        return e2m1x2_hw(hi * f, lo * f)
+    else:
+        return e2m1_code(lo * f) | (e2m1_code(hi * f) << 4)
+
+
+@triton.jit
+def _quarter_word(a, b, c, d, f, HW_E2M1: tl.constexpr):
+    """Four values -> 16 bits: two packed bytes, element order kept (low nibble = earlier element)."""
+    return _pair_byte(a, b, f, HW_E2M1) | (_pair_byte(c, d, f, HW_E2M1) << 8)
+
+
+@triton.jit
+def quantize_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
+    """Four int64 tensors ``[R, C]`` (elements 4i..4i+3 of each 16-block in ``q_i``) -> (packed int64 ``[R, C]``:
+    the block's 8 packed bytes, little-endian; E4M3 scale byte int32 ``[R, C]``)."""
+    e0, e1, e2, e3 = _unpack4(q0, IS_BF16)
+    e4, e5, e6, e7 = _unpack4(q1, IS_BF16)
+    e8, e9, e10, e11 = _unpack4(q2, IS_BF16)
+    e12, e13, e14, e15 = _unpack4(q3, IS_BF16)
+    vec_max = tl.maximum(tl.maximum(_max4(e0, e1, e2, e3), _max4(e4, e5, e6, e7)),
+                         tl.maximum(_max4(e8, e9, e10, e11), _max4(e12, e13, e14, e15)))
+    sf_byte, f = block_scale_and_factor(vec_max, g, FAST_MATH)
+    w0 = _quarter_word(e0, e1, e2, e3, f, HW_E2M1) | (_quarter_word(e4, e5, e6, e7, f, HW_E2M1) << 16)
+    w1 = _quarter_word(e8, e9, e10, e11, f, HW_E2M1) | (_quarter_word(e12, e13, e14, e15, f, HW_E2M1) << 16)
+    packed = w0.to(tl.uint32).to(tl.int64) | (w1.to(tl.int64) << 32)
+    return packed, sf_byte
+
+
+@triton.jit
+def load_blocks(ptr, rows, kbs, row_stride, mask):
+    """The four int64 quarters of 16-blocks ``kbs`` (int ``[BLOCK_C]``) of rows ``rows``; ``ptr`` is the bf16/fp16
+    matrix viewed as int64 (four values each), ``row_stride`` in int64 units, ``mask`` ``[BLOCK_R, BLOCK_C]``."""
+    p = ptr + rows[:, None].to(tl.int64) * row_stride + kbs[None, :] * 4
+    return (tl.load(p, mask=mask, other=0), tl.load(p + 1, mask=mask, other=0),
+            tl.load(p + 2, mask=mask, other=0), tl.load(p + 3, mask=mask, other=0))
+
+
+@triton.jit
+def store_blocks(packed, sf_byte, rows, kbs, packed_ptr, scales_ptr, M, K, padded_cols):
+    """``packed_ptr``: the packed output viewed as int64 ``[M, K/16]`` (one word per block); ``scales_ptr``: uint8
+    128x4 layout, written for rows below round_up(M, 128) and blocks below ``padded_cols`` (padding gets zeros)."""
+    r = rows[:, None]
+    kb = kbs[None, :]
+    tl.store(packed_ptr + r.to(tl.int64) * (K // 16) + kb, packed, mask=(r < M) & (kb < K // 16))
+    smask = (r < ((M + 127) // 128) * 128) & (kb < padded_cols)
+    tl.store(scales_ptr + swizzled_scale_offset(r, kb, padded_cols), sf_byte.to(tl.uint8), mask=smask)

@@ -4,28 +4,28 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import as_word_rows, launch_options, padded_scale_shape, tile_grid
-from .nvfp4_epilogue import load_pairs, quantize_pairs, store_nvfp4_pairs
+from .launch import as_block_rows, launch_options, padded_scale_shape, tile_grid
+from .nvfp4_epilogue import load_blocks, quantize_blocks, store_blocks
 
 
 @triton.jit
 def _quantize_nvfp4_kernel(
-    x_ptr, g_ptr, packed_ptr, scales_ptr, M, K, stride_words, padded_cols, col_tiles,
+    x_ptr, g_ptr, packed_ptr, scales_ptr, M, K, row_stride, padded_cols, col_tiles,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
     HW_E2M1: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
-    kb0 = (pid % col_tiles) * BLOCK_C
-    kbs = kb0 + tl.arange(0, BLOCK_C)
-    mask = ((rows[:, None] < M) & (kbs[None, :] < K // 16))[:, :, None]
-    lo, hi = load_pairs(x_ptr, rows, kbs, stride_words, mask, IS_BF16)
-    byte, sf_byte = quantize_pairs(lo, hi, tl.load(g_ptr), FAST_MATH, HW_E2M1)
-    store_nvfp4_pairs(byte, sf_byte, rows, kb0, packed_ptr, scales_ptr, M, K, padded_cols, BLOCK_R, BLOCK_C)
+    kbs = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows[:, None] < M) & (kbs[None, :] < K // 16)
+    q0, q1, q2, q3 = load_blocks(x_ptr, rows, kbs, row_stride, mask)
+    packed, sf_byte = quantize_blocks(q0, q1, q2, q3, tl.load(g_ptr), IS_BF16, FAST_MATH, HW_E2M1)
+    store_blocks(packed, sf_byte, rows, kbs, packed_ptr, scales_ptr, M, K, padded_cols)
 
 
 def quantize_nvfp4(
-    x: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True, block_r: int = 16, block_c: int = 8, num_warps: int = 4,
+    x: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True, block_r: int = 8, block_c: int = 32,
+    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: ``[M, K]`` bf16/fp16 (rows may be strided), global_scale: fp32 1-element tensor on x's device.
 
@@ -36,12 +36,12 @@ def quantize_nvfp4(
     m, k = x.shape
     if k % 16:
         raise ValueError(f"K={k} must be a multiple of 16")
-    words, stride_words = as_word_rows(x)
+    blocks, row_stride = as_block_rows(x)
     packed = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=x.device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
     _quantize_nvfp4_kernel[grid](
-        words, global_scale, packed.view(torch.int32), scales.view(torch.int32), m, k, stride_words, scales.shape[1], col_tiles,
+        blocks, global_scale, packed.view(torch.int64), scales, m, k, row_stride, scales.shape[1], col_tiles,
         BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16, **launch_options(x.device, fast_math, num_warps),
     )
     return packed, scales

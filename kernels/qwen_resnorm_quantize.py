@@ -256,11 +256,10 @@ def _qwen_resnorm_quantize_kernel(
     else:
         # Padding row of the 128x4 scale layout: its scale bytes are 0 (D % 512 == 0, so D/16 == padded_cols and
         # every k-block is covered by the chunks).
-        # ``scales_ptr`` is an int32 view: four consecutive k-blocks of a row form one word of the 128x4 layout.
         for j in tl.static_range(D // CHUNK):
-            kb4 = j * (CHUNK // 16) + tl.arange(0, CHUNK // 64) * 4
-            offs_sf = swizzled_scale_offset(row, kb4, padded_cols) // 4
-            tl.store(scales_ptr + offs_sf, tl.zeros([CHUNK // 64], tl.int32))
+            kblocks = j * (CHUNK // 16) + tl.arange(0, CHUNK // 16)
+            offs_sf = swizzled_scale_offset(row.to(tl.int64), kblocks, padded_cols)
+            tl.store(scales_ptr + offs_sf, tl.zeros([CHUNK // 16], tl.uint8))
 
 
 @triton.jit
@@ -385,7 +384,7 @@ def qwen_resnorm_quantize(
         approx_rsqrt = not _interpreting()
     _qwen_resnorm_quantize_kernel[(scales.shape[0],)](
         residual, x, x if bias is None else bias, gate, scale, shift, global_scale, out,
-        packed.view(torch.int32), scales.view(torch.int32),
+        packed.view(torch.int32), scales,
         m, l_len, float(eps),
         residual.stride(0), residual.stride(1), x.stride(0), x.stride(1), *strides,
         scales.shape[1],

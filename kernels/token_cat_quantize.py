@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import as_word_rows, launch_options, padded_scale_shape, tile_grid
-from .nvfp4_epilogue import load_pairs, quantize_pairs, store_nvfp4_pairs
+from .launch import as_block_rows, launch_options, padded_scale_shape, tile_grid
+from .nvfp4_epilogue import load_blocks, quantize_blocks, store_blocks
 
 
 @triton.jit
@@ -21,23 +21,21 @@ def _token_cat_quantize_kernel(
 ):
     pid = tl.program_id(0)
     rows = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
-    kb0 = (pid % col_tiles) * BLOCK_C
-    kbs = kb0 + tl.arange(0, BLOCK_C)
+    kbs = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
     a_blocks = A // 16
     row_ok = rows[:, None] < M
-    in_a = (row_ok & (kbs[None, :] < a_blocks))[:, :, None]
-    in_b = (row_ok & (kbs[None, :] >= a_blocks) & (kbs[None, :] < a_blocks + B // 16))[:, :, None]
-    lo_a, hi_a = load_pairs(a_ptr, rows, kbs, stride_a, in_a, IS_BF16)
-    lo_b, hi_b = load_pairs(b_ptr, rows, kbs - a_blocks, stride_b, in_b, IS_BF16)
-    lo = tl.where(in_a, lo_a, lo_b)
-    hi = tl.where(in_a, hi_a, hi_b)
-    byte, sf_byte = quantize_pairs(lo, hi, tl.load(g_ptr), FAST_MATH, HW_E2M1)
-    store_nvfp4_pairs(byte, sf_byte, rows, kb0, packed_ptr, scales_ptr, M, A + B, padded_cols, BLOCK_R, BLOCK_C)
+    in_a = row_ok & (kbs[None, :] < a_blocks)
+    in_b = row_ok & (kbs[None, :] >= a_blocks) & (kbs[None, :] < a_blocks + B // 16)
+    a0, a1, a2, a3 = load_blocks(a_ptr, rows, kbs, stride_a, in_a)
+    b0, b1, b2, b3 = load_blocks(b_ptr, rows, kbs - a_blocks, stride_b, in_b)
+    # Masked lanes loaded 0, so OR-ing the two sources picks whichever one the block belongs to.
+    packed, sf_byte = quantize_blocks(a0 | b0, a1 | b1, a2 | b2, a3 | b3, tl.load(g_ptr), IS_BF16, FAST_MATH, HW_E2M1)
+    store_blocks(packed, sf_byte, rows, kbs, packed_ptr, scales_ptr, M, A + B, padded_cols)
 
 
 def token_cat_quantize(
     attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True,
-    block_r: int = 16, block_c: int = 8, num_warps: int = 4,
+    block_r: int = 8, block_c: int = 32, num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attn ``[..., A]``, mlp ``[..., B]`` (same leading dims, bf16/fp16; rows may be strided) ->
     packed uint8 ``[R, (A+B)/2]`` and 128x4 scales uint8 ``[round_up(R,128), round_up((A+B)/16,4)]``."""
@@ -50,13 +48,14 @@ def token_cat_quantize(
         raise ValueError(
             f"token_cat_quantize: attn {tuple(attn.shape)} and mlp {tuple(mlp.shape)} need equal rows and widths % 16 == 0"
         )
-    (a_words, stride_a), (b_words, stride_b) = as_word_rows(a), as_word_rows(b)
+    (a_blocks, stride_a), (b_blocks, stride_b) = as_block_rows(a), as_block_rows(b)
     k = width_a + width_b
     packed = torch.empty((m, k // 2), dtype=torch.uint8, device=a.device)
     scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=a.device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
     _token_cat_quantize_kernel[grid](
-        a_words, b_words, global_scale, packed.view(torch.int32), scales.view(torch.int32), m, width_a, width_b, stride_a, stride_b, scales.shape[1], col_tiles,
+        a_blocks, b_blocks, global_scale, packed.view(torch.int64), scales, m, width_a, width_b, stride_a, stride_b,
+        scales.shape[1], col_tiles,
         BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=a.dtype == torch.bfloat16, **launch_options(a.device, fast_math, num_warps),
     )
     return packed, scales

@@ -56,12 +56,12 @@ def test_kernels_compile_ahead_of_time(capability, fast_math):
     from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
 
     hw = capability >= 100
-    consts = {"BLOCK_R": 16, "BLOCK_C": 8, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": hw}
+    consts = {"BLOCK_R": 8, "BLOCK_C": 32, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": hw}
     signatures = {
-        _quantize_nvfp4_kernel: {"x_ptr": "*i32", "g_ptr": "*fp32", "packed_ptr": "*i32", "scales_ptr": "*i32", "M": "i32",
-                                 "K": "i32", "stride_words": "i32", "padded_cols": "i32", "col_tiles": "i32"},
-        _token_cat_quantize_kernel: {"a_ptr": "*i32", "b_ptr": "*i32", "g_ptr": "*fp32", "packed_ptr": "*i32",
-                                     "scales_ptr": "*i32", "M": "i32", "A": "i32", "B": "i32", "stride_a": "i32",
+        _quantize_nvfp4_kernel: {"x_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8", "M": "i32",
+                                 "K": "i32", "row_stride": "i32", "padded_cols": "i32", "col_tiles": "i32"},
+        _token_cat_quantize_kernel: {"a_ptr": "*i64", "b_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64",
+                                     "scales_ptr": "*u8", "M": "i32", "A": "i32", "B": "i32", "stride_a": "i32",
                                      "stride_b": "i32", "padded_cols": "i32", "col_tiles": "i32"},
     }
     for fn, sig in signatures.items():
