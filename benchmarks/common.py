@@ -51,7 +51,6 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     y = torch.empty_like(x)
     # Eager: inside a CUDA graph a device-to-device copy becomes a copy-engine memcpy node, which is slower.
     us = time_us(lambda: y.copy_(x), warmup=5, iters=30, graph=False)
-    del x, y
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 

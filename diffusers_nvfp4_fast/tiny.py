@@ -313,6 +313,7 @@ def export_nvfp4(
 def quantize_tiny_pipeline(which: str, out_dir: str | Path, *, size: int = 64, steps: int = 2) -> Path:
     """Build the tiny ``which`` pipeline, calibrate on one generation, export its transformer as NVFP4."""
     pipe, kwargs = TINY_PIPELINES[which]()
+    pipe.set_progress_bar_config(disable=True)
     exclude = TINY_EXCLUDES[which]
     names = [n for n, m in pipe.transformer.named_modules()
              if isinstance(m, nn.Linear) and not _pattern_match(n, exclude)]

@@ -16,7 +16,6 @@ from diffusers_nvfp4_fast import (
     ops,
     tiny,
 )
-from modelopt_fixtures import pipeline_sha
 
 KIND = {"flux2": "flux2_token_cat", "klein": "flux2_token_cat", "qwen": "qwen_resnorm"}
 

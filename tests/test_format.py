@@ -146,6 +146,7 @@ def test_modelopt_weight_quantizer_agrees_except_documented_differences(tmp_path
         w[1, :16] = w.abs().max() * 1e-6     # block scale far below 2^-9
     base = {k: v.clone() for k, v in model.state_dict().items()}
     from modelopt_fixtures import FLUX2_EXCLUDE_RE
+
     from tests._modelopt_export import flux2_batch
 
     gen = torch.Generator().manual_seed(0)

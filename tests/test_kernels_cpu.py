@@ -3,7 +3,6 @@ and must match the torch reference byte for byte; ahead-of-time compilation prov
 (fast-math inline PTX, hardware E2M1 conversion) build."""
 
 import pytest
-
 from kernel_subprocess import run_interpreted
 
 triton = pytest.importorskip("triton", reason="Triton is not installed; these tests need it (pip install -e .[test])")
@@ -49,11 +48,10 @@ def test_interpreted_kernels_match_reference():
 @pytest.mark.parametrize("capability", [90, 100, 120])
 @pytest.mark.parametrize("fast_math", [True, False])
 def test_kernels_compile_ahead_of_time(capability, fast_math):
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
     from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
 
     hw = capability >= 100
     consts = {"BLOCK_R": 8, "BLOCK_C": 32, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": hw}

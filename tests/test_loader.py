@@ -8,13 +8,13 @@ import sys
 
 import pytest
 import torch
+from modelopt_fixtures import base_transformer, pipeline_sha
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from diffusers_nvfp4_fast import NVFP4CheckpointError, NVFP4Linear, load_nvfp4_transformer, tiny
 from diffusers_nvfp4_fast.format import decode_nvfp4, swap_nibbles, unswizzle_scales
 from diffusers_nvfp4_fast.loading import classify_scale_layout, is_excluded
-from modelopt_fixtures import base_transformer, pipeline_sha
 
 WHICH = ["flux2", "klein", "qwen"]
 EXPECTED_NVFP4 = {"flux2": 16, "klein": 16, "qwen": 28}

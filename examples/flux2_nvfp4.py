@@ -1,0 +1,52 @@
+"""FLUX.2 with NVFP4 weights: load, generate with fast paths off and on, compare the PNG bytes.
+
+    python examples/flux2_nvfp4.py --tiny                      # offline, embedded tiny model, CPU or GPU
+    python examples/flux2_nvfp4.py --nvfp4 PATH_OR_REPO [--subfolder transformer] [--filename flux2-dev-nvfp4.safetensors] \\
+        --base black-forest-labs/FLUX.2-dev --prompt "a red fox in snow"
+"""
+
+import argparse
+
+import torch
+from diffusers import Flux2Pipeline
+
+from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report, load_nvfp4_transformer, tiny
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true", help="use the embedded tiny model (no download)")
+    ap.add_argument("--nvfp4", help="ModelOpt NVFP4 export (dir or repo) or a BFL/ComfyUI .safetensors file")
+    ap.add_argument("--subfolder", default=None)
+    ap.add_argument("--filename", default=None)
+    ap.add_argument("--base", default="black-forest-labs/FLUX.2-dev", help="pipeline repo for the other components")
+    ap.add_argument("--prompt", default="a red fox in fresh snow, morning light")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=28)
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    if args.tiny:
+        checkpoint = tiny.quantize_tiny_pipeline("flux2", "flux2-tiny-nvfp4")
+        pipe, call = tiny.tiny_flux2_pipeline(load_nvfp4_transformer(checkpoint))
+        size, steps = 64, 3
+    else:
+        extra = {"filename": args.filename} if args.filename else {}
+        transformer = load_nvfp4_transformer(args.nvfp4, subfolder=args.subfolder, **extra)
+        pipe = Flux2Pipeline.from_pretrained(args.base, transformer=transformer, torch_dtype=torch.bfloat16)
+        call, size, steps = {"prompt": args.prompt}, args.size, args.steps
+    pipe.to(device)
+
+    image_off = tiny.run_pipeline(pipe, call, size=size, steps=steps)
+    enable_fast_paths(pipe)                      # scale layout fix, fused token-cat quantize, FP4 GEMMs
+    image_on = tiny.run_pipeline(pipe, call, size=size, steps=steps)
+    print(fast_path_report(pipe))
+    disable_fast_paths(pipe)
+
+    print("PNG SHA256 off:", tiny.png_sha256(image_off))
+    print("PNG SHA256 on: ", tiny.png_sha256(image_on))
+    image_on.save("flux2_nvfp4.png")
+
+
+if __name__ == "__main__":
+    main()
