@@ -212,3 +212,22 @@ def test_torch_compile_inductor_on_equals_off(modelopt_exports):
             pipe.transformer = model
             disable_fast_paths(model)
     assert on == off
+
+
+def test_kv_cache_processor_variant_is_patched_too(modelopt_exports):
+    from diffusers.models.transformers.transformer_flux2 import Flux2KVParallelSelfAttnProcessor
+
+    from diffusers_nvfp4_fast.patches.flux2 import Flux2FusedKVParallelSelfAttnProcessor
+
+    pipe, kwargs = _pipeline("klein", modelopt_exports)
+    originals = []
+    for block in pipe.transformer.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+        originals.append(block.attn.processor)
+    off = _sha(pipe, kwargs)
+    enable_fast_paths(pipe)
+    assert all(type(b.attn.processor) is Flux2FusedKVParallelSelfAttnProcessor for b in pipe.transformer.single_transformer_blocks)
+    on = _sha(pipe, kwargs)
+    disable_fast_paths(pipe)
+    assert on == off
+    assert all(b.attn.processor is p for b, p in zip(pipe.transformer.single_transformer_blocks, originals))

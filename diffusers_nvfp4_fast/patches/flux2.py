@@ -63,7 +63,7 @@ class _FusedOutputMixin:
         return out.reshape(*attn_out.shape[:-1], to_out.out_features)
 
 
-def _qkv_mlp(attn, hidden_states):
+def _qkv_mlp(attn, hidden_states, image_rotary_emb):
     # diffusers' split of the fused input projection, kept identical (including its tensor-parallel arithmetic).
     projected = attn.to_qkv_mlp_proj(hidden_states)
     qkv_dim = 3 * attn.inner_dim
@@ -71,7 +71,11 @@ def _qkv_mlp(attn, hidden_states):
     local_qkv = projected.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
     qkv, mlp = torch.split(projected, [local_qkv, projected.shape[-1] - local_qkv], dim=-1)
     query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
-    return attn.norm_q(query), attn.norm_k(key), value, mlp
+    query, key = attn.norm_q(query), attn.norm_k(key)
+    if image_rotary_emb is not None:
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    return query, key, value, mlp
 
 
 class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
@@ -87,10 +91,7 @@ class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        query, key, value, mlp = _qkv_mlp(attn, hidden_states)
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb)
         out = dispatch_attention_fn(
             query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
             parallel_config=self._parallel_config,
@@ -116,10 +117,7 @@ class Flux2FusedKVParallelSelfAttnProcessor(_FusedOutputMixin):
         num_txt_tokens: int = 0,
         num_ref_tokens: int = 0,
     ) -> torch.Tensor:
-        query, key, value, mlp = _qkv_mlp(attn, hidden_states)
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb)
         if kv_cache_mode == "extract" and kv_cache is not None and num_ref_tokens > 0:
             ref = slice(num_txt_tokens, num_txt_tokens + num_ref_tokens)
             kv_cache.store(key[:, ref].clone(), value[:, ref].clone())
