@@ -45,7 +45,7 @@ from torch import nn
 
 from .format import BLOCK_SIZE, ScaleLayout, decode_nvfp4, round_up, swap_nibbles, unswizzle_scales
 from .linear import NVFP4Linear
-from .loading import NVFP4CheckpointError
+from .loading import NVFP4CheckpointError, finish_model, replace_linear
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
 
@@ -891,19 +891,11 @@ def _materialize_nvfp4(
             new.dynamic_input_scale = how == "dynamic"
             new.input_scale_source = how
             sources[how] += 1
-            for attr in ("_tp_packed_row_blocks", "_tp_packed_col_blocks"):
-                if hasattr(linear, attr):
-                    setattr(new, attr, getattr(linear, attr))
-            model.set_submodule(target, new)
+            replace_linear(model, target, linear, new)
             nvfp4_bytes += sum(b.numel() * b.element_size() for b in new.buffers())
     if problems:
         raise NVFP4CheckpointError(f"{plan.file}: {len(problems)} problem(s) in the block scales:\n  " + "\n  ".join(problems))
-    meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
-    if meta:
-        raise NVFP4CheckpointError(f"{plan.file}: no data for {meta}")
-    model.eval()
-    if device is not None:
-        model.to(device)
+    finish_model(model, plan.file, device)
     if sources["dynamic"]:
         logger.warning(
             "%d NVFP4 layer(s) have no input_scale and use a per-call dynamic activation scale (dynamic_input_scale=True); "

@@ -202,6 +202,24 @@ def _model_class(config: dict):
     return cls
 
 
+def replace_linear(model: nn.Module, name: str, linear: nn.Linear, new: NVFP4Linear) -> None:
+    """Put ``new`` where ``linear`` was, keeping diffusers' tensor-parallel block annotations."""
+    for attr in ("_tp_packed_row_blocks", "_tp_packed_col_blocks"):
+        if hasattr(linear, attr):
+            setattr(new, attr, getattr(linear, attr))
+    model.set_submodule(name, new)
+
+
+def finish_model(model: nn.Module, source, device) -> None:
+    """Refuse a model with tensors the checkpoint did not fill; eval mode; move to ``device``."""
+    meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise NVFP4CheckpointError(f"{source}: no data for {meta}")
+    model.eval()
+    if device is not None:
+        model.to(device)
+
+
 def load_nvfp4_transformer(
     path_or_repo_id: str | os.PathLike,
     *,
@@ -306,19 +324,11 @@ def load_nvfp4_transformer(
             tensors[f"{name}.input_scale"], tensors.get(f"{name}.bias"), scale_layout=scale_layout or stored_layout,
         )
         counts["swizzled_on_load"] += new.swizzle_weight_scales_()
-        for attr in ("_tp_packed_row_blocks", "_tp_packed_col_blocks"):
-            if hasattr(linear, attr):
-                setattr(new, attr, getattr(linear, attr))
-        model.set_submodule(name, new)
+        replace_linear(model, name, linear, new)
         counts["nvfp4"] += 1
         counts["nvfp4_bytes"] += sum(b.numel() * b.element_size() for b in new.buffers())
 
-    meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
-    if meta:
-        raise NVFP4CheckpointError(f"{model_dir}: no data for {meta}")
-    model.eval()
-    if device is not None:
-        model.to(device)
+    finish_model(model, model_dir, device)
     bf16_linears = sum(isinstance(m, nn.Linear) for m in model.modules())
     total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     logger.info(
