@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+    pytest.skip("needs a CUDA GPU; runs on the GPU machine: pytest -m gpu tests/gpu/test_qwen_resnorm_kernel.py", allow_module_level=True)
 
 import importlib  # noqa: E402
 
