@@ -83,20 +83,6 @@ def empty_model(model_name: str, tiny: bool) -> nn.Module:
     return model.eval()
 
 
-def _quantize_weight(w: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """BF16 ``[N, K]`` -> packed ``[N, K/2]`` + 128x4 scales, precise mode (Triton kernel on CUDA, else torch)."""
-    from diffusers_nvfp4_fast.format import quantize_nvfp4
-
-    if w.is_cuda:
-        try:
-            from diffusers_nvfp4_fast import kernels
-
-            return kernels.quantize_nvfp4(w, g.reshape(1), fast_math=False)
-        except (ImportError, AttributeError):
-            pass
-    return quantize_nvfp4(w, g, scale_layout="128x4", fast_math=False)
-
-
 def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.GroupNorm)) or "Norm" in type(module).__name__
 
@@ -121,12 +107,8 @@ def materialize(model: nn.Module, model_name: str, device: torch.device, *, nvfp
         if lin.bias is not None:
             bias = torch.randn(lin.out_features, device=device, dtype=torch.bfloat16, generator=gen) * WEIGHT_STD
         if quantize:
-            w_scale_2 = (w.float().abs().amax() / 2688.0).reshape(())
-            packed, scales = _quantize_weight(w, 1.0 / w_scale_2)
+            model.set_submodule(name, NVFP4Linear.from_weight(w, bias, input_scale))
             del w
-            new = NVFP4Linear(lin.in_features, lin.out_features, bias=bias is not None, device=device)
-            new.load_nvfp4(packed, scales, w_scale_2, input_scale, bias, scale_layout="128x4")
-            model.set_submodule(name, new)
             counts["nvfp4_linears"] += 1
         else:
             lin.weight = nn.Parameter(w, requires_grad=False)

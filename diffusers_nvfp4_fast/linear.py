@@ -75,6 +75,20 @@ class NVFP4Linear(nn.Module):
                 self._buffers[name] = tensor.to(device=device, dtype=torch.float32)
         return self
 
+    @classmethod
+    @torch.no_grad()
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | float
+    ) -> NVFP4Linear:
+        """Quantize a BF16 ``[N, K]`` weight the way ModelOpt does (``weight_scale_2 = amax / (448 * 6)``, precise
+        recipe) into a new layer on the weight's device; ``input_scale`` is the activation scale (FP32 scalar)."""
+        n, k = weight.shape
+        weight_scale_2 = (weight.abs().max().float() / (448.0 * 6.0)).reshape(())
+        packed, scales = ops.quantize_nvfp4(weight.to(torch.bfloat16), (1.0 / weight_scale_2).reshape(1), False)
+        layer = cls(k, n, bias=bias is not None, device=weight.device)
+        return layer.load_nvfp4(packed, scales, weight_scale_2, torch.as_tensor(input_scale, dtype=torch.float32), bias,
+                                scale_layout="128x4")
+
     @torch.no_grad()
     def load_nvfp4(
         self,

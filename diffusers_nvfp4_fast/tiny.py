@@ -333,6 +333,7 @@ def quantize_model_inplace(
     activation max (or one value for all). Returns the number of layers replaced.
     """
     from .linear import NVFP4Linear
+    from .loading import replace_linear
 
     count = 0
     for name, linear in list(model.named_modules()):
@@ -344,18 +345,12 @@ def quantize_model_inplace(
             weight = torch.randn(linear.out_features, linear.in_features, device=device, dtype=torch.bfloat16) * init_std
         else:
             weight = linear.weight.to(torch.bfloat16)
-        weight_scale_2 = (weight.abs().max().float() / 2688.0).reshape(())
-        packed, scales = quantize_nvfp4(weight, 1.0 / weight_scale_2, fast_math=False)
         amax = input_amax if isinstance(input_amax, float) else input_amax.get(name, 1.0)
-        new = NVFP4Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device=device)
         bias = None
         if linear.bias is not None:
             bias = linear.bias if linear.bias.device.type != "meta" else torch.randn(linear.out_features, device=device) * 0.02
-        new.load_nvfp4(packed, scales, weight_scale_2, torch.tensor(amax / 2688.0, device=device), bias, scale_layout="128x4")
-        for attr in ("_tp_packed_row_blocks", "_tp_packed_col_blocks"):
-            if hasattr(linear, attr):
-                setattr(new, attr, getattr(linear, attr))
-        model.set_submodule(name, new)
+        new = NVFP4Linear.from_weight(weight, bias, amax / 2688.0)
+        replace_linear(model, name, linear, new)
         del weight
         count += 1
     return count
