@@ -14,6 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth_gbps, header, time_us, write_result  # noqa: E402
+from diffusers_nvfp4_fast.kernels.launch import padded_scale_shape  # noqa: E402
 
 from diffusers_nvfp4_fast import kernels  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as torch_quantize  # noqa: E402
@@ -86,7 +87,8 @@ def sweep(a_width: int, b_width: int) -> list[dict]:
 
 
 def triton_scale_bytes(rows: int, k: int) -> int:
-    return ((rows + 127) // 128 * 128) * ((k // 16 + 3) // 4 * 4)
+    m, c = padded_scale_shape(rows, k)
+    return m * c
 
 
 if __name__ == "__main__":

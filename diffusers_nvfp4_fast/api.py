@@ -40,10 +40,8 @@ def _transformers(pipe_or_model) -> list[nn.Module]:
 
 
 def _convert_in_memory_modelopt(model: nn.Module) -> None:
-    try:
-        from .modelopt_convert import convert_modelopt_model, has_modelopt_modules
-    except ImportError:
-        return
+    from .modelopt_convert import convert_modelopt_model, has_modelopt_modules
+
     if has_modelopt_modules(model):
         convert_modelopt_model(model)
 

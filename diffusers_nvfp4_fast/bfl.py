@@ -158,44 +158,45 @@ def detect_key_prefix(keys: Sequence[str]) -> str:
 _LAYOUT_ALIASES = {"128x4": "128x4", "swizzled": "128x4", "linear": "linear"}
 
 
+_NIBBLE_ORDERS = {"hi_first": "hi_first", "lo_first": "lo_first"}
+
+
+def _read_flag(
+    spec: Mapping[str, Any], where: str, problems: list[str], out: dict[str, str], name: str,
+    string_keys: Mapping[str, Mapping[str, str]], bool_key: tuple[str, str, str], allowed: str, what: str,
+    fold_case: bool,
+) -> None:
+    """One layout fact that metadata may state as a string (several spellings) or as a boolean; all stated values
+    must agree. ``bool_key`` is (key, value when true, value when false)."""
+    values = set()
+    for key, aliases in string_keys.items():
+        if key in spec:
+            v = spec[key]
+            word = v.lower() if fold_case and isinstance(v, str) else v
+            if isinstance(word, str) and word in aliases:
+                values.add(aliases[word])
+            else:
+                problems.append(f"{where}: {key}={v!r} is not {allowed}")
+    key, if_true, if_false = bool_key
+    if key in spec:
+        v = spec[key]
+        if isinstance(v, bool):
+            values.add(if_true if v else if_false)
+        else:
+            problems.append(f"{where}: {key}={v!r} is not a boolean")
+    if len(values) > 1:
+        problems.append(f"{where}: contradictory {what} flags {dict(spec)}")
+    elif values:
+        out[name] = values.pop()
+
+
 def _parse_flags(spec: Mapping[str, Any], where: str, problems: list[str]) -> dict[str, str]:
     """The layout flags of one metadata object, normalized; invalid or self-contradictory values are problems."""
     out: dict[str, str] = {}
-    orders = set()
-    if "nibble_order" in spec:
-        v = spec["nibble_order"]
-        if v in ("hi_first", "lo_first"):
-            orders.add(v)
-        else:
-            problems.append(f"{where}: nibble_order={v!r} is not 'hi_first' or 'lo_first'")
-    if "hi_first" in spec:
-        v = spec["hi_first"]
-        if isinstance(v, bool):
-            orders.add("hi_first" if v else "lo_first")
-        else:
-            problems.append(f"{where}: hi_first={v!r} is not a boolean")
-    if len(orders) > 1:
-        problems.append(f"{where}: contradictory nibble-order flags {dict(spec)}")
-    elif orders:
-        out["nibble_order"] = orders.pop()
-    layouts = set()
-    for k in ("scale_layout", "block_scale_layout"):
-        if k in spec:
-            v = spec[k]
-            if isinstance(v, str) and v.lower() in _LAYOUT_ALIASES:
-                layouts.add(_LAYOUT_ALIASES[v.lower()])
-            else:
-                problems.append(f"{where}: {k}={v!r} is not '128x4', 'swizzled' or 'linear'")
-    if "swizzled" in spec:
-        v = spec["swizzled"]
-        if isinstance(v, bool):
-            layouts.add("128x4" if v else "linear")
-        else:
-            problems.append(f"{where}: swizzled={v!r} is not a boolean")
-    if len(layouts) > 1:
-        problems.append(f"{where}: contradictory scale-layout flags {dict(spec)}")
-    elif layouts:
-        out["scale_layout"] = layouts.pop()
+    _read_flag(spec, where, problems, out, "nibble_order", {"nibble_order": _NIBBLE_ORDERS},
+               ("hi_first", "hi_first", "lo_first"), "'hi_first' or 'lo_first'", "nibble-order", False)
+    _read_flag(spec, where, problems, out, "scale_layout", {"scale_layout": _LAYOUT_ALIASES, "block_scale_layout": _LAYOUT_ALIASES},
+               ("swizzled", "128x4", "linear"), "'128x4', 'swizzled' or 'linear'", "scale-layout", True)
     for k in ("group_size", "block_size"):
         if k in spec and spec[k] != BLOCK_SIZE:
             problems.append(f"{where}: {k}={spec[k]!r}, NVFP4 uses {BLOCK_SIZE}")
