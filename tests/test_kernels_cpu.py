@@ -45,6 +45,35 @@ def test_interpreted_kernels_match_reference():
     assert "MISMATCHES 0 CANARY False" in out, out
 
 
+def test_e2m1_rounding_matches_reference_on_every_boundary():
+    """The epilogue's bit-trick E2M1 rounding vs ``format.e2m1_round`` on every BF16 bit pattern (as FP32), the 4096
+    FP32 neighbours on each side of every rounding midpoint and of every code value, and NaNs of both signs."""
+    out = run_interpreted("""
+        import torch, triton, triton.language as tl
+        from diffusers_nvfp4_fast.kernels.nvfp4_epilogue import e2m1_code
+        from diffusers_nvfp4_fast.format import e2m1_round
+
+        @triton.jit
+        def probe(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            tl.store(out_ptr + offs, e2m1_code(tl.load(x_ptr + offs, mask=offs < n, other=0.0)), mask=offs < n)
+
+        points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0])
+        steps = torch.arange(-4096, 4097, dtype=torch.int32)
+        near = (points.view(torch.int32)[:, None] + steps[None, :]).flatten()
+        near = near[near >= 0].view(torch.float32)
+        every_bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+        nans = torch.tensor([0x7FC00000, 0x7F800001, -0x00400000, -0x00000001], dtype=torch.int32).view(torch.float32)
+        x = torch.cat([near, -near, every_bf16, nans])
+        got = torch.empty(x.shape, dtype=torch.int32)
+        probe[(triton.cdiv(x.numel(), 4096),)](x, got, x.numel(), BLOCK=4096)
+        want = e2m1_round(x).to(torch.int32)
+        bad = (got != want).nonzero().flatten()
+        print("CHECKED", x.numel(), "MISMATCHES", bad.numel(), x[bad[:5]].tolist(), got[bad[:5]].tolist())
+    """)
+    assert " MISMATCHES 0 " in out, out
+
+
 @pytest.mark.parametrize("capability", [90, 100, 120])
 @pytest.mark.parametrize("fast_math", [True, False])
 def test_kernels_compile_ahead_of_time(capability, fast_math):
