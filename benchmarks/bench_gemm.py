@@ -153,7 +153,8 @@ def _config_str(cfg) -> str:
     if cfg is None:
         return "?"
     kw = cfg.kwargs
-    return f"BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} BK{kw['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}"
+    regs = " Wregs" if kw.get("W_IN_REGS") else ""
+    return f"BM{kw['BLOCK_M']} BN{kw['BLOCK_N']} BK{kw['BLOCK_K']} w{cfg.num_warps} s{cfg.num_stages}{regs}"
 
 
 def main() -> None:

@@ -19,7 +19,12 @@ Shape of the work:
   pass, ~20 us for 4608x6144 on an H200, ~1-2 % of the GEMM) and the GEMM loads it like a dense operand. Decoding
   X inside the GEMM instead would redo it for every one of the N/BLOCK_N weight tiles and double the ALU work per
   MMA. The scratch has the size the activation had in BF16 before it was quantized; it is never the weight.
-  The decoded weight tile is the MMA's shared-memory B operand, which lets Hopper's wgmma run asynchronously.
+  The decoded weight tile is either the MMA's register A operand of ``W @ X^T`` (``W_IN_REGS``, 256 tokens per
+  tile: the least decode per MMA) or its shared-memory B operand of ``X @ W^T``; the autotuner picks per shape.
+  In the SM90 SASS that Triton 3.9 emits (inspected with nvdisasm on CPU), both wait for each wgmma before the next
+  tile is decoded (the decoded tile is not multi-buffered; for the register operand ptxas reports serialized
+  wgmma), so one CTA's decode and MMA do not overlap. That is the likely reason the kernel stays at 0.5-0.7x
+  cuBLAS BF16 on an H200 (benchmarks/results/gemm-h200.json); overlapping them needs multi-buffered decoded tiles.
 * Small M (``M <= PREDECODE_MAX_M``): X is decoded in the kernel too, and the kernel computes the transposed tile
   ``W @ X^T`` so that weight rows fill the MMA's 64-row side and the few tokens its cheap N side ("swap AB").
   When there are too few weight tiles to fill the GPU, K is split over a second grid axis; the FP32 partial sums
@@ -158,7 +163,7 @@ def _nvfp4_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, alpha_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, Cp, k_chunk, m_bucket,
     X_PACKED: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, W_IN_REGS: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile over K range ``[pid1 * k_chunk, (pid1 + 1) * k_chunk)``.
 
@@ -166,7 +171,11 @@ def _nvfp4_gemm_kernel(
     (X_PACKED only); w_ptr: packed uint8 ``[N, K/2]``; ws_ptr: W's 128x4 scales as int32 words; alpha_ptr: FP32
     ``[1]``; out_ptr: ``[M, N]`` (or, with SPLIT, the FP32 workspace ``[splits, M, N]`` of unscaled partial sums).
     Cp = round_up(K/16, 4); k_chunk is a multiple of 256. m_bucket only keys the autotuner.
+    W_IN_REGS (FP16-X variant): the decoded weight tile is the MMA's register A operand and the transposed tile
+    ``W @ X^T`` is accumulated (the packed-X variant always works this way); otherwise it is the shared-memory B
+    operand of ``X @ W^T``.
     """
+    SWAP: tl.constexpr = X_PACKED or W_IN_REGS
     NB: tl.constexpr = BLOCK_K // 16  # scale blocks per K step (a multiple of 4)
     HALF_K: tl.constexpr = BLOCK_K // 2  # packed bytes per row per K step
 
@@ -197,10 +206,12 @@ def _nvfp4_gemm_kernel(
     if X_PACKED:
         x_ptrs = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm + kbytes[None, :]
         xs_ptrs = xs_ptr + _swizzled_word_row(rows_m, Cp)[:, None] + kwords[None, :] * 128
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed tile ("swap AB")
     else:
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # transposed tile ("swap AB")
+    else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -215,18 +226,21 @@ def _nvfp4_gemm_kernel(
                 x_tile = tl.load(x_ptrs)
             else:
                 x_tile = tl.load(x_ptrs, mask=((k0 + offs_k) < K)[None, :], other=0.0)
-            # The decoded weight is the shared-memory B operand: wgmma then runs asynchronously (a register A
-            # operand would serialize it with the decode).
-            acc = tl.dot(x_tile, tl.trans(w_tile), acc)
+            if W_IN_REGS:
+                # Register A operand: the decoded tile goes straight from the decode into the MMA, no shared-memory
+                # round trip; X streams through shared memory as B.
+                acc = tl.dot(w_tile, tl.trans(x_tile), acc)
+            else:
+                # Shared-memory B operand: both operands come from shared memory and wgmma runs asynchronously.
+                acc = tl.dot(x_tile, tl.trans(w_tile), acc)
             x_ptrs += BLOCK_K
         w_ptrs += HALF_K
         ws_ptrs += NB * 32  # NB/4 word columns of 128 words each
 
     # Undo 2^-7 per decoded operand (exact power-of-two scaling).
-    if X_PACKED:
-        acc = tl.trans(acc * 16384.0)  # [BM, BN]
-    else:
-        acc = acc * 128.0
+    acc = acc * (16384.0 if X_PACKED else 128.0)
+    if SWAP:
+        acc = tl.trans(acc)  # [BM, BN]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if SPLIT:
         part_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
@@ -312,8 +326,8 @@ def decode_nvfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.d
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": group},
+def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, w_in_regs: bool = False) -> triton.Config:
+    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": group, "W_IN_REGS": w_in_regs},
                          num_warps=warps, num_stages=stages)
 
 
@@ -325,15 +339,19 @@ _PACKED_CONFIGS = [
     _cfg(16, 64, 256, 4, 4),
     _cfg(64, 128, 128, 8, 3),
 ]
-# Large M, X pre-decoded to FP16. ALU work per MMA falls with BLOCK_M; 128x128 tiles with 8 warps (117 registers,
-# 96 KB shared) fit two CTAs per SM, so one CTA's decode overlaps the other's MMA; 256x128 has the least decode per
-# MMA but runs one CTA per SM.
+# Large M, X pre-decoded to FP16. ALU work per MMA falls with the tile's token count. Measured on an H200 (triton
+# 3.6, M=4608, every FLUX.2-dev and Qwen-Image shape; benchmarks/results/gemm-h200.json "config_sweep"): the weight as
+# register A operand with 256 tokens per tile was the fastest on 9 of 10 shapes (423-465 TFLOP/s), 128x128 tiles with
+# the weight in shared memory (two CTAs per SM) next (398-434). With 4 warps or a 256-wide weight tile the
+# register-A variant spills (~33 TFLOP/s), so those are not candidates.
 _FP16_X_CONFIGS = [
+    _cfg(256, 128, 64, 8, 4, w_in_regs=True),
+    _cfg(256, 128, 64, 8, 5, w_in_regs=True),
+    _cfg(256, 128, 128, 8, 2, w_in_regs=True),
+    _cfg(128, 128, 64, 8, 4, w_in_regs=True),
     _cfg(128, 128, 64, 8, 4),
-    _cfg(256, 128, 64, 8, 3),
     _cfg(128, 128, 64, 4, 4),
-    _cfg(128, 256, 64, 8, 3),
-    _cfg(256, 128, 128, 8, 2),
+    _cfg(256, 128, 64, 8, 4),
 ]
 
 
