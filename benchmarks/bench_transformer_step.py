@@ -22,7 +22,8 @@ tokens of 15360 channels, timestep 0.5, guidance 4.0, position ids as Flux2Pipel
 (H/16)*(W/16) tokens of 64 channels + text tokens of 3584 channels, no text mask (QwenImagePipeline drops an
 all-valid mask), ``img_shapes = [[(1, H/16, W/16)]]``.
 
-Measured per variant: ms per step (median of ``--steps-timed`` forwards after ``--warmup`` forwards, CUDA events),
+Measured per variant: ms per step (median of ``--steps-timed`` forwards after ``--warmup`` forwards, CUDA events;
+fast paths off and on alternate round by round so that clock drift cannot favour either),
 peak GPU memory during the timed forwards, weight bytes (parameters + buffers). ``exact``: the fast-paths-on output
 has the same bytes as the fast-paths-off output (and off is repeatable), compared in this run.
 """
@@ -178,31 +179,65 @@ def forward(model: nn.Module, inputs: dict) -> torch.Tensor:
         return model(**inputs)[0]
 
 
+def _timed_forward(model: nn.Module, inputs: dict, device) -> tuple[float, torch.Tensor]:
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        out = forward(model, inputs)
+        return (time.perf_counter() - t0) * 1000.0, out
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = forward(model, inputs)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), out
+
+
+def _peak_gb(device) -> float:
+    return torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else 0.0
+
+
+def _reset_peak(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def time_steps(model: nn.Module, inputs: dict, warmup: int, timed: int, device) -> tuple[float, float, torch.Tensor]:
     """(median ms per step, peak GB during the timed steps, output of the last step)."""
-    cuda = device.type == "cuda"
     out = None
     for _ in range(warmup):
         out = forward(model, inputs)
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    _reset_peak(device)
     times = []
     for _ in range(timed):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = forward(model, inputs)
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            out = forward(model, inputs)
-            times.append((time.perf_counter() - t0) * 1000.0)
+        t, out = _timed_forward(model, inputs, device)
+        times.append(t)
     times.sort()
-    peak = torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0
-    return times[len(times) // 2], peak, out
+    return times[len(times) // 2], _peak_gb(device), out
+
+
+def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device, enable, disable) -> dict:
+    """Fast paths off and on, timed in alternating rounds (off, on, off, on, ...) so that clock or thermal drift
+    during the run cannot favour either side. Returns per mode: median ms, peak GB, the last output, and for "on"
+    the fast-path report taken after its last round."""
+    runs = {"off": {"times": [], "peak": 0.0}, "on": {"times": [], "peak": 0.0}}
+    modes = (("off", disable), ("on", enable))
+    for _ in range(warmup):  # compile, autotune and first-use verification happen here, for both modes
+        for _, switch in modes:
+            switch(model)
+            forward(model, inputs)
+    for _ in range(timed):
+        for mode, switch in modes:
+            switch(model)
+            _reset_peak(device)
+            t, runs[mode]["out"] = _timed_forward(model, inputs, device)
+            runs[mode]["times"].append(t)
+            runs[mode]["peak"] = max(runs[mode]["peak"], _peak_gb(device))
+    runs["on"]["report"] = enable(model)  # enabled already: returns the report (its counts cover the last round)
+    disable(model)
+    for r in runs.values():
+        r["ms"] = sorted(r["times"])[len(r["times"]) // 2]
+    return runs
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -245,7 +280,8 @@ def run(args) -> dict:
     result["tiny"] = args.tiny
     result["inputs"] = {"height": args.height, "width": args.width, "image_tokens": (args.height // 16) * (args.width // 16),
                         "text_tokens": args.text_tokens, "batch": 1}
-    result["timing"] = f"median of {args.steps_timed} forwards after {args.warmup} warm-up forwards (CUDA events)"
+    result["timing"] = (f"median of {args.steps_timed} forwards after {args.warmup} warm-up forwards (CUDA events); "
+                        "NVFP4 fast paths off and on timed in alternating rounds")
     result["input_scale"] = f"fixed: amax {INPUT_AMAX} -> input_scale = {INPUT_AMAX}/2688"
     shape = {"model": args.model, **result["inputs"]}
     t_start = time.time()
@@ -265,29 +301,30 @@ def run(args) -> dict:
     result["layers"] = counts
     inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
 
-    ms_off, peak_off, out_off = time_steps(model, inputs, args.warmup, args.steps_timed, device)
+    if enable_fast_paths is not None:
+        runs = time_off_on(model, inputs, args.warmup, args.steps_timed, device, enable_fast_paths, disable_fast_paths)
+        ms_off, peak_off, out_off = runs["off"]["ms"], runs["off"]["peak"], runs["off"]["out"]
+    else:
+        log("enable_fast_paths is not available: timing 'off' only")
+        runs = None
+        ms_off, peak_off, out_off = time_steps(model, inputs, args.warmup, args.steps_timed, device)
     log(f"fast paths off: {ms_off:.1f} ms/step, peak {peak_off:.1f} GB")
-    out_off2 = forward(model, inputs)
+    out_off2 = forward(model, inputs)  # fast paths are disabled again here
     repeatable = same_bytes(out_off, out_off2)
     finite = torch.isfinite(out_off.float()).float().mean().item()
     cases = [{"shape": shape, "variant": "nvfp4_fast_off", "ms_per_step": round(ms_off, 2), "peak_mem_GB": round(peak_off, 2),
               "weight_GB": round(weight_bytes / 1e9, 3), "weight_bytes": weight_bytes, "exact": repeatable,
               "finite_fraction": round(finite, 6)}]
-    if enable_fast_paths is not None:
-        report = enable_fast_paths(model)
-        ms_on, peak_on, out_on = time_steps(model, inputs, args.warmup, args.steps_timed, device)
-        report = enable_fast_paths(model)  # enabling twice only returns the report (with the counts of the runs)
-        disable_fast_paths(model)
-        out_after = forward(model, inputs)
-        exact = same_bytes(out_on, out_off) and same_bytes(out_after, out_off)
-        log(f"fast paths on: {ms_on:.1f} ms/step, peak {peak_on:.1f} GB, byte-identical to off: {exact}")
-        cases.append({"shape": shape, "variant": "nvfp4_fast_on", "ms_per_step": round(ms_on, 2),
-                      "peak_mem_GB": round(peak_on, 2), "weight_GB": round(weight_bytes / 1e9, 3), "weight_bytes": weight_bytes,
-                      "exact": exact,
-                      "fast_path_report": _jsonable(report)})
-        del out_on, out_after
-    else:
-        log("enable_fast_paths is not available: timing 'off' only")
+    if runs is not None:
+        on = runs["on"]
+        exact = same_bytes(on["out"], out_off) and same_bytes(out_off2, out_off)
+        log(f"fast paths on: {on['ms']:.1f} ms/step, peak {on['peak']:.1f} GB, byte-identical to off: {exact}")
+        cases.append({"shape": shape, "variant": "nvfp4_fast_on", "ms_per_step": round(on["ms"], 2),
+                      "peak_mem_GB": round(on["peak"], 2), "weight_GB": round(weight_bytes / 1e9, 3), "weight_bytes": weight_bytes,
+                      "exact": exact, "times_ms": [round(t, 2) for t in on["times"]],
+                      "fast_path_report": _jsonable(on["report"])})
+        cases[0]["times_ms"] = [round(t, 2) for t in runs["off"]["times"]]
+        runs = on = None
     _free(model, inputs, out_off, out_off2)
     model = inputs = out_off = out_off2 = None
 
