@@ -28,8 +28,27 @@ def _kernels():
     return kernels
 
 
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def cuda_capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    # Cached: every NVFP4 call asks, and the eager step is bound by host overhead (README, "Measured").
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _call(op, impl, *args):
+    """Run custom op ``op`` whose implementation is ``impl``.
+
+    Eager calls run ``impl`` directly: going through the custom-op dispatcher costs a few microseconds per call, and
+    an eager NVFP4 step makes thousands of these calls while its wall time is bound by host overhead. Under
+    ``torch.compile`` (and export) the op itself is called, so the graph holds one opaque op with its fake
+    implementation. Both run the same code, so the bytes are the same.
+    """
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return impl(*args)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -45,11 +64,13 @@ def _scale_shape(rows, k: int) -> tuple:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("nvfp4_fast::quantize", mutates_args=())
-def _quantize(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_impl(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(x):
         return _kernels().quantize_nvfp4(x, global_scale, fast_math=fast_math)
     return nvfp4.quantize_nvfp4(x, global_scale, fast_math=fast_math)
+
+
+_quantize = torch.library.custom_op("nvfp4_fast::quantize", mutates_args=())(_quantize_impl)
 
 
 @_quantize.register_fake
@@ -60,7 +81,7 @@ def _(x, global_scale, fast_math):
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """x: ``[M, K]`` BF16/FP16 -> (packed uint8 ``[M, K/2]``, 128x4 scales uint8)."""
-    return _quantize(x.contiguous(), global_scale, fast_math)
+    return _call(_quantize, _quantize_impl, x.contiguous(), global_scale, fast_math)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -107,8 +128,7 @@ def emulated_nvfp4_gemm(
     return x @ w.t()
 
 
-@torch.library.custom_op("nvfp4_fast::linear", mutates_args=())
-def _linear(
+def _linear_impl(
     x_packed: torch.Tensor,
     x_scales: torch.Tensor,
     w_packed: torch.Tensor,
@@ -139,6 +159,9 @@ def _linear(
     return out
 
 
+_linear = torch.library.custom_op("nvfp4_fast::linear", mutates_args=())(_linear_impl)
+
+
 @_linear.register_fake
 def _(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled):
     return x_packed.new_empty((x_packed.shape[0], w_packed.shape[0]), dtype=out_dtype)
@@ -155,7 +178,7 @@ def nvfp4_linear(
     w_swizzled: bool = True,
 ) -> torch.Tensor:
     """``bf16(gemm(x, w) * alpha) (+ bias)``; x_packed ``[M, K/2]``, w_packed ``[N, K/2]`` -> ``[M, N]``."""
-    return _linear(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
+    return _call(_linear, _linear_impl, x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -189,11 +212,9 @@ def token_cat_quantize(
 token_cat_quantize.register_fake(_token_cat_fake)
 
 
-@torch.library.custom_op("nvfp4_fast::token_cat_quantize_checked", mutates_args=())
-def token_cat_quantize_checked(
+def _token_cat_checked_impl(
     attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``token_cat_quantize`` with first-use byte verification against ``quantize(cat)`` (gates.run_checked)."""
     from .fused_reference import token_cat_quantize_reference
     from .gates import run_checked
 
@@ -204,7 +225,16 @@ def token_cat_quantize_checked(
     )
 
 
-token_cat_quantize_checked.register_fake(_token_cat_fake)
+_token_cat_checked = torch.library.custom_op("nvfp4_fast::token_cat_quantize_checked", mutates_args=())(
+    _token_cat_checked_impl)
+_token_cat_checked.register_fake(_token_cat_fake)
+
+
+def token_cat_quantize_checked(
+    attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_cat_quantize`` with first-use byte verification against ``quantize(cat)`` (gates.run_checked)."""
+    return _call(_token_cat_checked, _token_cat_checked_impl, attn, mlp, global_scale, fast_math, stats_id, shape_class)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -247,12 +277,10 @@ def qwen_resnorm_quantize(
 qwen_resnorm_quantize.register_fake(_qwen_fake)
 
 
-@torch.library.custom_op("nvfp4_fast::qwen_resnorm_quantize_checked", mutates_args=())
-def qwen_resnorm_quantize_checked(
+def _qwen_checked_impl(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
     shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool, stats_id: int, shape_class: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``qwen_resnorm_quantize`` with first-use byte verification against the eager chain + standalone quantize."""
     from .fused_reference import qwen_resnorm_quantize_reference
     from .gates import run_checked
 
@@ -263,4 +291,14 @@ def qwen_resnorm_quantize_checked(
     )
 
 
-qwen_resnorm_quantize_checked.register_fake(_qwen_fake)
+_qwen_checked = torch.library.custom_op("nvfp4_fast::qwen_resnorm_quantize_checked", mutates_args=())(_qwen_checked_impl)
+_qwen_checked.register_fake(_qwen_fake)
+
+
+def qwen_resnorm_quantize_checked(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
+    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool, stats_id: int, shape_class: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``qwen_resnorm_quantize`` with first-use byte verification against the eager chain + standalone quantize."""
+    return _call(_qwen_checked, _qwen_checked_impl, residual, x, bias, gate, scale, shift, global_scale, eps, fast_math,
+                 stats_id, shape_class)
