@@ -128,15 +128,27 @@ class NVFP4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[..., K]`` BF16/FP16 -> ``[..., N]`` in x's dtype."""
+        return self._forward(x, self.bias)
+
+    def forward_without_bias(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` without the bias add, for a caller that adds ``self.bias`` itself (a fused kernel).
+
+        ``forward(x)`` equals ``forward_without_bias(x) + self.bias`` byte for byte: the bias is always added to the
+        output already rounded to x's dtype, in one correctly rounded add.
+        """
+        return self._forward(x, None)
+
+    def _forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear expected input [..., {self.in_features}], got {tuple(x.shape)}")
         if self.dynamic_input_scale:
-            return self._forward_dynamic(x)
+            return self._forward_dynamic(x, bias)
         x_packed, x_scales = ops.quantize_nvfp4(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math_from_env())
-        y = self.forward_prequantized(x_packed, x_scales, x.dtype)
+        y = ops.nvfp4_linear(x_packed, x_scales, self.weight, self.weight_scale, self.alpha, bias, x.dtype,
+                             self.scale_layout == "128x4")
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _forward_dynamic(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_dynamic(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Per-call activation global scale. Computed on the device without a host sync (CUDA graphs); an all-zero
         # or NaN amax falls back to 1.0, where any scale quantizes the same (zeros stay 0, NaN encodes as +6).
         rows = x.reshape(-1, self.in_features)
@@ -144,7 +156,7 @@ class NVFP4Linear(nn.Module):
         input_scale = torch.where(amax > 0, amax / (448.0 * 6.0), torch.ones_like(amax))
         x_packed, x_scales = ops.quantize_nvfp4(rows, 1.0 / input_scale, fast_math_from_env())
         y = ops.nvfp4_linear(
-            x_packed, x_scales, self.weight, self.weight_scale, input_scale * self.weight_scale_2, self.bias, x.dtype,
+            x_packed, x_scales, self.weight, self.weight_scale, input_scale * self.weight_scale_2, bias, x.dtype,
             self.scale_layout == "128x4",
         )
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -38,7 +38,8 @@ def _sha(pipe, kwargs):
 
 
 def _originals(model):
-    procs = [b.attn.processor for b in getattr(model, "single_transformer_blocks", [])]
+    blocks = [*getattr(model, "single_transformer_blocks", []), *getattr(model, "transformer_blocks", [])]
+    procs = [b.attn.processor for b in blocks]
     forwards = [b.__dict__.get("forward") for b in getattr(model, "transformer_blocks", [])]
     return procs, forwards
 
@@ -231,3 +232,69 @@ def test_kv_cache_processor_variant_is_patched_too(modelopt_exports):
     disable_fast_paths(pipe)
     assert on == off
     assert all(b.attn.processor is p for b, p in zip(pipe.transformer.single_transformer_blocks, originals))
+
+
+def test_custom_ops_are_opaque_in_compiled_graphs_and_skipped_in_eager(monkeypatch):
+    """Traced code calls the custom ops (one opaque node each, with their fake implementations); eager code calls
+    their implementations directly (the dispatcher's per-call host cost adds up over thousands of calls a step)."""
+    from diffusers_nvfp4_fast import ops
+    from diffusers_nvfp4_fast.linear import NVFP4Linear
+
+    torch.manual_seed(0)
+    layer = NVFP4Linear.from_weight(torch.randn(32, 64), torch.randn(32).bfloat16(), 0.01)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    eager = layer(x)
+
+    targets = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = torch.compile(layer, backend=record, fullgraph=True)(x)
+    assert any("nvfp4_fast.quantize" in t for t in targets), targets
+    assert any("nvfp4_fast.linear" in t for t in targets), targets
+    assert torch.equal(compiled.view(torch.int16), eager.view(torch.int16))
+
+    calls = []
+    for name in ("_quantize", "_linear"):
+        op = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
+    assert torch.equal(layer(x).view(torch.int16), eager.view(torch.int16))
+    assert calls == []
+
+
+def test_qwen_attention_bias_moves_into_the_kernel(modelopt_exports, monkeypatch):
+    """NVFP4 output projections with a bias skip it and the fused kernel adds it: PNG bytes unchanged, the kernel
+    gets the bias, training-mode dropout keeps the bias in the projection, and disable restores the processor."""
+    from diffusers_nvfp4_fast.linear import NVFP4Linear
+    from diffusers_nvfp4_fast.patches import qwenimage
+
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    model = pipe.transformer
+    off = _sha(pipe, kwargs)
+    blocks = [model.transformer_blocks[i] for i in (2, 3)]
+    assert all(isinstance(b.attn.to_out[0], NVFP4Linear) and b.attn.to_out[0].bias is not None for b in blocks)
+    originals = [b.attn.processor for b in blocks]
+    seen_bias = []
+    checked = ops.qwen_resnorm_quantize_checked
+    monkeypatch.setattr(ops, "qwen_resnorm_quantize_checked",
+                        lambda residual, x, bias, *rest: seen_bias.append(bias is not None) or checked(residual, x, bias, *rest))
+    enable_fast_paths(pipe)
+    assert all(isinstance(b.attn.processor, qwenimage.QwenDeferredBiasAttnProcessor) for b in blocks)
+    assert all(qwenimage.defers_bias(b.attn) for b in blocks)
+    assert _sha(pipe, kwargs) == off
+    assert seen_bias and all(seen_bias)
+
+    # Dropout in training mode: the projections keep their bias and the kernel gets none.
+    for b in blocks:
+        b.attn.to_out[1].train()
+        b.attn.to_out[1].p = 0.5
+    assert not any(qwenimage.defers_bias(b.attn) for b in blocks)
+    for b in blocks:
+        b.attn.to_out[1].eval()
+        b.attn.to_out[1].p = 0.0
+
+    disable_fast_paths(pipe)
+    assert all(b.attn.processor is p for b, p in zip(blocks, originals))
+    assert _sha(pipe, kwargs) == off

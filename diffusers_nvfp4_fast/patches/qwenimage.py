@@ -4,6 +4,11 @@
 replaced by ``_mlp_stream``: the kernel returns the new residual and FC1's quantized input, and FC1 runs
 ``forward_prequantized``; GELU, FC2 and the gate2 residual stay diffusers' code. It is installed per block
 instance with ``swap_forward`` so cache hooks keep wrapping it.
+
+Where both attention output projections are ``NVFP4Linear`` with a bias, their bias add moves into the kernel
+(one pass over ``[B, L, D]`` less per stream): the block's attention processor is wrapped so that it sees the
+projections' ``forward_without_bias``, and the kernel computes ``bf16(x + bias)`` exactly as the projection's own
+bias add would. Only a block whose forward is the fused one consumes those unbiased outputs.
 """
 
 from __future__ import annotations
@@ -26,6 +31,65 @@ KIND = "qwen_resnorm"
 def _fc1(ff: nn.Module) -> nn.Module | None:
     net = getattr(ff, "net", None)
     return getattr(net[0], "proj", None) if net is not None and len(net) > 0 else None
+
+
+class _DeferredBiasView:
+    """What the attention processor gets in place of ``attn``: every attribute is the attention's own, except that
+    ``to_out[0]`` and ``to_add_out`` skip their bias (the fused kernel adds it)."""
+
+    def __init__(self, attn: nn.Module):
+        self._attn = attn
+        self.to_out = [attn.to_out[0].forward_without_bias, *attn.to_out[1:]]
+        self.to_add_out = attn.to_add_out.forward_without_bias
+
+    def __getattr__(self, name: str):
+        return getattr(self._attn, name)
+
+
+class QwenDeferredBiasAttnProcessor:
+    """Runs the attention's own processor (whatever its class) with the output projections' bias deferred.
+
+    The signature repeats diffusers' ``QwenDoubleStreamAttnProcessor2_0.__call__``: ``Attention.forward`` passes
+    only the keyword arguments the processor's signature names. Attention backend and parallel config are read and
+    set on the wrapped processor, so ``set_attention_backend`` keeps working while the fast paths are on.
+    """
+
+    def __init__(self, processor, attn: nn.Module):
+        self.processor = processor
+        self._view = _DeferredBiasView(attn)
+
+    _attention_backend = property(lambda self: self.processor._attention_backend,
+                                  lambda self, v: setattr(self.processor, "_attention_backend", v))
+    _parallel_config = property(lambda self: self.processor._parallel_config,
+                                lambda self, v: setattr(self.processor, "_parallel_config", v))
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.processor(
+            self._view if defers_bias(attn) else attn, hidden_states, encoder_hidden_states,
+            encoder_hidden_states_mask, attention_mask, image_rotary_emb,
+        )
+
+
+def defers_bias(attn: nn.Module) -> bool:
+    """Whether ``attn`` currently returns its projections without bias. Dropout after ``to_out[0]`` would come
+    before the bias, so training with dropout keeps the bias in the projection."""
+    if not isinstance(attn.processor, QwenDeferredBiasAttnProcessor):
+        return False
+    return not any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in attn.to_out[1:])
+
+
+def _bias_can_be_deferred(attn: nn.Module) -> bool:
+    to_out = getattr(attn, "to_out", None)
+    projections = (to_out[0] if to_out is not None and len(to_out) > 0 else None, getattr(attn, "to_add_out", None))
+    return all(isinstance(p, NVFP4Linear) and p.bias is not None for p in projections)
 
 
 def resnorm_gate(ff: nn.Module, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> str | None:
@@ -63,14 +127,19 @@ def _mod_params(mod: torch.Tensor, index: torch.Tensor | None, length: int):
 
 def _mlp_stream(
     block: nn.Module, ff: nn.Module, norm: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor,
-    gate1: torch.Tensor, mod2: torch.Tensor, index: torch.Tensor | None,
+    attn_bias: torch.Tensor | None, gate1: torch.Tensor, mod2: torch.Tensor, index: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``residual + gate1*attn_out``, then norm2 + modulate + MLP + gate2 residual, fused where the gate allows."""
+    """``residual + gate1*(attn_out + attn_bias)``, then norm2 + modulate + MLP + gate2 residual, fused where the
+    gate allows. ``attn_bias`` is the projection bias the attention deferred (None if ``attn_out`` has it)."""
     reason = resnorm_gate(ff, norm, residual, attn_out)
+    if reason is None and attn_bias is not None and attn_bias.dtype != torch.bfloat16:
+        reason = f"attention output bias dtype {attn_bias.dtype} (bf16 only)"
     stats = stats_for(block._nvfp4_stats_id)
     if reason is not None:
         if stats is not None:
             record_fallback(stats, KIND, reason)
+        if attn_bias is not None:
+            attn_out = attn_out + attn_bias  # the projection's own bias add, deferred to here
         hidden = residual + gate1 * attn_out
         modulated, gate2 = block._modulate(norm(hidden), mod2, index)
         return hidden + gate2 * ff(modulated)
@@ -79,7 +148,7 @@ def _mlp_stream(
     gate1_full = gate1.expand_as(residual)
     shape_class = f"D={residual.shape[-1]},eps={norm.eps},{residual.device.type}"
     hidden, packed, scales = ops.qwen_resnorm_quantize_checked(
-        residual, attn_out, None, gate1_full, scale, shift, fc1.input_scale_inv, float(norm.eps),
+        residual, attn_out, attn_bias, gate1_full, scale, shift, fc1.input_scale_inv, float(norm.eps),
         fast_math_from_env(), block._nvfp4_stats_id, shape_class,
     )
     y = fc1.forward_prequantized(packed, scales, residual.dtype).reshape(*residual.shape[:-1], fc1.out_features)
@@ -113,11 +182,14 @@ def fused_block_forward(
         image_rotary_emb=image_rotary_emb,
         **(joint_attention_kwargs or {}),
     )
+    deferred = defers_bias(self.attn)
+    img_bias = self.attn.to_out[0].bias if deferred else None
+    txt_bias = self.attn.to_add_out.bias if deferred else None
     hidden_states = _mlp_stream(
-        self, self.img_mlp, self.img_norm2, hidden_states, img_attn_output, img_gate1, img_mod2, modulate_index
+        self, self.img_mlp, self.img_norm2, hidden_states, img_attn_output, img_bias, img_gate1, img_mod2, modulate_index
     )
     encoder_hidden_states = _mlp_stream(
-        self, self.txt_mlp, self.txt_norm2, encoder_hidden_states, txt_attn_output, txt_gate1, txt_mod2, None
+        self, self.txt_mlp, self.txt_norm2, encoder_hidden_states, txt_attn_output, txt_bias, txt_gate1, txt_mod2, None
     )
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
@@ -138,8 +210,14 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> int:
             continue
         block._nvfp4_stats_id = stats_id
         undo = swap_forward(block, types.MethodType(fused_block_forward, block))
+        attn, original_processor = block.attn, block.attn.processor
+        # Both streams' FC1 must be fused to consume both unbiased outputs without an extra pass.
+        if _bias_can_be_deferred(attn) and isinstance(_fc1(block.img_mlp), NVFP4Linear) \
+                and isinstance(_fc1(block.txt_mlp), NVFP4Linear):
+            attn.processor = QwenDeferredBiasAttnProcessor(original_processor, attn)
 
-        def restore_block(block=block, undo=undo):
+        def restore_block(block=block, undo=undo, attn=attn, original_processor=original_processor):
+            attn.processor = original_processor
             undo()
             del block._nvfp4_stats_id
 
