@@ -298,3 +298,27 @@ def test_qwen_attention_bias_moves_into_the_kernel(modelopt_exports, monkeypatch
     disable_fast_paths(pipe)
     assert all(b.attn.processor is p for b, p in zip(blocks, originals))
     assert _sha(pipe, kwargs) == off
+
+
+def test_processor_choices_made_while_enabled_are_kept(modelopt_exports):
+    """set_attention_backend reaches the processor the wrapper runs, and a processor the user installs while the
+    fast paths are on is neither overwritten on disable nor fed an unbiased output."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    from diffusers_nvfp4_fast.patches import qwenimage
+
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    model = pipe.transformer
+    off = _sha(pipe, kwargs)
+    enable_fast_paths(pipe)
+    wrapper = model.transformer_blocks[2].attn.processor
+    model.set_attention_backend("native")
+    assert wrapper.processor._attention_backend == wrapper._attention_backend
+    assert getattr(wrapper.processor._attention_backend, "value", None) == "native"
+    user = QwenDoubleStreamAttnProcessor2_0()
+    model.transformer_blocks[3].attn.processor = user
+    assert not qwenimage.defers_bias(model.transformer_blocks[3].attn)
+    assert _sha(pipe, kwargs) == off
+    disable_fast_paths(pipe)
+    assert model.transformer_blocks[3].attn.processor is user
+    assert model.transformer_blocks[2].attn.processor is wrapper.processor

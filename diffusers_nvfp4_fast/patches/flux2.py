@@ -17,6 +17,7 @@ from .. import ops
 from ..format import fast_math_from_env
 from ..gates import failed_kind_reason, record_fallback, stats_for
 from ..linear import NVFP4Linear
+from .processor_swap import swap_processor
 
 KIND = "flux2_token_cat"
 
@@ -161,7 +162,6 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> int:
         # Attention backend and context-parallel settings live on the processor instance or class.
         fused._attention_backend = original._attention_backend
         fused._parallel_config = original._parallel_config
-        attn.processor = fused
-        restore.append(lambda attn=attn, original=original: setattr(attn, "processor", original))
+        restore.append(swap_processor(attn, fused))
         count += 1
     return count

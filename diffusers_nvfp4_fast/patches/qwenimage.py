@@ -24,6 +24,7 @@ from ..format import fast_math_from_env
 from ..gates import failed_kind_reason, record_fallback, stats_for
 from ..linear import NVFP4Linear
 from .forward_swap import swap_forward
+from .processor_swap import swap_processor
 
 KIND = "qwen_resnorm"
 
@@ -210,14 +211,16 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> int:
             continue
         block._nvfp4_stats_id = stats_id
         undo = swap_forward(block, types.MethodType(fused_block_forward, block))
-        attn, original_processor = block.attn, block.attn.processor
+        attn = block.attn
+        undo_processor = None
         # Both streams' FC1 must be fused to consume both unbiased outputs without an extra pass.
         if _bias_can_be_deferred(attn) and isinstance(_fc1(block.img_mlp), NVFP4Linear) \
                 and isinstance(_fc1(block.txt_mlp), NVFP4Linear):
-            attn.processor = QwenDeferredBiasAttnProcessor(original_processor, attn)
+            undo_processor = swap_processor(attn, QwenDeferredBiasAttnProcessor(attn.processor, attn))
 
-        def restore_block(block=block, undo=undo, attn=attn, original_processor=original_processor):
-            attn.processor = original_processor
+        def restore_block(block=block, undo=undo, undo_processor=undo_processor):
+            if undo_processor is not None:
+                undo_processor()
             undo()
             del block._nvfp4_stats_id
 
