@@ -148,7 +148,8 @@ _REPLACEMENTS = {
 def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> int:
     """Install fused processors on every single-stream attention whose ``to_out`` is NVFP4. Returns the count.
 
-    Appends undo callables to ``restore``; each puts back the original processor object.
+    Appends undo callables to ``restore``; each puts back the original processor object unless the user replaced
+    the fused one meanwhile.
     """
     count = 0
     for block in getattr(model, "single_transformer_blocks", []):
