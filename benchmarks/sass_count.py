@@ -1,0 +1,73 @@
+"""Static instruction counts of the NVFP4 quantize kernels for a GPU that need not be present (CPU is enough).
+
+Compiles a kernel ahead of time for ``--arch`` (default sm_90) with Triton, disassembles the cubin with the
+``nvdisasm`` that ships with Triton, and prints SASS instructions per element with an opcode histogram. The
+quantize kernels are straight-line code (one tile per program), so instructions / (elements per thread) is the
+per-element cost that bounds them when they are instruction-bound, as on Hopper.
+
+    python benchmarks/sass_count.py                      # standalone quantize, fast-math, sm_90
+    python benchmarks/sass_count.py --kernel token_cat --precise --block-r 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
+from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SIGNATURES = {
+    "quantize": (_quantize_nvfp4_kernel, {"x_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8",
+                                          "M": "i32", "K": "i32", "row_stride": "i32", "padded_cols": "i32",
+                                          "col_tiles": "i32"}),
+    "token_cat": (_token_cat_quantize_kernel, {"a_ptr": "*i64", "b_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64",
+                                               "scales_ptr": "*u8", "M": "i32", "A": "i32", "B": "i32", "stride_a": "i32",
+                                               "stride_b": "i32", "padded_cols": "i32", "col_tiles": "i32"}),
+}
+
+
+def sass_histogram(kernel: str, arch: int, fast_math: bool, block_r: int, block_c: int, num_warps: int) -> collections.Counter:
+    fn, sig = SIGNATURES[kernel]
+    consts = {"BLOCK_R": block_r, "BLOCK_C": block_c, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": arch >= 100}
+    compiled = triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
+                              target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False, "num_warps": num_warps})
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter()
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if m:
+            ops[m.group(1)] += 1
+    return ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernel", choices=list(SIGNATURES), default="quantize")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90, 100, 120)")
+    ap.add_argument("--precise", action="store_true", help="precise recipe instead of fast-math")
+    ap.add_argument("--block-r", type=int, default=8)
+    ap.add_argument("--block-c", type=int, default=32, help="16-element blocks per tile row")
+    ap.add_argument("--num-warps", type=int, default=4)
+    args = ap.parse_args()
+    ops = sass_histogram(args.kernel, args.arch, not args.precise, args.block_r, args.block_c, args.num_warps)
+    elements = args.block_r * args.block_c * 16 / (32 * args.num_warps)
+    total = sum(ops.values())
+    print(f"{args.kernel} sm_{args.arch} {'precise' if args.precise else 'fast-math'} tile {args.block_r}x{args.block_c * 16}: "
+          f"{total} SASS instructions, {elements:g} elements per thread, {total / elements:.1f} per element")
+    print(", ".join(f"{op} {n}" for op, n in ops.most_common(20)))
+
+
+if __name__ == "__main__":
+    main()
