@@ -40,8 +40,14 @@ class _DeferredBiasView:
 
     def __init__(self, attn: nn.Module):
         self._attn = attn
-        self.to_out = [attn.to_out[0].forward_without_bias, *attn.to_out[1:]]
-        self.to_add_out = attn.to_add_out.forward_without_bias
+
+    @property
+    def to_out(self) -> list:
+        return [self._attn.to_out[0].forward_without_bias, *self._attn.to_out[1:]]
+
+    @property
+    def to_add_out(self):
+        return self._attn.to_add_out.forward_without_bias
 
     def __getattr__(self, name: str):
         return getattr(self._attn, name)
@@ -80,9 +86,10 @@ class QwenDeferredBiasAttnProcessor:
 
 
 def defers_bias(attn: nn.Module) -> bool:
-    """Whether ``attn`` currently returns its projections without bias. Dropout after ``to_out[0]`` would come
-    before the bias, so training with dropout keeps the bias in the projection."""
-    if not isinstance(attn.processor, QwenDeferredBiasAttnProcessor):
+    """Whether ``attn`` currently returns its projections without bias: its processor is the wrapper and both
+    projections are still biased ``NVFP4Linear`` (checked per call, so replacing a module after enabling is safe).
+    Dropout after ``to_out[0]`` would come before the bias, so training with dropout keeps the bias in place."""
+    if not isinstance(attn.processor, QwenDeferredBiasAttnProcessor) or not _bias_can_be_deferred(attn):
         return False
     return not any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in attn.to_out[1:])
 
