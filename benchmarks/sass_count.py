@@ -34,11 +34,17 @@ SIGNATURES = {
 }
 
 
-def sass_histogram(kernel: str, arch: int, fast_math: bool, block_r: int, block_c: int, num_warps: int) -> collections.Counter:
+def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, block_c: int = 32, num_warps: int = 4):
+    """Compile ``kernel`` ("quantize" or "token_cat") for compute capability ``arch`` (x10) without a GPU; the hardware
+    E2M1 conversion is selected from SM100 on, as at run time."""
     fn, sig = SIGNATURES[kernel]
     consts = {"BLOCK_R": block_r, "BLOCK_C": block_c, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": arch >= 100}
-    compiled = triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
-                              target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False, "num_warps": num_warps})
+    return triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
+                          target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False, "num_warps": num_warps})
+
+
+def sass_histogram(compiled) -> collections.Counter:
+    """Opcode counts of a compiled kernel's SASS (disassembled with the nvdisasm that ships with Triton)."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -61,7 +67,8 @@ def main() -> None:
     ap.add_argument("--block-c", type=int, default=32, help="16-element blocks per tile row")
     ap.add_argument("--num-warps", type=int, default=4)
     args = ap.parse_args()
-    ops = sass_histogram(args.kernel, args.arch, not args.precise, args.block_r, args.block_c, args.num_warps)
+    ops = sass_histogram(compile_kernel(args.kernel, args.arch, not args.precise, args.block_r, args.block_c,
+                                        args.num_warps))
     elements = args.block_r * args.block_c * 16 / (32 * args.num_warps)
     total = sum(ops.values())
     print(f"{args.kernel} sm_{args.arch} {'precise' if args.precise else 'fast-math'} tile {args.block_r}x{args.block_c * 16}: "

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; run `pytest -m gpu` on a GPU machine")
+    skip = pytest.mark.skip(reason="GPU test (marked gpu) not run: no CUDA device here; it runs on the GPU machine with `pytest -m gpu`")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -2,6 +2,9 @@
 and must match the torch reference byte for byte; ahead-of-time compilation proves the SM90 and Blackwell variants
 (fast-math inline PTX, hardware E2M1 conversion) build."""
 
+import sys
+from pathlib import Path
+
 import pytest
 from kernel_subprocess import run_interpreted
 
@@ -76,26 +79,13 @@ def test_e2m1_rounding_matches_reference_on_every_boundary():
 
 @pytest.mark.parametrize("capability", [90, 100, 120])
 @pytest.mark.parametrize("fast_math", [True, False])
-def test_kernels_compile_ahead_of_time(capability, fast_math):
-    from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
-    from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+@pytest.mark.parametrize("kernel", ["quantize", "token_cat"])
+def test_kernels_compile_ahead_of_time(kernel, capability, fast_math):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sass_count import compile_kernel
 
-    hw = capability >= 100
-    consts = {"BLOCK_R": 8, "BLOCK_C": 32, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": hw}
-    signatures = {
-        _quantize_nvfp4_kernel: {"x_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8", "M": "i32",
-                                 "K": "i32", "row_stride": "i32", "padded_cols": "i32", "col_tiles": "i32"},
-        _token_cat_quantize_kernel: {"a_ptr": "*i64", "b_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64",
-                                     "scales_ptr": "*u8", "M": "i32", "A": "i32", "B": "i32", "stride_a": "i32",
-                                     "stride_b": "i32", "padded_cols": "i32", "col_tiles": "i32"},
-    }
-    for fn, sig in signatures.items():
-        sig = {**sig, **dict.fromkeys(consts, "constexpr")}
-        compiled = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", capability, 32),
-                                  options={"enable_fp_fusion": False})
-        ptx = compiled.asm["ptx"]
-        assert ("cvt.rn.satfinite.e2m1x2.f32" in ptx) == hw
-        assert ("rcp.approx.ftz.f32" in ptx) == fast_math
-        assert len(compiled.asm["cubin"]) > 0
+    compiled = compile_kernel(kernel, capability, fast_math)
+    ptx = compiled.asm["ptx"]
+    assert ("cvt.rn.satfinite.e2m1x2.f32" in ptx) == (capability >= 100)
+    assert ("rcp.approx.ftz.f32" in ptx) == fast_math
+    assert len(compiled.asm["cubin"]) > 0

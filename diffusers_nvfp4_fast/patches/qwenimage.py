@@ -100,7 +100,9 @@ def _bias_can_be_deferred(attn: nn.Module) -> bool:
     return all(isinstance(p, NVFP4Linear) and p.bias is not None for p in projections)
 
 
-def resnorm_gate(ff: nn.Module, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> str | None:
+def resnorm_gate(
+    ff: nn.Module, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+) -> str | None:
     """None when the fused path applies to this stream's call, else the reason it does not."""
     if not isinstance(_fc1(ff), NVFP4Linear):
         return "FC1 is not an NVFP4Linear"
@@ -110,6 +112,8 @@ def resnorm_gate(ff: nn.Module, norm: nn.Module, residual: torch.Tensor, x: torc
         return "norm2 is not an affine-free LayerNorm"
     if residual.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
         return f"dtype {residual.dtype} (bf16 only)"
+    if bias is not None and bias.dtype != torch.bfloat16:
+        return f"attention output bias dtype {bias.dtype} (bf16 only)"
     if residual.dim() != 3 or x.shape != residual.shape:
         return f"shapes {tuple(residual.shape)} / {tuple(x.shape)}"
     if residual.shape[-1] % 16:
@@ -139,9 +143,7 @@ def _mlp_stream(
 ) -> torch.Tensor:
     """``residual + gate1*(attn_out + attn_bias)``, then norm2 + modulate + MLP + gate2 residual, fused where the
     gate allows. ``attn_bias`` is the projection bias the attention deferred (None if ``attn_out`` has it)."""
-    reason = resnorm_gate(ff, norm, residual, attn_out)
-    if reason is None and attn_bias is not None and attn_bias.dtype != torch.bfloat16:
-        reason = f"attention output bias dtype {attn_bias.dtype} (bf16 only)"
+    reason = resnorm_gate(ff, norm, residual, attn_out, attn_bias)
     stats = stats_for(block._nvfp4_stats_id)
     if reason is not None:
         if stats is not None:
