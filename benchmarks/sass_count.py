@@ -43,15 +43,38 @@ def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, bl
                           target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False, "num_warps": num_warps})
 
 
-def sass_histogram(compiled) -> collections.Counter:
-    """Opcode counts of a compiled kernel's SASS (disassembled with the nvdisasm that ships with Triton)."""
+def compile_gemm_sm90(stages: int = 4, even_k: bool = True):
+    """Compile the Gluon SM90 GEMM (``kernels/nvfp4_gemm_sm90.py``) for sm_90a without a GPU."""
+    from diffusers_nvfp4_fast.kernels import nvfp4_gemm_sm90 as mod
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    x_layout = gl.NVMMASharedLayout.get_default_for([mod.BLOCK_M, mod.BLOCK_K], gl.float16)
+    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    sig = {"x_desc": f"tensordesc<fp16[{mod.BLOCK_M}, {mod.BLOCK_K}],{x_layout!r}>",
+           "w_desc": f"tensordesc<i32[{mod.BLOCK_N}, {mod.BLOCK_K // 8}],{flat!r}>",
+           "s_desc": f"tensordesc<i32[1, 128],{flat!r}>", "alpha_ptr": "*fp32", "out_ptr": "*bf16",
+           "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "scale_rows_per_tile": "i32"}
+    consts = {"BLOCK_M": mod.BLOCK_M, "BLOCK_N": mod.BLOCK_N, "BLOCK_K": mod.BLOCK_K, "STAGES": stages, "GROUP_N": 8,
+              "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 10)}  # as Triton specializes them at run time
+    src = GluonASTSource(mod._nvfp4_gemm_sm90_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": mod.NUM_WARPS})
+
+
+def disassemble(compiled) -> str:
+    """SASS of a compiled kernel (the nvdisasm that ships with Triton)."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_histogram(compiled) -> collections.Counter:
+    """Opcode counts of a compiled kernel's SASS."""
     ops = collections.Counter()
-    for line in sass.splitlines():
+    for line in disassemble(compiled).splitlines():
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
         if m:
             ops[m.group(1)] += 1

@@ -19,12 +19,12 @@ Shape of the work:
   pass, ~20 us for 4608x6144 on an H200, ~1-2 % of the GEMM) and the GEMM loads it like a dense operand. Decoding
   X inside the GEMM instead would redo it for every one of the N/BLOCK_N weight tiles and double the ALU work per
   MMA. The scratch has the size the activation had in BF16 before it was quantized; it is never the weight.
-  The decoded weight tile is either the MMA's register A operand of ``W @ X^T`` (``W_IN_REGS``, 256 tokens per
-  tile: the least decode per MMA) or its shared-memory B operand of ``X @ W^T``; the autotuner picks per shape.
-  In the SM90 SASS that Triton 3.9 emits (inspected with nvdisasm on CPU), both wait for each wgmma before the next
-  tile is decoded (the decoded tile is not multi-buffered; for the register operand ptxas reports serialized
-  wgmma), so one CTA's decode and MMA do not overlap. That is the likely reason the kernel stays at 0.5-0.7x
-  cuBLAS BF16 on an H200 (benchmarks/results/gemm-h200.json); overlapping them needs multi-buffered decoded tiles.
+  On SM90 this GEMM is ``nvfp4_gemm_sm90`` (Gluon), which overlaps the weight decode with asynchronous wgmma and
+  reaches 0.8-0.97x cuBLAS BF16 on the FLUX.2-dev shapes (H200, benchmarks/results/gemm-h200.json). The Triton
+  kernel below serves SM80/SM89, K % 32 != 0 and misaligned operands, with identical output bytes: its decoded
+  tile is either the MMA's register A operand of ``W @ X^T`` (``W_IN_REGS``, 256 tokens per tile) or the
+  shared-memory B operand of ``X @ W^T``; in both, Triton (3.6, SM90 SASS) waits for each wgmma before the next
+  tile is decoded, so decode and MMA do not overlap (0.5-0.7x cuBLAS BF16 on an H200).
 * Small M (``M <= PREDECODE_MAX_M``): X is decoded in the kernel too, and the kernel computes the transposed tile
   ``W @ X^T`` so that weight rows fill the MMA's 64-row side and the few tokens its cheap N side ("swap AB").
   When there are too few weight tiles to fill the GPU, K is split over a second grid axis; the FP32 partial sums
@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -394,6 +395,21 @@ _tuned_fp16_x = _make_tuned(False)
 
 
 @functools.cache
+def _sm90_kernel_module():
+    """The Gluon SM90 kernel module, or None (with one warning) when this Triton lacks the Gluon Hopper API.
+
+    Without it large-M GEMMs run the Triton kernel: same bytes, 0.5-0.7x cuBLAS instead of 0.8-0.97x on an H200.
+    """
+    try:
+        from . import nvfp4_gemm_sm90
+    except (ImportError, AttributeError) as exc:
+        warnings.warn(f"diffusers-nvfp4-fast: the SM90 Gluon GEMM is unavailable with triton {triton.__version__} "
+                      f"({exc}); large-M NVFP4 GEMMs use the slower Triton kernel (same output bytes)", stacklevel=3)
+        return None
+    return nvfp4_gemm_sm90
+
+
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -432,6 +448,7 @@ def nvfp4_gemm(
     x_decode: str = "auto",
     split_k: int | None = None,
     config: triton.Config | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """NVFP4 W4A4 GEMM: ``out_dtype((decode(x) @ decode(w).T) * alpha)``, with ``decode = e2m1 * e4m3``.
 
@@ -446,6 +463,9 @@ def nvfp4_gemm(
             ``"in_kernel"`` or ``"predecode"``.
         split_k: force the number of K splits of the in-kernel-X variant (tests); default ``split_k_for(...)``.
         config: run this ``triton.Config`` instead of autotuning (tests; the interpreter always uses one).
+        kernel: ``"auto"`` (the SM90 Gluon kernel for pre-decoded X where it applies, else the Triton kernel),
+            ``"triton"`` (always the Triton kernel) or ``"sm90"`` (the Gluon kernel, or ``ValueError``). Every choice
+            gives the same bytes.
 
     Returns:
         ``[M, N]`` in ``out_dtype``: the FP32 sum equals ``ops.emulated_nvfp4_gemm`` up to summation order, then one
@@ -460,6 +480,8 @@ def nvfp4_gemm(
         raise TypeError(f"nvfp4_gemm: unsupported out_dtype {out_dtype}")
     if x_decode not in ("auto", "in_kernel", "predecode"):
         raise ValueError(f"nvfp4_gemm: x_decode must be 'auto', 'in_kernel' or 'predecode', got {x_decode!r}")
+    if kernel not in ("auto", "triton", "sm90"):
+        raise ValueError(f"nvfp4_gemm: kernel must be 'auto', 'triton' or 'sm90', got {kernel!r}")
     m, half_k = x_packed.shape
     n = w_packed.shape[0]
     k = 2 * half_k
@@ -485,9 +507,19 @@ def nvfp4_gemm(
     predecode = x_decode == "predecode" or (x_decode == "auto" and m > PREDECODE_MAX_M)
     use_asm = _use_asm(x_packed)
     w_words = _scale_words(w_scales)
+    if kernel == "sm90" and not predecode:
+        raise ValueError(f"nvfp4_gemm: kernel='sm90' needs the pre-decoded X path (M > {PREDECODE_MAX_M} or "
+                         f"x_decode='predecode'), got M={m}, x_decode={x_decode!r}")
     if predecode:
         # Exact FP16 values of X, decoded once (memory-bound) instead of once per weight tile.
         x_arg = decode_nvfp4_rows(x_packed, x_scales, torch.float16)
+        if kernel != "triton" and config is None:
+            sm90 = _sm90_kernel_module() if kernel == "sm90" or not _interpreting() else None
+            if sm90 is not None and sm90.sm90_supported(x_arg, w_packed, w_scales):
+                return sm90.nvfp4_gemm_sm90(x_arg, w_packed, w_scales, alpha.reshape(1), out)
+            if kernel == "sm90":
+                raise ValueError(f"nvfp4_gemm: kernel='sm90' does not take these operands (needs an SM90 GPU, "
+                                 f"K % 32 == 0 and 16-byte aligned tensors; got K={k} on {device})")
         xs_arg, stride_x = w_words, x_arg.stride(0)  # xs_ptr is unused by this variant
         splits, chunk = 1, k
     else:

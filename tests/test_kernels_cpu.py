@@ -2,6 +2,7 @@
 and must match the torch reference byte for byte; ahead-of-time compilation proves the SM90 and Blackwell variants
 (fast-math inline PTX, hardware E2M1 conversion) build."""
 
+import re
 import sys
 from pathlib import Path
 
@@ -89,3 +90,17 @@ def test_kernels_compile_ahead_of_time(kernel, capability, fast_math):
     assert ("cvt.rn.satfinite.e2m1x2.f32" in ptx) == (capability >= 100)
     assert ("rcp.approx.ftz.f32" in ptx) == fast_math
     assert len(compiled.asm["cubin"]) > 0
+
+
+@pytest.mark.parametrize("even_k", [True, False])
+def test_sm90_gemm_overlaps_decode_and_mma(even_k):
+    """The Gluon SM90 GEMM compiles with this Triton, and its SASS keeps one wgmma in flight while the next weight
+    tile is decoded (wait until <= 1 group is pending, not 0), with the decoded tile as the register A operand."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
+                        reason="this Triton has no Gluon Hopper API, so the SM90 GEMM was not compiled")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sass_count import compile_gemm_sm90, disassemble
+
+    sass = disassemble(compile_gemm_sm90(even_k=even_k))
+    assert re.search(r"HGMMA\.64x256x16\.F32 R\d+, R\d+, gdesc", sass), "the weight is not the register A operand"
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "every wgmma is waited on at once: decode and MMA do not overlap"

@@ -171,13 +171,62 @@ def test_every_config_gives_the_same_bytes(x_packed, m, n, k, monkeypatch):
         outs[str(cfg.kwargs) + f" w{cfg.num_warps}s{cfg.num_stages}"] = nvfp4_gemm(
             xp, xs, wp, ws, alpha, torch.float32, x_decode=mode, config=cfg)
     monkeypatch.setenv("DIFFUSERS_NVFP4_TRITON_NO_ASM", "1")
-    outs["no-asm autotuned"] = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode=mode)
+    outs["no-asm autotuned"] = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode=mode, kernel="triton")
     monkeypatch.delenv("DIFFUSERS_NVFP4_TRITON_NO_ASM")
-    outs["autotuned"] = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode=mode)
+    outs["triton autotuned"] = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode=mode, kernel="triton")
+    outs["auto"] = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode=mode)
+    if not x_packed and _sm90_takes(k):
+        for stages in (4, 5, 6):
+            out = torch.empty(m, n, device=DEV, dtype=torch.float32)
+            x16 = gemm_mod.decode_nvfp4_rows(xp, xs)
+            outs[f"sm90 stages {stages}"] = _sm90().nvfp4_gemm_sm90(x16, wp, ws, alpha.reshape(1), out, stages)
     names = list(outs)
     differing = [name for name in names[1:] if not torch.equal(outs[name], outs[names[0]])]
     assert not differing, f"configs differing from {names[0]}: {differing}"
     assert _rel(outs[names[0]], _reference(xp, xs, wp, ws, alpha)) <= REL_BOUND
+
+
+def _sm90():
+    return importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")
+
+
+def _sm90_takes(k: int) -> bool:
+    return torch.cuda.get_device_capability()[0] == 9 and k % 32 == 0
+
+
+def _skip_unless_sm90():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("SM90 Gluon GEMM test not run: it needs a Hopper GPU (H100/H200)")
+
+
+@pytest.mark.parametrize("m,n,k", [(65, 128, 64), (300, 256, 1024), (1000, 200, 96), (257, 129, 32),
+                                   (4609, 3000, 3104), (4608, 3072, 3072)])
+@pytest.mark.parametrize("random_bytes", [False, True])
+def test_sm90_kernel_equals_triton_kernel(m, n, k, random_bytes):
+    """The Gluon kernel gives the Triton kernel's bytes: odd M/N, K % 64 == 32 (partial last step), one K step,
+    every code and scale byte (random bytes); and it is what ``kernel="auto"`` runs on SM90."""
+    _skip_unless_sm90()
+    xp, xs, wp, ws, alpha = (_random_bytes if random_bytes else _operands)(m, n, k, seed=7)
+    triton_out = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode="predecode", kernel="triton")
+    sm90_out = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode="predecode", kernel="sm90")
+    assert torch.equal(sm90_out, triton_out)
+    assert torch.equal(nvfp4_gemm(xp, xs, wp, ws, alpha, torch.bfloat16, kernel="sm90"), sm90_out.to(torch.bfloat16))
+    assert _rel(sm90_out, _reference(xp, xs, wp, ws, alpha)) <= REL_BOUND
+
+
+def test_auto_uses_the_sm90_kernel_where_it_applies(monkeypatch):
+    _skip_unless_sm90()
+    calls = []
+    real = _sm90().nvfp4_gemm_sm90
+    monkeypatch.setattr(_sm90(), "nvfp4_gemm_sm90", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    xp, xs, wp, ws, alpha = _operands(300, 256, 1024, seed=8)
+    nvfp4_gemm(xp, xs, wp, ws, alpha)
+    assert calls == [(300, 1024)]
+    xp, xs, wp, ws, alpha = _operands(300, 256, 176, seed=8)  # K % 32 != 0: the Triton kernel
+    nvfp4_gemm(xp, xs, wp, ws, alpha)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="K=176"):
+        nvfp4_gemm(xp, xs, wp, ws, alpha, kernel="sm90")
 
 
 def test_in_kernel_and_predecode_agree_with_emulation():
@@ -200,7 +249,7 @@ def test_split_k(splits):
     assert torch.equal(nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, split_k=splits), out)
 
 
-@pytest.mark.parametrize("m,n,k", [(17, 200, 176), (1000, 300, 48), (130, 130, 2064)])
+@pytest.mark.parametrize("m,n,k", [(17, 200, 176), (1000, 300, 48), (130, 130, 2064), (1000, 300, 3104)])
 def test_scale_padding_bytes_do_not_matter(m, n, k):
     """Rows past M/N and columns past K/16 of the 128x4 scale matrices hold garbage (NaN bytes included)."""
     _skip_unless_sm80_to_sm90()

@@ -1,0 +1,195 @@
+"""NVFP4 weight x exact-FP16 activation GEMM for Hopper (SM90), in Gluon, with the weight decode overlapping the MMA.
+
+``out[M, N] = out_dtype((x16 @ decode(w).T) * alpha)`` where ``x16`` is the activation decoded once per call into
+exact FP16 (``nvfp4_gemm.decode_nvfp4_rows``) and the weight stays packed in memory: each K step of 64 decodes a
+``[128, 64]`` weight tile in registers with the integer decode of ``nvfp4_gemm`` (whose docstring explains why it is
+exact) and feeds it to the MMA.
+
+Why a second kernel: Triton's compiler (3.6, inspected in SM90 SASS) routes the decoded tile through one
+shared-memory buffer and waits for every wgmma at once (``WARPGROUP.DEPBAR.LE gsb0, 0x0`` after each group), so a
+CTA's decode and MMA never overlap; that kernel reaches 0.5-0.7x cuBLAS BF16. Gluon states the layouts explicitly:
+
+* The decoded tile is the wgmma's register A operand (``W @ X^T``; 128 weight rows x 256 tokens per CTA, two
+  warpgroups of 64 rows). The packed words are read from shared memory in ``pair_layout``, chosen so that the FP16
+  pairs the decode produces already sit in the thread and register of the A fragment: no shuffle, no shared-memory
+  round trip, and the wgmma runs asynchronously while the next tile is decoded (``warpgroup_mma_wait(1)``).
+* X, the packed weight (as int32 words) and the weight's scale words arrive by TMA into a STAGES-deep ring guarded
+  by mbarriers. One step's 128 scale words are stored in 128x4 order; ``s_rows_layout`` (a shared linear layout)
+  reads them back indexed by weight row.
+
+    for i in k-steps:
+        wait for stage i (mbarrier)
+        decode W[i] into A-fragment registers       <- overlaps wgmma(i - 1)
+        wgmma(W[i], X[i]^T) asynchronously; wait until only wgmma(i) is in flight
+        barrier (both warpgroups are past wgmma(i - 1)); refill its stage with step i - 1 + STAGES
+
+Same summation as ``nvfp4_gemm``: 16-wide K steps in order with FP32 accumulation in the same HGMMA instruction
+family, so the output bytes equal those of every ``nvfp4_gemm`` config (checked on the GPU) and do not depend on
+STAGES. Out-of-range rows read as zeros (TMA) and are masked at the store; K past the data reads as zero words and
+its scale bytes are forced to 0. Needs ``K % 32 == 0`` (16-byte TMA row strides) and 16-byte aligned operands.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+__all__ = ["nvfp4_gemm_sm90", "sm90_supported", "SM90_STAGES"]
+
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 256, 128, 64, 8
+# Pipeline depth: 4 was the fastest on 9 of the 10 FLUX.2-dev and Qwen-Image shapes at M=4608 on an H200
+# (5 and 6 were 0-10 % slower; benchmarks/results/gemm-h200.json). The bytes do not depend on it.
+SM90_STAGES = 4
+
+# Triton 3.9 renamed the TMA load and the shared-memory reinterpret; 3.6 (torch 2.11) has only the old names.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_NEW_REINTERPRET = hasattr(gl.shared_memory_descriptor, "reinterpret")
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def _nvfp4_gemm_sm90_kernel(
+    x_desc, w_desc, s_desc, alpha_ptr, out_ptr, M, N, K, stride_om, scale_rows_per_tile,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+    GROUP_N: gl.constexpr, EVEN_K: gl.constexpr, NEW_REINTERPRET: gl.constexpr,
+):
+    gl.static_assert(BLOCK_K == 64, "one scale word (4 blocks of 16) per row and k-step")
+    gl.static_assert(BLOCK_N == 128, "one 128-row block of the 128x4 scale layout per tile")
+    gl.static_assert(gl.num_warps() == 8, "two warpgroups of 64 weight rows")
+    gl.static_assert(BLOCK_M <= 256, "one wgmma covers the tile's tokens")
+    WORDS: gl.constexpr = BLOCK_K // 8
+
+    pid = gl.program_id(0)
+    num_pid_m = gl.cdiv(M, BLOCK_M)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    group_size = GROUP_N * num_pid_m
+    first_n = (pid // group_size) * GROUP_N
+    group_n = min(num_pid_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % group_size) % group_n
+    pid_m = (pid % group_size) // group_n
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+
+    # acc [weight rows, tokens]; the decoded weight is the wgmma's register A operand.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                          instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # [row, word, byte] such that byte b of word w of row r lands in the thread and register that hold the FP16
+    # pair k = 8w + 2b of the A fragment: lanes pick the byte (k bits 1-2), registers the word (k bits 3-5).
+    pair_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]], block_bases=[], shape=[BLOCK_N, WORDS, 4])
+    word_layout: gl.constexpr = gl.SliceLayout(2, pair_layout)
+
+    x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], s_desc.layout)
+    s_rows_layout: gl.constexpr = gl.SharedLinearLayout(offset_bases=[[32], [64], [1], [2], [4], [8], [16]])
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(STAGES):
+        mbarrier.init(bars.index(st), count=1)
+
+    k_steps = gl.cdiv(K, BLOCK_K)
+    step_bytes: gl.constexpr = BLOCK_M * BLOCK_K * 2 + BLOCK_N * WORDS * 4 + BLOCK_N * 4
+    s_row0 = pid_n * scale_rows_per_tile
+    for st in gl.static_range(STAGES):
+        pred = st < k_steps
+        mbarrier.expect(bars.index(st), step_bytes, pred=pred)
+        _tma_load(x_desc, [off_m, st * BLOCK_K], bars.index(st), x_smem.index(st), pred=pred)
+        _tma_load(w_desc, [off_n, st * WORDS], bars.index(st), w_smem.index(st), pred=pred)
+        _tma_load(s_desc, [s_row0 + st, 0], bars.index(st), s_smem.index(st), pred=pred)
+
+    cols = gl.arange(0, WORDS, layout=gl.SliceLayout(0, word_layout))
+    byte = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, pair_layout)))
+    shift3 = gl.expand_dims(gl.expand_dims(byte * 8, 0), 0)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
+    for i in range(k_steps):
+        s = i % STAGES
+        mbarrier.wait(bars.index(s), (i // STAGES) & 1)
+        words = w_smem.index(s).load(word_layout)
+        if NEW_REINTERPRET:
+            s_view = s_smem.index(s).reinterpret(gl.int32, [BLOCK_N], s_rows_layout)
+        else:
+            s_view = s_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], s_rows_layout)
+        sword = s_view.load(gl.SliceLayout(1, word_layout))
+        kb = (i * WORDS + cols) // 2
+        sb = (sword[:, None] >> ((kb % 4) * 8)[None, :]) & 0xFF
+        if not EVEN_K:
+            sb = gl.where((kb < K // 16)[None, :], sb, 0)
+        s_bits = ((sb & 0x80) << 8) | ((sb & 0x7F) << 7)
+        s16 = s_bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * 32768.0
+        s16 = gl.where((sb & 0x7F) == 0x7F, float("nan"), s16).to(gl.float16)
+        s_pair = s16.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        s_pair = gl.expand_dims(s_pair | (s_pair << 16), 2)
+        b = (gl.expand_dims(words, 2) >> shift3) & 0xFF
+        r = ((b * 0x00200200) & 0x0E000E00) | ((b * 0x01001000) & -0x7FFF8000)
+        lo, hi = gl.inline_asm_elementwise("{ .reg .b32 t; mul.rn.f16x2 t, $2, $3; mov.b32 {$0, $1}, t; }",
+                                           "=h,=h,r,r", [r, s_pair], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=1)
+        a = gl.reshape(gl.join(lo, hi), [BLOCK_N, BLOCK_K])
+        a = gl.convert_layout(a, a_layout)
+
+        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        # wgmma(i - 1) is done in this warpgroup; once both are, its stage is free: refill it with i - 1 + STAGES.
+        _cta_barrier()
+        nxt = i - 1 + STAGES
+        free = nxt % STAGES
+        pred = (i >= 1) & (nxt < k_steps)
+        mbarrier.expect(bars.index(free), step_bytes, pred=pred)
+        _tma_load(x_desc, [off_m, nxt * BLOCK_K], bars.index(free), x_smem.index(free), pred=pred)
+        _tma_load(w_desc, [off_n, nxt * WORDS], bars.index(free), w_smem.index(free), pred=pred)
+        _tma_load(s_desc, [s_row0 + nxt, 0], bars.index(free), s_smem.index(free), pred=pred)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    for st in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(st))
+
+    out = gl.permute(acc * 128.0 * gl.load(alpha_ptr), (1, 0)).to(out_ptr.dtype.element_ty)  # [tokens, rows]
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    out = gl.convert_layout(out, store_layout)
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    gl.store(out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+
+
+def sm90_supported(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor) -> bool:
+    """Whether ``nvfp4_gemm_sm90`` takes these operands: an SM90 GPU, K % 32 == 0, 16-byte aligned bases."""
+    if not (x16.is_cuda and torch.cuda.get_device_capability(x16.device)[0] == 9):
+        return False
+    k = x16.shape[1]
+    return (k % 32 == 0 and x16.is_contiguous() and w_packed.is_contiguous() and w_scales.is_contiguous()
+            and all(t.data_ptr() % 16 == 0 for t in (x16, w_packed, w_scales)))
+
+
+def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
+                    out: torch.Tensor, stages: int = SM90_STAGES) -> torch.Tensor:
+    """``out = out.dtype((x16 @ decode(w).T) * alpha)`` on an SM90 GPU (operands as ``sm90_supported`` requires).
+
+    Args:
+        x16: FP16 ``[M, K]``, contiguous: the exact decoded activation (``decode_nvfp4_rows``).
+        w_packed: uint8 ``[N, K/2]`` packed E2M1, contiguous.
+        w_scales: uint8 (or E4M3) 128x4-swizzled scales ``[round_up(N, 128), round_up(K/16, 4)]``, contiguous.
+        alpha: FP32 ``[1]`` on the same device, read in the kernel.
+        out: ``[M, N]`` BF16/FP16/FP32 with unit column stride; written and returned.
+        stages: TMA pipeline depth (4-6); the output bytes do not depend on it.
+    """
+    m, k = x16.shape
+    n = w_packed.shape[0]
+    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16)
+    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    x_desc = TensorDescriptor.from_tensor(x16, [BLOCK_M, BLOCK_K], x_layout)
+    w_desc = TensorDescriptor.from_tensor(w_packed.view(torch.int32), [BLOCK_N, BLOCK_K // 8], flat)
+    # 128 consecutive scale words = one 128-row block x 4 scale columns = one k-step of 64 for one weight tile.
+    s_desc = TensorDescriptor.from_tensor(w_scales.view(torch.uint8).view(torch.int32).reshape(-1, 128), [1, 128], flat)
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    _nvfp4_gemm_sm90_kernel[grid](x_desc, w_desc, s_desc, alpha, out, m, n, k, out.stride(0), w_scales.shape[1] // 4,
+                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, GROUP_N=8,
+                                  EVEN_K=k % BLOCK_K == 0, NEW_REINTERPRET=_NEW_REINTERPRET, num_warps=NUM_WARPS)
+    return out
