@@ -176,10 +176,11 @@ def test_every_config_gives_the_same_bytes(x_packed, m, n, k, monkeypatch):
     outs["triton autotuned"] = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode=mode, kernel="triton")
     outs["auto"] = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode=mode)
     if not x_packed and _sm90_takes(k):
-        for stages in (4, 5, 6):
+        x16 = gemm_mod.decode_nvfp4_rows(xp, xs)
+        for stages, group_n in ((4, 8), (4, 64), (5, 1), (6, 64)):
             out = torch.empty(m, n, device=DEV, dtype=torch.float32)
-            x16 = gemm_mod.decode_nvfp4_rows(xp, xs)
-            outs[f"sm90 stages {stages}"] = _sm90().nvfp4_gemm_sm90(x16, wp, ws, alpha.reshape(1), out, stages)
+            outs[f"sm90 stages {stages} group {group_n}"] = _sm90().nvfp4_gemm_sm90(x16, wp, ws, alpha.reshape(1), out,
+                                                                                    stages, group_n)
     names = list(outs)
     differing = [name for name in names[1:] if not torch.equal(outs[name], outs[names[0]])]
     assert not differing, f"configs differing from {names[0]}: {differing}"
