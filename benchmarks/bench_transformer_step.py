@@ -23,7 +23,10 @@ tokens of 15360 channels, timestep 0.5, guidance 4.0, position ids as Flux2Pipel
 all-valid mask), ``img_shapes = [[(1, H/16, W/16)]]``.
 
 Measured per variant: ms per step (median of ``--steps-timed`` forwards after ``--warmup`` forwards, CUDA events;
-fast paths off and on alternate round by round so that clock drift cannot favour either),
+fast paths off and on alternate round by round so that clock drift cannot favour either). With ``--cuda-graph`` each
+variant's forward is captured once in a CUDA graph after the eager warm-up (which compiles, autotunes and verifies)
+and the graphs are replayed instead: no host launch overhead, so the GPU time of each variant shows (the eager
+Qwen-Image step is bound by host launch overhead). Results go to ``transformer_step-<model>-graph-<device>.json``.
 peak GPU memory during the timed forwards, weight bytes (parameters + buffers). ``exact``: the fast-paths-on output
 has the same bytes as the fast-paths-off output (and off is repeatable), compared in this run.
 """
@@ -179,6 +182,34 @@ def forward(model: nn.Module, inputs: dict) -> torch.Tensor:
         return model(**inputs)[0]
 
 
+class GraphedForward:
+    """``forward(model, inputs)`` captured in a CUDA graph (after a warm-up on a side stream, as torch recommends);
+    calling it replays the graph and returns the static output tensor."""
+
+    def __init__(self, model: nn.Module, inputs: dict):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward(model, inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = forward(model, inputs)
+
+    def __call__(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+def _timed_call(fn, device) -> tuple[float, torch.Tensor]:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end), out
+
+
 def _timed_forward(model: nn.Module, inputs: dict, device) -> tuple[float, torch.Tensor]:
     if device.type != "cuda":
         t0 = time.perf_counter()
@@ -202,21 +233,24 @@ def _reset_peak(device) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def time_steps(model: nn.Module, inputs: dict, warmup: int, timed: int, device) -> tuple[float, float, torch.Tensor]:
+def time_steps(model: nn.Module, inputs: dict, warmup: int, timed: int, device,
+               graph: bool = False) -> tuple[float, float, torch.Tensor]:
     """(median ms per step, peak GB during the timed steps, output of the last step)."""
     out = None
     for _ in range(warmup):
         out = forward(model, inputs)
+    step = GraphedForward(model, inputs) if graph else None
     _reset_peak(device)
     times = []
     for _ in range(timed):
-        t, out = _timed_forward(model, inputs, device)
+        t, out = _timed_call(step, device) if graph else _timed_forward(model, inputs, device)
         times.append(t)
     times.sort()
     return times[len(times) // 2], _peak_gb(device), out
 
 
-def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device, enable, disable) -> dict:
+def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device, enable, disable,
+                graph: bool = False) -> dict:
     """Fast paths off and on, timed in alternating rounds (off, on, off, on, ...) so that clock or thermal drift
     during the run cannot favour either side. Returns per mode: median ms, peak GB, the last output, and for "on"
     the fast-path report taken after its last round."""
@@ -226,11 +260,20 @@ def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device,
         for _, switch in modes:
             switch(model)
             forward(model, inputs)
+    steps = {}
+    if graph:  # each mode's forward, captured with that mode switched on
+        for mode, switch in modes:
+            switch(model)
+            steps[mode] = GraphedForward(model, inputs)
     for _ in range(timed):
         for mode, switch in modes:
             switch(model)
             _reset_peak(device)
-            t, runs[mode]["out"] = _timed_forward(model, inputs, device)
+            if graph:
+                t, out = _timed_call(steps[mode], device)
+                runs[mode]["out"] = out.clone()
+            else:
+                t, runs[mode]["out"] = _timed_forward(model, inputs, device)
             runs[mode]["times"].append(t)
             runs[mode]["peak"] = max(runs[mode]["peak"], _peak_gb(device))
     runs["on"]["report"] = enable(model)  # enabled already: returns the report (its counts cover the last round)
@@ -281,7 +324,9 @@ def run(args) -> dict:
     result["inputs"] = {"height": args.height, "width": args.width, "image_tokens": (args.height // 16) * (args.width // 16),
                         "text_tokens": args.text_tokens, "batch": 1}
     result["timing"] = (f"median of {args.steps_timed} forwards after {args.warmup} warm-up forwards (CUDA events); "
-                        "NVFP4 fast paths off and on timed in alternating rounds")
+                        "NVFP4 fast paths off and on timed in alternating rounds"
+                        + ("; each variant captured once in a CUDA graph and replayed" if args.cuda_graph else "; eager"))
+    result["cuda_graph"] = args.cuda_graph
     result["input_scale"] = f"fixed: amax {INPUT_AMAX} -> input_scale = {INPUT_AMAX}/2688"
     shape = {"model": args.model, **result["inputs"]}
     t_start = time.time()
@@ -302,12 +347,13 @@ def run(args) -> dict:
     inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
 
     if enable_fast_paths is not None:
-        runs = time_off_on(model, inputs, args.warmup, args.steps_timed, device, enable_fast_paths, disable_fast_paths)
+        runs = time_off_on(model, inputs, args.warmup, args.steps_timed, device, enable_fast_paths, disable_fast_paths,
+                           graph=args.cuda_graph)
         ms_off, peak_off, out_off = runs["off"]["ms"], runs["off"]["peak"], runs["off"]["out"]
     else:
         log("enable_fast_paths is not available: timing 'off' only")
         runs = None
-        ms_off, peak_off, out_off = time_steps(model, inputs, args.warmup, args.steps_timed, device)
+        ms_off, peak_off, out_off = time_steps(model, inputs, args.warmup, args.steps_timed, device, args.cuda_graph)
     log(f"fast paths off: {ms_off:.1f} ms/step, peak {peak_off:.1f} GB")
     out_off2 = forward(model, inputs)  # fast paths are disabled again here
     repeatable = same_bytes(out_off, out_off2)
@@ -338,7 +384,7 @@ def run(args) -> dict:
         materialize(model, args.model, device, nvfp4=False)
         bf16_weight = tensor_bytes(model)
         inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
-        ms_bf16, peak_bf16, out_bf16 = time_steps(model, inputs, args.warmup, args.steps_timed, device)
+        ms_bf16, peak_bf16, out_bf16 = time_steps(model, inputs, args.warmup, args.steps_timed, device, args.cuda_graph)
         log(f"BF16: {ms_bf16:.1f} ms/step, peak {peak_bf16:.1f} GB, weights {bf16_weight / 1e9:.2f} GB")
         cases.append({"shape": shape, "variant": "bf16", "ms_per_step": round(ms_bf16, 2), "peak_mem_GB": round(peak_bf16, 2),
                       "weight_GB": round(bf16_weight / 1e9, 3), "weight_bytes": bf16_weight, "exact": None})
@@ -394,7 +440,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="untimed forwards first (Triton compile + GEMM autotune)")
     ap.add_argument("--skip-bf16", action="store_true", help="do not build/time the BF16 model")
     ap.add_argument("--tiny", action="store_true", help="tiny config on CPU (emulated GEMM): checks the logic, no timing value")
+    ap.add_argument("--cuda-graph", action="store_true", help="replay each variant's step from a CUDA graph (GPU only)")
     args = ap.parse_args()
+    if args.cuda_graph and args.tiny:
+        sys.exit("--cuda-graph needs a GPU (CUDA graphs), not --tiny")
     if args.tiny:
         args.height = args.width = min(args.height, 64)
         args.text_tokens = min(args.text_tokens, 8)
@@ -409,7 +458,7 @@ def main() -> None:
     else:
         import common
 
-        path = common.write_result(result, name=f"transformer_step-{args.model}")
+        path = common.write_result(result, name=f"transformer_step-{args.model}" + ("-graph" if args.cuda_graph else ""))
         print(f"-> {path}")
     print(f"{'variant':16s} {'ms/step':>10s} {'peak GB':>8s} {'weight GB':>9s} {'exact':>6s}  speedup_vs")
     for c in result["cases"]:

@@ -3,7 +3,7 @@
 # JSON go to $OUT. Usage (repository root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh GROUP...
 #   kernels: token-cat and Qwen kernel tests + their benchmarks, fast-path tests
 #   gemm:    GEMM tests + the GEMM benchmark with a config sweep at M=4608
-#   steps:   full-size FLUX.2-dev and Qwen-Image step benchmarks
+#   steps:   full-size FLUX.2-dev and Qwen-Image step benchmarks, eager and as CUDA-graph replays
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
@@ -25,7 +25,9 @@ for group in ${@:-kernels gemm steps}; do
       TAIL=40 step 240 bench_gemm python3 benchmarks/bench_gemm.py --m 17 4608 --sweep-configs ;;
     steps)
       TAIL=12 step 120 step_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024
-      TAIL=12 step 100 step_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024 ;;
+      TAIL=12 step 100 step_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024
+      TAIL=12 step 120 graph_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --cuda-graph --steps-timed 7
+      TAIL=12 step 100 graph_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --cuda-graph --steps-timed 7 ;;
     *) echo "unknown group $group"; exit 2 ;;
   esac
 done

@@ -38,15 +38,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-__all__ = ["nvfp4_gemm_sm90", "sm90_supported", "SM90_STAGES"]
+__all__ = ["nvfp4_gemm_sm90", "sm90_supported", "SM90_STAGES", "SM90_GROUP_N"]
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 256, 128, 64, 8
-# Pipeline depth: 4 was the fastest on 9 of the 10 FLUX.2-dev and Qwen-Image shapes at M=4608 on an H200
-# (5 and 6 were 0-10 % slower; benchmarks/results/gemm-h200.json). The bytes do not depend on it.
+# Pipeline depth: at M=4608 on an H200, 4 stages were the fastest on 7 of the 10 FLUX.2-dev and Qwen-Image shapes and
+# within 6 % of 6 stages on the other three (benchmarks/results/gemm_config_sweep-h200.json). The bytes do not depend on it.
 SM90_STAGES = 4
-# Tile order: GROUP_N consecutive weight tiles per group, walked for every token tile before the next group, so a
-# wave of CTAs shares a few X row blocks and a group of weight tiles in L2. 16-128 measured within ~3 % of each
-# other on the FLUX.2-dev shapes (H200); 8 was up to 15 % slower on some.
+# Tile order: GROUP_N consecutive weight tiles per group, walked for every token tile before the next group, so a wave
+# of CTAs shares a few X row blocks and one group of weight tiles in L2. Going from 8 to 64 moved the FLUX.2-dev
+# shapes at M=4608 from 553-632 to 593-634 TFLOP/s (gemm_config_sweep-h200.json -> gemm-h200.json, H200); the largest
+# weight (55296 x 6144) lost 3 %, the others gained 0-15 %.
 SM90_GROUP_N = 64
 
 # Triton 3.9 renamed the TMA load and the shared-memory reinterpret; 3.6 (torch 2.11) has only the old names.
