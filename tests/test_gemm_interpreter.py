@@ -89,6 +89,17 @@ p, s, *_ = random_bytes(70, 8, 176, 10)
 for dt in (torch.float16, torch.bfloat16, torch.float32):
     same = torch.equal(g.decode_nvfp4_rows(p, s, dt), decode_nvfp4(p, s, dtype=dt))
     results.append({"name": f"decode_nvfp4_rows {dt}", "equal": same})
+
+# kernel="triton" is what "auto" runs here; kernel="sm90" names why it cannot run; a bad choice is refused.
+ops = operands(70, 72, 256, 11)
+results.append({"name": "kernel=triton equals auto", "equal": torch.equal(
+    g.nvfp4_gemm(*ops, torch.float32, kernel="triton"), g.nvfp4_gemm(*ops, torch.float32))})
+for kw in ({"kernel": "sm90"}, {"kernel": "sm90", "x_decode": "in_kernel"}, {"kernel": "cutlass"}):
+    try:
+        g.nvfp4_gemm(*ops, torch.float32, **kw)
+        results.append({"name": f"error {kw}", "error": None})
+    except ValueError as exc:
+        results.append({"name": f"error {kw}", "error": str(exc)})
 print("RESULTS" + json.dumps(results))
 """
 
@@ -114,5 +125,12 @@ def test_gemm_matches_emulation_under_interpreter(interpreter_results):
 
 def test_gemm_exact_properties_under_interpreter(interpreter_results):
     flags = [r for r in interpreter_results if "equal" in r]
-    assert len(flags) == 7
+    assert len(flags) == 8
     assert all(r["equal"] for r in flags), [r for r in flags if not r["equal"]]
+
+
+def test_gemm_kernel_choice_errors_under_interpreter(interpreter_results):
+    errors = {r["name"]: r["error"] for r in interpreter_results if "error" in r}
+    assert "needs an SM90 GPU" in errors["error {'kernel': 'sm90'}"] and "K=256 on cpu" in errors["error {'kernel': 'sm90'}"]
+    assert "pre-decoded X path" in errors["error {'kernel': 'sm90', 'x_decode': 'in_kernel'}"]
+    assert "'cutlass'" in errors["error {'kernel': 'cutlass'}"]
