@@ -482,6 +482,8 @@ def nvfp4_gemm(
         raise ValueError(f"nvfp4_gemm: x_decode must be 'auto', 'in_kernel' or 'predecode', got {x_decode!r}")
     if kernel not in ("auto", "triton", "sm90"):
         raise ValueError(f"nvfp4_gemm: kernel must be 'auto', 'triton' or 'sm90', got {kernel!r}")
+    if kernel == "sm90" and config is not None:
+        raise ValueError("nvfp4_gemm: config is a Triton-kernel config; it cannot be combined with kernel='sm90'")
     m, half_k = x_packed.shape
     n = w_packed.shape[0]
     k = 2 * half_k

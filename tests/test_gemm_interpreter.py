@@ -94,12 +94,18 @@ for dt in (torch.float16, torch.bfloat16, torch.float32):
 ops = operands(70, 72, 256, 11)
 results.append({"name": "kernel=triton equals auto", "equal": torch.equal(
     g.nvfp4_gemm(*ops, torch.float32, kernel="triton"), g.nvfp4_gemm(*ops, torch.float32))})
-for kw in ({"kernel": "sm90"}, {"kernel": "sm90", "x_decode": "in_kernel"}, {"kernel": "cutlass"}):
+bad_choices = {
+    "sm90 on cpu": {"kernel": "sm90"},
+    "sm90 in kernel": {"kernel": "sm90", "x_decode": "in_kernel"},
+    "unknown kernel": {"kernel": "cutlass"},
+    "sm90 with config": {"kernel": "sm90", "config": g.gemm_configs(False)[0]},
+}
+for case, kw in bad_choices.items():
     try:
         g.nvfp4_gemm(*ops, torch.float32, **kw)
-        results.append({"name": f"error {kw}", "error": None})
+        results.append({"name": case, "error": None})
     except ValueError as exc:
-        results.append({"name": f"error {kw}", "error": str(exc)})
+        results.append({"name": case, "error": str(exc)})
 print("RESULTS" + json.dumps(results))
 """
 
@@ -131,6 +137,7 @@ def test_gemm_exact_properties_under_interpreter(interpreter_results):
 
 def test_gemm_kernel_choice_errors_under_interpreter(interpreter_results):
     errors = {r["name"]: r["error"] for r in interpreter_results if "error" in r}
-    assert "needs an SM90 GPU" in errors["error {'kernel': 'sm90'}"] and "K=256 on cpu" in errors["error {'kernel': 'sm90'}"]
-    assert "pre-decoded X path" in errors["error {'kernel': 'sm90', 'x_decode': 'in_kernel'}"]
-    assert "'cutlass'" in errors["error {'kernel': 'cutlass'}"]
+    assert "needs an SM90 GPU" in errors["sm90 on cpu"] and "K=256 on cpu" in errors["sm90 on cpu"], errors
+    assert "pre-decoded X path" in errors["sm90 in kernel"], errors
+    assert "'cutlass'" in errors["unknown kernel"], errors
+    assert "cannot be combined with kernel='sm90'" in errors["sm90 with config"], errors
