@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -94,7 +93,7 @@ def bench_shape(model: str, weight, m: int, ref_rows: int, gemm_mod, result: dic
     same_bytes = torch.equal(portable(), out)
     tuned = gemm_mod._tuned_fp16_x if m > gemm_mod.PREDECODE_MAX_M else gemm_mod._tuned_packed
     best = getattr(tuned, "best_config", None)  # None under the interpreter (no autotuning there)
-    sm90 = _sm90_runs(m, k)
+    sm90 = gemm_mod.sm90_kernel_for(m, k, wp, ws) is not None
     out32 = gemm_mod.nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, config=None if sm90 else best)
     r = min(ref_rows, m)
     x32 = gemm_mod.decode_nvfp4_rows(xp[:r].contiguous(), _row_slice_scales(xs, r), torch.float32)
@@ -140,8 +139,8 @@ def sweep_configs(model: str, weight, m: int, gemm_mod) -> list[dict]:
     _, xp, xs, _, x_scale = make_input(m, k, seed=m)
     alpha = (x_scale * w_scale_2).to(torch.float32)
     rows = []
-    if _sm90_runs(m, k):
-        sm90 = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")
+    sm90 = gemm_mod.sm90_kernel_for(m, k, wp, ws)
+    if sm90 is not None:
         x16 = gemm_mod.decode_nvfp4_rows(xp, xs)
         out = torch.empty(m, n, device=DEVICE, dtype=torch.bfloat16)
         for stages in (4, 5, 6):
@@ -164,15 +163,6 @@ def _row_slice_scales(scales: torch.Tensor, rows: int) -> torch.Tensor:
     """128x4 scales of the first ``rows`` rows: whole 128-row blocks, so a prefix of the swizzled tensor."""
     keep = (rows + 127) // 128 * 128
     return scales[:keep].contiguous()
-
-
-def _sm90_runs(m: int, k: int) -> bool:
-    """Whether ``nvfp4_gemm(kernel="auto")`` runs the Gluon SM90 kernel for this shape here (benchmark operands are
-    fresh, contiguous and aligned)."""
-    from diffusers_nvfp4_fast.kernels.nvfp4_gemm import PREDECODE_MAX_M
-
-    return (DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9 and m > PREDECODE_MAX_M and k % 32 == 0
-            and importlib.util.find_spec("triton.experimental.gluon") is not None)
 
 
 def _sm90_config_str(stages: int | None = None) -> str:

@@ -201,7 +201,8 @@ class GraphedForward:
         return self.out
 
 
-def _timed_call(fn, device) -> tuple[float, torch.Tensor]:
+def _timed_call(fn) -> tuple[float, torch.Tensor]:
+    """(CUDA-event ms, output) of one call of ``fn``."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     out = fn()
@@ -215,12 +216,7 @@ def _timed_forward(model: nn.Module, inputs: dict, device) -> tuple[float, torch
         t0 = time.perf_counter()
         out = forward(model, inputs)
         return (time.perf_counter() - t0) * 1000.0, out
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    out = forward(model, inputs)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end), out
+    return _timed_call(lambda: forward(model, inputs))
 
 
 def _peak_gb(device) -> float:
@@ -243,7 +239,7 @@ def time_steps(model: nn.Module, inputs: dict, warmup: int, timed: int, device,
     _reset_peak(device)
     times = []
     for _ in range(timed):
-        t, out = _timed_call(step, device) if graph else _timed_forward(model, inputs, device)
+        t, out = _timed_call(step) if graph else _timed_forward(model, inputs, device)
         times.append(t)
     times.sort()
     return times[len(times) // 2], _peak_gb(device), out
@@ -270,7 +266,7 @@ def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device,
             switch(model)
             _reset_peak(device)
             if graph:
-                t, out = _timed_call(steps[mode], device)
+                t, out = _timed_call(steps[mode])
                 runs[mode]["out"] = out.clone()
             else:
                 t, runs[mode]["out"] = _timed_forward(model, inputs, device)

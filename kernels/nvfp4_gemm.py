@@ -160,6 +160,19 @@ def _load_decode(p_ptrs, s_ptrs, k0, K, Cp, ROWS: tl.constexpr, NB: tl.constexpr
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
+    """Program id -> (token tile, weight tile). GROUP_N weight tiles take consecutive ids, walked for every token
+    tile before the next group, so CTAs running at the same time share X and W tiles in L2. Also used by the Gluon
+    SM90 kernel."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_N * num_pid_m
+    first_n = (pid // group_size) * GROUP_N
+    group_n = min(num_pid_n - first_n, GROUP_N)
+    return (pid % group_size) // group_n, first_n + (pid % group_size) % group_n
+
+
+@triton.jit
 def _nvfp4_gemm_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, alpha_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, Cp, k_chunk, m_bucket,
@@ -180,16 +193,7 @@ def _nvfp4_gemm_kernel(
     NB: tl.constexpr = BLOCK_K // 16  # scale blocks per K step (a multiple of 4)
     HALF_K: tl.constexpr = BLOCK_K // 2  # packed bytes per row per K step
 
-    # Grouped tile order: GROUP_N weight-row tiles take consecutive program ids, so CTAs running at the same
-    # time share X tiles and W tiles in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_N * num_pid_m
-    first_n = (pid // group_size) * GROUP_N
-    group_n = min(num_pid_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % group_size) % group_n
-    pid_m = (pid % group_size) // group_n
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_N)
     k_lo = tl.program_id(1) * k_chunk
     k_hi = min(K, k_lo + k_chunk)
 
@@ -409,6 +413,17 @@ def _sm90_kernel_module():
     return nvfp4_gemm_sm90
 
 
+def sm90_kernel_for(m: int, k: int, w_packed: torch.Tensor, w_scales: torch.Tensor, x_decode: str = "auto",
+                    kernel: str = "auto", config: triton.Config | None = None):
+    """The Gluon SM90 kernel module ``nvfp4_gemm`` runs for a call with these arguments, or None when it runs the
+    Triton kernel (M rows, K columns)."""
+    predecode = x_decode == "predecode" or (x_decode == "auto" and m > PREDECODE_MAX_M)
+    if not predecode or kernel == "triton" or config is not None or (kernel == "auto" and _interpreting()):
+        return None
+    sm90 = _sm90_kernel_module()
+    return sm90 if sm90 is not None and sm90.sm90_supported(k, w_packed, w_scales) else None
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -507,21 +522,21 @@ def nvfp4_gemm(
     device = x_packed.device
     cp = w_scales.shape[1]
     predecode = x_decode == "predecode" or (x_decode == "auto" and m > PREDECODE_MAX_M)
-    use_asm = _use_asm(x_packed)
-    w_words = _scale_words(w_scales)
     if kernel == "sm90" and not predecode:
         raise ValueError(f"nvfp4_gemm: kernel='sm90' needs the pre-decoded X path (M > {PREDECODE_MAX_M} or "
                          f"x_decode='predecode'), got M={m}, x_decode={x_decode!r}")
-    if predecode:
+    sm90 = sm90_kernel_for(m, k, w_packed, w_scales, x_decode, kernel, config)
+    if kernel == "sm90" and sm90 is None:
+        raise ValueError(f"nvfp4_gemm: kernel='sm90' does not take these operands (needs an SM90 GPU, "
+                         f"K % 32 == 0 and 16-byte aligned tensors; got K={k} on {device})")
+    if sm90 is not None:
         # Exact FP16 values of X, decoded once (memory-bound) instead of once per weight tile.
-        x_arg = decode_nvfp4_rows(x_packed, x_scales, torch.float16)
-        if kernel != "triton" and config is None:
-            sm90 = _sm90_kernel_module() if kernel == "sm90" or not _interpreting() else None
-            if sm90 is not None and sm90.sm90_supported(x_arg, w_packed, w_scales):
-                return sm90.nvfp4_gemm_sm90(x_arg, w_packed, w_scales, alpha.reshape(1), out)
-            if kernel == "sm90":
-                raise ValueError(f"nvfp4_gemm: kernel='sm90' does not take these operands (needs an SM90 GPU, "
-                                 f"K % 32 == 0 and 16-byte aligned tensors; got K={k} on {device})")
+        x16 = decode_nvfp4_rows(x_packed, x_scales, torch.float16)
+        return sm90.nvfp4_gemm_sm90(x16, w_packed, w_scales, alpha.reshape(1), out)
+    use_asm = _use_asm(x_packed)
+    w_words = _scale_words(w_scales)
+    if predecode:
+        x_arg = decode_nvfp4_rows(x_packed, x_scales, torch.float16)  # decoded once, as above
         xs_arg, stride_x = w_words, x_arg.stride(0)  # xs_ptr is unused by this variant
         splits, chunk = 1, k
     else:

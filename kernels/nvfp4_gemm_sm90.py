@@ -31,6 +31,8 @@ its scale bytes are forced to 0. Needs ``K % 32 == 0`` (16-byte TMA row strides)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -38,14 +40,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .nvfp4_gemm import grouped_tile
+
 __all__ = ["nvfp4_gemm_sm90", "sm90_supported", "SM90_STAGES", "SM90_GROUP_N"]
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 256, 128, 64, 8
 # Pipeline depth: at M=4608 on an H200, 4 stages were the fastest on 7 of the 10 FLUX.2-dev and Qwen-Image shapes and
 # within 6 % of 6 stages on the other three (benchmarks/results/gemm_config_sweep-h200.json). The bytes do not depend on it.
 SM90_STAGES = 4
-# Tile order: GROUP_N consecutive weight tiles per group, walked for every token tile before the next group, so a wave
-# of CTAs shares a few X row blocks and one group of weight tiles in L2. Going from 8 to 64 moved the FLUX.2-dev
+# Tile order (``nvfp4_gemm.grouped_tile``): going from 8 to 64 weight tiles per group moved the FLUX.2-dev
 # shapes at M=4608 from 553-632 to 593-634 TFLOP/s (gemm_config_sweep-h200.json -> gemm-h200.json, H200); the largest
 # weight (55296 x 6144) lost 3 %, the others gained 0-15 %.
 SM90_GROUP_N = 64
@@ -68,14 +71,7 @@ def _nvfp4_gemm_sm90_kernel(
     gl.static_assert(BLOCK_M <= 256, "one wgmma covers the tile's tokens")
     WORDS: gl.constexpr = BLOCK_K // 8
 
-    pid = gl.program_id(0)
-    num_pid_m = gl.cdiv(M, BLOCK_M)
-    num_pid_n = gl.cdiv(N, BLOCK_N)
-    group_size = GROUP_N * num_pid_m
-    first_n = (pid // group_size) * GROUP_N
-    group_n = min(num_pid_n - first_n, GROUP_N)
-    pid_n = first_n + (pid % group_size) % group_n
-    pid_m = (pid % group_size) // group_n
+    pid_m, pid_n = grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_N)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
 
@@ -164,13 +160,18 @@ def _nvfp4_gemm_sm90_kernel(
     gl.store(out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :], out, mask=mask)
 
 
-def sm90_supported(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor) -> bool:
-    """Whether ``nvfp4_gemm_sm90`` takes these operands: an SM90 GPU, K % 32 == 0, 16-byte aligned bases."""
-    if not (x16.is_cuda and torch.cuda.get_device_capability(x16.device)[0] == 9):
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+def sm90_supported(k: int, w_packed: torch.Tensor, w_scales: torch.Tensor) -> bool:
+    """Whether ``nvfp4_gemm_sm90`` takes a GEMM with this K and weight: an SM90 GPU, K % 32 == 0, contiguous
+    16-byte aligned weight and scales. (Its X is the fresh FP16 decode, always contiguous and aligned.)"""
+    if not (w_packed.is_cuda and _is_sm90(w_packed.device.index)):
         return False
-    k = x16.shape[1]
-    return (k % 32 == 0 and x16.is_contiguous() and w_packed.is_contiguous() and w_scales.is_contiguous()
-            and all(t.data_ptr() % 16 == 0 for t in (x16, w_packed, w_scales)))
+    return (k % 32 == 0 and w_packed.is_contiguous() and w_scales.is_contiguous()
+            and w_packed.data_ptr() % 16 == 0 and w_scales.data_ptr() % 16 == 0)
 
 
 def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,

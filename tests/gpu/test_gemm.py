@@ -14,7 +14,8 @@ import torch
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (SM80-SM90); run on the GPU machine with pytest -m gpu"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="GEMM GPU tests not run: no CUDA GPU here; they run on an SM80-SM90 GPU "
+                                                         "with pytest -m gpu tests/gpu/test_gemm.py"),
 ]
 
 pytest.importorskip("triton", reason="Triton is not installed, so the GEMM GPU tests did not run; CI installs it with .[test]")
@@ -175,7 +176,7 @@ def test_every_config_gives_the_same_bytes(x_packed, m, n, k, monkeypatch):
     monkeypatch.delenv("DIFFUSERS_NVFP4_TRITON_NO_ASM")
     outs["triton autotuned"] = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode=mode, kernel="triton")
     outs["auto"] = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode=mode)
-    if not x_packed and _sm90_takes(k):
+    if gemm_mod.sm90_kernel_for(m, k, wp, ws, x_decode=mode) is not None:
         x16 = gemm_mod.decode_nvfp4_rows(xp, xs)
         for stages, group_n in ((4, 8), (4, 64), (5, 1), (6, 64)):
             out = torch.empty(m, n, device=DEV, dtype=torch.float32)
@@ -191,13 +192,9 @@ def _sm90():
     return importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")
 
 
-def _sm90_takes(k: int) -> bool:
-    return torch.cuda.get_device_capability()[0] == 9 and k % 32 == 0
-
-
 def _skip_unless_sm90():
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("SM90 Gluon GEMM test not run: it needs a Hopper GPU (H100/H200)")
+        pytest.skip("SM90 Gluon GEMM test not run: this GPU is not SM90; it runs on a Hopper GPU (H100/H200)")
 
 
 @pytest.mark.parametrize("m,n,k", [(65, 128, 64), (300, 256, 1024), (1000, 200, 96), (257, 129, 32),

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="Triton is not installed, so the Qwen kernel GPU tests did not run; CI installs it with .[test]")
 if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU; runs on the GPU machine: pytest -m gpu tests/gpu/test_qwen_resnorm_kernel.py", allow_module_level=True)
+    pytest.skip("Qwen kernel GPU tests not run: no CUDA GPU here; they run on the GPU machine: "
+                "pytest -m gpu tests/gpu/test_qwen_resnorm_kernel.py", allow_module_level=True)
 
 import importlib  # noqa: E402
 
