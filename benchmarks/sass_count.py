@@ -62,6 +62,27 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": mod.NUM_WARPS})
 
 
+def compile_qwen_resnorm(d: int = 3072, arch: int = 90):
+    """Compile the fused Qwen residual-norm quantize kernel for hidden size ``d`` as ``qwen_resnorm_quantize`` launches
+    it (register cap, no FMA contraction, 4 warps), without a GPU; row strides divisible by 16 as at run time."""
+    import importlib
+    import inspect
+
+    mod = importlib.import_module("diffusers_nvfp4_fast.kernels.qwen_resnorm_quantize")
+    consts = {"D": d, "HAS_BIAS": True, "APPROX_RSQRT": True, "SOFT_BF16": False, "MEAN_FMA": mod.TORCH_MEAN_FMA,
+              "FAST_MATH": True, "HW_E2M1": arch >= 100}
+    names = list(inspect.signature(mod._qwen_resnorm_quantize_kernel.fn).parameters)
+    pointer_types = {"g_ptr": "*fp32", "packed_ptr": "*i32", "scales_ptr": "*u8"}
+    sig = {n: pointer_types.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
+           for n in names if n not in consts}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n.endswith("_ptr") or n.startswith("s_") or n == "padded_cols"}
+    src = ASTSource(mod._qwen_resnorm_quantize_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"enable_fp_fusion": False, "num_warps": 4, "maxnreg": mod.MAX_REGISTERS})
+
+
 def disassemble(compiled) -> str:
     """SASS of a compiled kernel (the nvdisasm that ships with Triton)."""
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")

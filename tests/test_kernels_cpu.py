@@ -106,3 +106,17 @@ def test_sm90_gemm_overlaps_decode_and_mma(even_k):
     sass = disassemble(compile_gemm_sm90(even_k=even_k))
     assert re.search(r"HGMMA\.64x256x16\.F32 R\d+, R\d+, gdesc", sass), "the weight is not the register A operand"
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "every wgmma is waited on at once: decode and MMA do not overlap"
+
+
+def test_qwen_resnorm_kernel_prefetches_and_does_not_spill():
+    """The fused Qwen kernel, compiled for sm_90 with its register cap, keeps every value in registers (no local
+    memory) and issues the x/residual loads of several chunks before its first store (a load placed after a store
+    that may alias it cannot be hoisted, which exposed one memory round trip per chunk)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sass_count import compile_qwen_resnorm, disassemble
+
+    sass = disassemble(compile_qwen_resnorm(3072))
+    ops = re.findall(r"\b(LDG|STG|LDL|STL)\.\S+", sass)
+    assert "LDL" not in ops and "STL" not in ops, "the register cap made the compiler spill to local memory"
+    loads_before_first_store = ops.index("STG")
+    assert loads_before_first_store >= 8, f"only {loads_before_first_store} global loads before the first store"
