@@ -3,17 +3,28 @@
 import functools
 
 import torch
-import triton
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code. ``triton.cdiv`` is a constexpr function whose Python-side call costs a few
+    microseconds (argument unwrapping); the launch wrappers call it hundreds of times per transformer block, which
+    shows in eager steps that are bound by host time."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1), like ``triton.next_power_of_2`` but a plain host function."""
+    return 1 << (n - 1).bit_length()
 
 
 def padded_scale_shape(m: int, k: int) -> tuple[int, int]:
-    return (triton.cdiv(m, 128) * 128, triton.cdiv(k // 16, 4) * 4)
+    return (cdiv(m, 128) * 128, cdiv(k // 16, 4) * 4)
 
 
 def tile_grid(m: int, padded_cols: int, block_r: int, block_c: int) -> tuple[tuple[int], int]:
     """1-D grid over (row tiles x 16-block tiles) covering the padded scale area (no 65,535 grid-dimension limit)."""
-    col_tiles = triton.cdiv(padded_cols, block_c)
-    row_tiles = triton.cdiv(triton.cdiv(m, 128) * 128, block_r)
+    col_tiles = cdiv(padded_cols, block_c)
+    row_tiles = cdiv(cdiv(m, 128) * 128, block_r)
     return (row_tiles * col_tiles,), col_tiles
 
 

@@ -55,6 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import cdiv, next_power_of_2
+
 __all__ = ["nvfp4_gemm", "decode_nvfp4_rows", "gemm_configs", "split_k_for", "PREDECODE_MAX_M"]
 
 # Up to this many rows X is decoded inside the GEMM ("swap AB" kernel); above, once per call into FP16 scratch.
@@ -298,7 +300,7 @@ def _scale_words(scales: torch.Tensor) -> torch.Tensor:
 
 
 def _check_scales(scales: torch.Tensor, rows: int, k: int, name: str) -> None:
-    want = (triton.cdiv(rows, 128) * 128, triton.cdiv(k // 16, 4) * 4)
+    want = (cdiv(rows, 128) * 128, cdiv(k // 16, 4) * 4)
     if scales.dtype not in (torch.uint8, torch.float8_e4m3fn) or tuple(scales.shape) != want or not scales.is_contiguous():
         raise ValueError(f"{name}: expected contiguous uint8/e4m3 128x4 scales of shape {want}, "
                          f"got {scales.dtype} {tuple(scales.shape)}")
@@ -320,7 +322,7 @@ def decode_nvfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.d
     if rows == 0 or k == 0:
         return out
     block_r, block_k = 32, 256
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
+    grid = (cdiv(rows, block_r), cdiv(k, block_k))
     _decode_rows_kernel[grid](packed, _scale_words(scales), out, rows, k, packed.stride(0), out.stride(0),
                               scales.shape[1], BLOCK_R=block_r, BLOCK_K=block_k, USE_ASM=_use_asm(packed), num_warps=4)
     return out
@@ -367,7 +369,7 @@ def gemm_configs(x_packed: bool) -> list[triton.Config]:
 
 def _m_bucket(m: int) -> int:
     """Autotune key for M: next power of two, capped (the best tile stops changing long before 8192 rows)."""
-    return min(triton.next_power_of_2(max(m, 1)), 8192)
+    return min(next_power_of_2(max(m, 1)), 8192)
 
 
 def _prune(configs, named_args, **kwargs):
@@ -438,12 +440,12 @@ def split_k_for(m: int, n: int, k: int, sm_count: int) -> tuple[int, int]:
     """
     if m > PREDECODE_MAX_M:
         return 1, k
-    tiles = triton.cdiv(n, 128)
+    tiles = cdiv(n, 128)
     splits = max(1, min((2 * sm_count) // tiles, k // _MIN_SPLIT_K))
     if splits == 1:
         return 1, k
-    chunk = triton.cdiv(triton.cdiv(k, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
-    splits = triton.cdiv(k, chunk)
+    chunk = cdiv(cdiv(k, splits), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+    splits = cdiv(k, chunk)
     return (splits, chunk) if splits > 1 else (1, k)
 
 
@@ -545,8 +547,8 @@ def nvfp4_gemm(
             if device.type == "cuda" else 132
         splits, chunk = split_k_for(m, n, k, sms)
         if split_k is not None:
-            chunk = triton.cdiv(triton.cdiv(k, max(1, split_k)), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
-            splits = triton.cdiv(k, chunk)
+            chunk = cdiv(cdiv(k, max(1, split_k)), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
+            splits = cdiv(k, chunk)
     target = torch.empty((splits, m, n), dtype=torch.float32, device=device) if splits > 1 else out
     alpha1 = alpha.reshape(1)
     args = (x_arg, xs_arg, w_packed, w_words, alpha1, target,
@@ -554,7 +556,7 @@ def nvfp4_gemm(
     flags = dict(X_PACKED=not predecode, SPLIT=splits > 1, USE_ASM=use_asm)
 
     def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), splits)
+        return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), splits)
 
     if config is None and (_interpreting() or not x_packed.is_cuda):
         # The interpreter cannot time configs: use the smallest tile of the variant.
@@ -567,6 +569,6 @@ def nvfp4_gemm(
                                  num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         block = 1024
-        _split_reduce_kernel[(triton.cdiv(m * n, block),)](target, alpha1, out, m * n, SPLITS=splits, BLOCK=block,
+        _split_reduce_kernel[(cdiv(m * n, block),)](target, alpha1, out, m * n, SPLITS=splits, BLOCK=block,
                                                            num_warps=4)
     return out

@@ -34,12 +34,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .launch import cdiv
 from .nvfp4_gemm import grouped_tile
 
 __all__ = ["nvfp4_gemm_sm90", "sm90_supported", "SM90_STAGES", "SM90_GROUP_N"]
@@ -194,7 +194,7 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
     w_desc = TensorDescriptor.from_tensor(w_packed.view(torch.int32), [BLOCK_N, BLOCK_K // 8], flat)
     # 128 consecutive scale words = one 128-row block x 4 scale columns = one k-step of 64 for one weight tile.
     s_desc = TensorDescriptor.from_tensor(w_scales.view(torch.uint8).view(torch.int32).reshape(-1, 128), [1, 128], flat)
-    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    grid = (cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N),)
     _nvfp4_gemm_sm90_kernel[grid](x_desc, w_desc, s_desc, alpha, out, m, n, k, out.stride(0), w_scales.shape[1] // 4,
                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, GROUP_N=group_n,
                                   EVEN_K=k % BLOCK_K == 0, NEW_REINTERPRET=_NEW_REINTERPRET, num_warps=NUM_WARPS)
