@@ -120,3 +120,16 @@ def test_qwen_resnorm_kernel_prefetches_and_does_not_spill():
     assert "LDL" not in ops and "STL" not in ops, "the register cap made the compiler spill to local memory"
     loads_before_first_store = ops.index("STG")
     assert loads_before_first_store >= 8, f"only {loads_before_first_store} global loads before the first store"
+
+
+def test_host_cdiv_and_next_power_of_2_match_triton():
+    """The plain host helpers that replace triton.cdiv / triton.next_power_of_2 in launch code give the same values."""
+    import triton
+    from diffusers_nvfp4_fast.kernels.launch import cdiv, next_power_of_2
+
+    values = [0, 1, 2, 15, 16, 17, 127, 128, 129, 4095, 4096, 4097, 70000, 2**31 - 1]
+    for a in values:
+        for b in (1, 2, 4, 16, 64, 128, 192, 256, 1000):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+    for n in [*range(1, 5000), 65535, 65536, 65537, 2**31 - 1]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
