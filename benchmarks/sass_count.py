@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -65,9 +67,6 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True):
 def compile_qwen_resnorm(d: int = 3072, arch: int = 90):
     """Compile the fused Qwen residual-norm quantize kernel for hidden size ``d`` as ``qwen_resnorm_quantize`` launches
     it (register cap, no FMA contraction, 4 warps), without a GPU; row strides divisible by 16 as at run time."""
-    import importlib
-    import inspect
-
     mod = importlib.import_module("diffusers_nvfp4_fast.kernels.qwen_resnorm_quantize")
     consts = {"D": d, "HAS_BIAS": True, "APPROX_RSQRT": True, "SOFT_BF16": False, "MEAN_FMA": mod.TORCH_MEAN_FMA,
               "FAST_MATH": True, "HW_E2M1": arch >= 100}

@@ -124,7 +124,6 @@ def test_qwen_resnorm_kernel_prefetches_and_does_not_spill():
 
 def test_host_cdiv_and_next_power_of_2_match_triton():
     """The plain host helpers that replace triton.cdiv / triton.next_power_of_2 in launch code give the same values."""
-    import triton
     from diffusers_nvfp4_fast.kernels.launch import cdiv, next_power_of_2
 
     values = [0, 1, 2, 15, 16, 17, 127, 128, 129, 4095, 4096, 4097, 70000, 2**31 - 1]
