@@ -22,7 +22,7 @@ for group in ${@:-kernels gemm steps}; do
       TAIL=12 step 150 t_fast_paths $P tests/gpu/test_fast_paths_gpu.py --durations=8 ;;
     gemm)
       TAIL=8 step 300 t_gemm $P tests/gpu/test_gemm.py --durations=5
-      TAIL=40 step 240 bench_gemm python3 benchmarks/bench_gemm.py --m 17 4608 --sweep-configs ;;
+      TAIL=40 step 420 bench_gemm python3 benchmarks/bench_gemm.py --sweep-configs ;;
     steps)
       TAIL=12 step 120 step_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024
       TAIL=12 step 100 step_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024

@@ -61,7 +61,8 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True):
               "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 10)}  # as Triton specializes them at run time
     src = GluonASTSource(mod._nvfp4_gemm_sm90_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": mod.NUM_WARPS})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": mod.NUM_WARPS, "maxnreg": mod.MAX_REGISTERS})
 
 
 def compile_qwen_resnorm(d: int = 3072, arch: int = 90):
@@ -89,6 +90,67 @@ def disassemble(compiled) -> str:
         f.write(compiled.asm["cubin"])
         f.flush()
         return subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+
+
+_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(\S+)\s*(.*?)\s*;")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_NO_REGISTER_RESULT = ("HGMMA", "ST", "RED", "ATOM", "BAR", "SYNCS", "BRA", "WARPGROUP")
+
+
+def _written_registers(opcode: str, operands: str) -> set[int]:
+    m = re.match(r"R(\d+)\b", operands)
+    if not m or opcode.startswith(_NO_REGISTER_RESULT):
+        return set()
+    parts = opcode.split(".")
+    width = 4 if "128" in parts else 2 if ("64" in parts or "WIDE" in parts) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def wgmma_register_hazards(sass: str) -> list[str]:
+    """Instructions that write a register an in-flight wgmma still uses (its accumulator or register A fragment).
+
+    An asynchronous wgmma reads its register operands and writes its accumulator until a ``WARPGROUP.DEPBAR.LE gsb0,
+    N`` retires its group, and the hardware does not check those registers. The SASS is walked in program order
+    (each loop body also twice in a row, for hazards across iterations); the destination register of every other
+    instruction is compared with the registers of the wgmma groups not yet retired.
+    """
+    seq, labels, loops = [], {}, []
+    for line in sass.splitlines():
+        label = _LABEL.match(line)
+        if label:
+            labels[label.group(1)] = len(seq)
+            continue
+        m = _INSTRUCTION.match(line)
+        if m:
+            seq.append((m.group(1), m.group(2), line.strip()))
+            branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+            if branch and branch.group(1) in labels:
+                loops.append((labels[branch.group(1)], len(seq)))
+    found = []
+
+    def walk(instructions):
+        groups, pending = [], set()
+        for opcode, operands, text in instructions:
+            if opcode.startswith("HGMMA"):
+                ops = [o.strip() for o in operands.split(",")]
+                shape = re.match(r"HGMMA\.(\d+)x(\d+)x", opcode)
+                d0 = int(ops[0][1:])
+                pending |= set(range(d0, d0 + int(shape.group(1)) * int(shape.group(2)) // 128))
+                if ops[1].startswith("R"):
+                    pending |= set(range(int(ops[1][1:]), int(ops[1][1:]) + 4))
+                if "gsb0" in operands:
+                    groups.append(pending)
+                    pending = set()
+            elif opcode.startswith("WARPGROUP.DEPBAR"):
+                keep = int(operands.split(",")[-1], 0)
+                groups = groups[len(groups) - keep:] if keep else []
+            elif _written_registers(opcode, operands) & set().union(pending, *groups):
+                found.append(text)
+
+    walk(seq)
+    for start, end in loops:
+        walk(seq[start:end] * 2)
+    return found
 
 
 def sass_histogram(compiled) -> collections.Counter:

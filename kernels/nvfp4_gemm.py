@@ -19,8 +19,9 @@ Shape of the work:
   pass, ~20 us for 4608x6144 on an H200, ~1-2 % of the GEMM) and the GEMM loads it like a dense operand. Decoding
   X inside the GEMM instead would redo it for every one of the N/BLOCK_N weight tiles and double the ALU work per
   MMA. The scratch has the size the activation had in BF16 before it was quantized; it is never the weight.
-  On SM90 this GEMM is ``nvfp4_gemm_sm90`` (Gluon), which overlaps the weight decode with asynchronous wgmma:
-  593-634 TFLOP/s = 0.77-0.86x cuBLAS BF16 on the FLUX.2-dev shapes at M=4608 (H200, benchmarks/results/gemm-h200.json).
+  On SM90 this GEMM is ``nvfp4_gemm_sm90`` (Gluon, warp-specialized), which overlaps the weight decode with
+  asynchronous wgmma: 668-760 TFLOP/s = 0.96-1.14x cuBLAS BF16 on the FLUX.2-dev shapes at M=4608, decode of X included
+  (H200, benchmarks/results/gemm-h200.json).
   The Triton kernel below serves SM80/SM89, K % 32 != 0 and misaligned operands, with identical output bytes: its decoded
   tile is either the MMA's register A operand of ``W @ X^T`` (``W_IN_REGS``, 256 tokens per tile) or the
   shared-memory B operand of ``X @ W^T``; in both, Triton (3.6, SM90 SASS) waits for each wgmma before the next
@@ -404,7 +405,7 @@ _tuned_fp16_x = _make_tuned(False)
 def _sm90_kernel_module():
     """The Gluon SM90 kernel module, or None (with one warning) when this Triton lacks the Gluon Hopper API.
 
-    Without it large-M GEMMs run the Triton kernel: same bytes, 0.55-0.65x cuBLAS BF16 instead of 0.77-0.86x (H200).
+    Without it large-M GEMMs run the Triton kernel: same bytes, 0.55-0.65x cuBLAS BF16 instead of 0.96-1.14x (H200).
     """
     try:
         from . import nvfp4_gemm_sm90

@@ -2,31 +2,44 @@
 
 ``out[M, N] = out_dtype((x16 @ decode(w).T) * alpha)`` where ``x16`` is the activation decoded once per call into
 exact FP16 (``nvfp4_gemm.decode_nvfp4_rows``) and the weight stays packed in memory: each K step of 64 decodes a
-``[128, 64]`` weight tile in registers with the integer decode of ``nvfp4_gemm`` (whose docstring explains why it is
-exact) and feeds it to the MMA.
+``[128, 64]`` weight tile in registers and feeds it to the MMA.
 
 Why a second kernel: Triton's compiler (3.6, inspected in SM90 SASS) routes the decoded tile through one
 shared-memory buffer and waits for every wgmma at once (``WARPGROUP.DEPBAR.LE gsb0, 0x0`` after each group), so a
-CTA's decode and MMA never overlap; that kernel reaches 0.5-0.7x cuBLAS BF16. Gluon states the layouts explicitly:
+CTA's decode and MMA never overlap; that kernel reaches 0.5-0.7x cuBLAS BF16. Gluon states the layouts and the
+schedule explicitly:
 
 * The decoded tile is the wgmma's register A operand (``W @ X^T``; 128 weight rows x 256 tokens per CTA, two
   warpgroups of 64 rows). The packed words are read from shared memory in ``pair_layout``, chosen so that the FP16
   pairs the decode produces already sit in the thread and register of the A fragment: no shuffle, no shared-memory
-  round trip, and the wgmma runs asynchronously while the next tile is decoded (``warpgroup_mma_wait(1)``).
-* X, the packed weight (as int32 words) and the weight's scale words arrive by TMA into a STAGES-deep ring guarded
-  by mbarriers. One step's 128 scale words are stored in 128x4 order; ``s_rows_layout`` (a shared linear layout)
-  reads them back indexed by weight row.
+  round trip.
+* Warp specialization: one producer warp issues the TMA loads of X, the packed weight (as int32 words) and the
+  weight's scale words into a STAGES-deep ring; the two MMA warpgroups only wait on "ready" mbarriers, decode, issue
+  the wgmma and hand a stage back on its "empty" mbarrier. (With every warp issuing the loads, Triton put four CTA
+  barriers and a memory fence into each K step.)
+* One wgmma stays in flight while the next tile is decoded (``warpgroup_mma_wait(1)``). A wgmma reads its register
+  A operand until a later wait retires it, and nothing in the PTX Triton emits says so: a loop whose body decodes
+  into the registers of the previous step let ptxas overwrite the fragment of the wgmma still running (wrong,
+  run-dependent bytes on the H200). So the loop body is two steps, two inlined calls whose fragments are distinct
+  values; ``tests/test_kernels_cpu.py`` checks the SASS for any write to the registers of an in-flight wgmma.
 
-    for i in k-steps:
-        wait for stage i (mbarrier)
-        decode W[i] into A-fragment registers       <- overlaps wgmma(i - 1)
-        wgmma(W[i], X[i]^T) asynchronously; wait until only wgmma(i) is in flight
-        barrier (both warpgroups are past wgmma(i - 1)); refill its stage with step i - 1 + STAGES
+    producer warp:   for i: wait empty[i % S]; TMA x/w/scales of step i -> stage i % S, signalling ready[i % S]
+    MMA warpgroups:  for i: wait ready[i % S]; decode W[i] (overlaps wgmma(i - 1)); wgmma(W[i], X[i]^T) async;
+                            wait until only wgmma(i) is in flight; arrive empty[(i - 1) % S]
+
+Decoding, per weight row and K step: the row's scale word (4 E4M3 bytes, one per 16 values) becomes FP16 pairs
+``scale * 2^7`` with the hardware conversion ``cvt.rn.f16x2.e4m3x2`` and one FP16 multiply (both exact: every E4M3
+value is an FP16 value, NaN stays NaN): 3 instructions per scale pair, where integer bit moves took about 11. The E2M1
+nibbles become FP16 bits ``value * 2^-14`` with the integer placement of ``nvfp4_gemm``, and one FP16 multiply per
+pair gives ``value * scale * 2^-7``: the very operand values of the Triton kernel. (With ``2^-14`` instead, more of
+them are FP16 subnormals, and on random codes and scales the H200's wgmma then gave other bytes than the Triton
+kernel.) The epilogue multiplies the FP32 accumulator by 2^7 (exact) and then by alpha.
 
 Same summation as ``nvfp4_gemm``: 16-wide K steps in order with FP32 accumulation in the same HGMMA instruction
-family, so the output bytes equal those of every ``nvfp4_gemm`` config (checked on the GPU) and do not depend on
-STAGES. Out-of-range rows read as zeros (TMA) and are masked at the store; K past the data reads as zero words and
-its scale bytes are forced to 0. Needs ``K % 32 == 0`` (16-byte TMA row strides) and 16-byte aligned operands.
+family on the same operand values, so the output bytes equal those of every ``nvfp4_gemm`` config (checked on the
+GPU) and do not depend on STAGES. Out-of-range rows read as zeros (TMA)
+and are masked at the store; K past the data reads as zero words and its scale pairs are forced to 0. Needs
+``K % 32 == 0`` (16-byte TMA row strides) and 16-byte aligned operands.
 """
 
 from __future__ import annotations
@@ -36,7 +49,13 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .launch import cdiv
@@ -45,18 +64,127 @@ from .nvfp4_gemm import grouped_tile
 __all__ = ["nvfp4_gemm_sm90", "sm90_supported", "SM90_STAGES", "SM90_GROUP_N"]
 
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 256, 128, 64, 8
-# Pipeline depth: at M=4608 on an H200, 4 stages were the fastest on 7 of the 10 FLUX.2-dev and Qwen-Image shapes and
-# within 6 % of 6 stages on the other three (benchmarks/results/gemm_config_sweep-h200.json). The bytes do not depend on it.
+# Per-thread register cap of the launch: 8 MMA warps + the producer warp (a warpgroup of 4 as allocated) = 384
+# threads x 168 <= 64K registers. setmaxnreg then moves registers to the MMA warpgroups: 240 each (accumulator 128,
+# two A fragments 32, decode), 24 for the producer.
+MAX_REGISTERS = 168
+# Pipeline depth: at M=4608 on an H200, 4 stages were the fastest on 8 of the 10 FLUX.2-dev and Qwen-Image shapes and
+# within 2 % of 5 stages on the other two; 3 stages lost 4-12 % (config_sweep in benchmarks/results/gemm-h200.json).
+# The bytes do not depend on it.
 SM90_STAGES = 4
 # Tile order (``nvfp4_gemm.grouped_tile``): going from 8 to 64 weight tiles per group moved the FLUX.2-dev
-# shapes at M=4608 from 553-632 to 593-634 TFLOP/s (gemm_config_sweep-h200.json -> gemm-h200.json, H200); the largest
-# weight (55296 x 6144) lost 3 %, the others gained 0-15 %.
+# shapes at M=4608 from 553-632 to 593-634 TFLOP/s with the kernel before warp specialization (H200,
+# benchmarks/results/gemm_config_sweep-h200.json); the largest weight (55296 x 6144) lost 3 %, the others gained 0-15 %.
 SM90_GROUP_N = 64
 
 # Triton 3.9 renamed the TMA load and the shared-memory reinterpret; 3.6 (torch 2.11) has only the old names.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _NEW_REINTERPRET = hasattr(gl.shared_memory_descriptor, "reinterpret")
-_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+
+@gluon.jit
+def _load_partition(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, off_n, s_row0, k_steps,
+                    STAGES: gl.constexpr, BLOCK_K: gl.constexpr, WORDS: gl.constexpr, STEP_BYTES: gl.constexpr):
+    """Producer warp: step i's X tile, packed weight words and scale words into stage i % STAGES."""
+    for i in range(k_steps):
+        s = i % STAGES
+        # A fresh mbarrier counts as having completed phase 1, so the first STAGES waits pass at once.
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        # The consumers read this stage's weight words with ordinary loads; order them before the TMA overwrite.
+        fence_async_shared()
+        mbarrier.expect(ready.index(s), STEP_BYTES)
+        _tma_load(x_desc, [off_m, i * BLOCK_K], ready.index(s), x_smem.index(s))
+        _tma_load(w_desc, [off_n, i * WORDS], ready.index(s), w_smem.index(s))
+        _tma_load(s_desc, [s_row0 + i, 0], ready.index(s), s_smem.index(s))
+
+
+@gluon.jit
+def _mma_step(i, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3,
+              BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
+              NEW_REINTERPRET: gl.constexpr, a_layout: gl.constexpr, word_layout: gl.constexpr,
+              s_rows_layout: gl.constexpr):
+    """K step i of both MMA warpgroups: decode W[i] into a fresh A fragment, start its wgmma, retire wgmma(i - 1)
+    and release that step's stage. Returns the accumulator with wgmma(i) still in flight."""
+    WORDS: gl.constexpr = BLOCK_K // 8
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    words = w_smem.index(s).load(word_layout)
+    if NEW_REINTERPRET:
+        s_view = s_smem.index(s).reinterpret(gl.int32, [BLOCK_N], s_rows_layout)
+    else:
+        s_view = s_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], s_rows_layout)
+    sword = s_view.load(gl.SliceLayout(1, word_layout))
+    kb = (i * WORDS + cols) // 2
+    # Byte kb % 4 of the row's scale word, twice, converted by the hardware to an exact FP16 pair and times 2^7
+    # (0x5800 = 128.0), which is the scale operand of the Triton kernel's decode.
+    sw2, sel2 = gl.broadcast(sword[:, None], ((kb % 4) * 0x11)[None, :])
+    s_pair = gl.inline_asm_elementwise(
+        "{ .reg .b32 t, c; .reg .b16 l, h; prmt.b32 t, $1, 0, $2; mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 t, l; "
+        "mov.b32 c, 0x58005800; mul.rn.f16x2 $0, t, c; }",
+        "=r,r,r", [sw2, sel2], dtype=gl.int32, is_pure=True, pack=1)
+    if not EVEN_K:
+        s_pair = gl.where((kb < K // 16)[None, :], s_pair, 0)
+    s_pair = gl.expand_dims(s_pair, 2)
+    b = (gl.expand_dims(words, 2) >> shift3) & 0xFF
+    r = ((b * 0x00200200) & 0x0E000E00) | ((b * 0x01001000) & -0x7FFF8000)
+    lo, hi = gl.inline_asm_elementwise("{ .reg .b32 t; mul.rn.f16x2 t, $2, $3; mov.b32 {$0, $1}, t; }",
+                                       "=h,=h,r,r", [r, s_pair], dtype=(gl.float16, gl.float16),
+                                       is_pure=True, pack=1)
+    a = gl.reshape(gl.join(lo, hi), [BLOCK_N, BLOCK_K])
+    a = gl.convert_layout(a, a_layout)
+
+    acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+    # wgmma(i - 1) is done in both warpgroups (arrive synchronizes the partition): hand its stage back.
+    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i >= 1)
+    return acc
+
+
+@gluon.jit
+def _mma_partition(x_smem, w_smem, s_smem, ready, empty, alpha_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_steps,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                   EVEN_K: gl.constexpr, NEW_REINTERPRET: gl.constexpr):
+    """The two MMA warpgroups (the default partition): the K loop, then alpha and the masked store of the tile."""
+    WORDS: gl.constexpr = BLOCK_K // 8
+    # acc [weight rows, tokens]; the decoded weight is the wgmma's register A operand.
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                          instr_shape=[16, BLOCK_M, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # [row, word, byte] such that byte b of word w of row r lands in the thread and register that hold the FP16
+    # pair k = 8w + 2b of the A fragment: lanes pick the byte (k bits 1-2), registers the word (k bits 3-5).
+    pair_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]], block_bases=[], shape=[BLOCK_N, WORDS, 4])
+    word_layout: gl.constexpr = gl.SliceLayout(2, pair_layout)
+    # One step's 128 scale words are stored in 128x4 order; this view reads them back indexed by weight row.
+    s_rows_layout: gl.constexpr = gl.SharedLinearLayout(offset_bases=[[32], [64], [1], [2], [4], [8], [16]])
+
+    cols = gl.arange(0, WORDS, layout=gl.SliceLayout(0, word_layout))
+    byte = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, pair_layout)))
+    shift3 = gl.expand_dims(gl.expand_dims(byte * 8, 0), 0)
+
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
+    # Two steps per iteration, each a separate inlined call: the wgmma of one step reads its A fragment from registers
+    # until the next step's wait retires it, so consecutive steps must decode into different registers.
+    for j in range(k_steps // 2):
+        acc = _mma_step(2 * j, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K, STAGES,
+                        EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
+        acc = _mma_step(2 * j + 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K,
+                        STAGES, EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
+    if k_steps % 2 == 1:
+        acc = _mma_step(k_steps - 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K,
+                        STAGES, EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+
+    # The decoded weight carries a factor 2^-7 (module docstring); undo it exactly, then apply alpha.
+    out = gl.permute(acc * 128.0 * gl.load(alpha_ptr), (1, 0)).to(out_ptr.dtype.element_ty)  # [tokens, rows]
+    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    out = gl.convert_layout(out, store_layout)
+    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    gl.store(out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :], out, mask=mask)
 
 
 @gluon.jit
@@ -75,89 +203,23 @@ def _nvfp4_gemm_sm90_kernel(
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
 
-    # acc [weight rows, tokens]; the decoded weight is the wgmma's register A operand.
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                          instr_shape=[16, BLOCK_M, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    # [row, word, byte] such that byte b of word w of row r lands in the thread and register that hold the FP16
-    # pair k = 8w + 2b of the A fragment: lanes pick the byte (k bits 1-2), registers the word (k bits 3-5).
-    pair_layout: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[8, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
-        lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-        warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]], block_bases=[], shape=[BLOCK_N, WORDS, 4])
-    word_layout: gl.constexpr = gl.SliceLayout(2, pair_layout)
-
     x_smem = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N, WORDS], w_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BLOCK_N], s_desc.layout)
-    s_rows_layout: gl.constexpr = gl.SharedLinearLayout(offset_bases=[[32], [64], [1], [2], [4], [8], [16]])
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
-        mbarrier.init(bars.index(st), count=1)
+        mbarrier.init(ready.index(st), count=1)
+        mbarrier.init(empty.index(st), count=1)
 
     k_steps = gl.cdiv(K, BLOCK_K)
-    step_bytes: gl.constexpr = BLOCK_M * BLOCK_K * 2 + BLOCK_N * WORDS * 4 + BLOCK_N * 4
-    s_row0 = pid_n * scale_rows_per_tile
-    for st in gl.static_range(STAGES):
-        pred = st < k_steps
-        mbarrier.expect(bars.index(st), step_bytes, pred=pred)
-        _tma_load(x_desc, [off_m, st * BLOCK_K], bars.index(st), x_smem.index(st), pred=pred)
-        _tma_load(w_desc, [off_n, st * WORDS], bars.index(st), w_smem.index(st), pred=pred)
-        _tma_load(s_desc, [s_row0 + st, 0], bars.index(st), s_smem.index(st), pred=pred)
-
-    cols = gl.arange(0, WORDS, layout=gl.SliceLayout(0, word_layout))
-    byte = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, pair_layout)))
-    shift3 = gl.expand_dims(gl.expand_dims(byte * 8, 0), 0)
-
-    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
-    for i in range(k_steps):
-        s = i % STAGES
-        mbarrier.wait(bars.index(s), (i // STAGES) & 1)
-        words = w_smem.index(s).load(word_layout)
-        if NEW_REINTERPRET:
-            s_view = s_smem.index(s).reinterpret(gl.int32, [BLOCK_N], s_rows_layout)
-        else:
-            s_view = s_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], s_rows_layout)
-        sword = s_view.load(gl.SliceLayout(1, word_layout))
-        kb = (i * WORDS + cols) // 2
-        sb = (sword[:, None] >> ((kb % 4) * 8)[None, :]) & 0xFF
-        if not EVEN_K:
-            sb = gl.where((kb < K // 16)[None, :], sb, 0)
-        s_bits = ((sb & 0x80) << 8) | ((sb & 0x7F) << 7)
-        s16 = s_bits.to(gl.int16).to(gl.float16, bitcast=True).to(gl.float32) * 32768.0
-        s16 = gl.where((sb & 0x7F) == 0x7F, float("nan"), s16).to(gl.float16)
-        s_pair = s16.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        s_pair = gl.expand_dims(s_pair | (s_pair << 16), 2)
-        b = (gl.expand_dims(words, 2) >> shift3) & 0xFF
-        r = ((b * 0x00200200) & 0x0E000E00) | ((b * 0x01001000) & -0x7FFF8000)
-        lo, hi = gl.inline_asm_elementwise("{ .reg .b32 t; mul.rn.f16x2 t, $2, $3; mov.b32 {$0, $1}, t; }",
-                                           "=h,=h,r,r", [r, s_pair], dtype=(gl.float16, gl.float16),
-                                           is_pure=True, pack=1)
-        a = gl.reshape(gl.join(lo, hi), [BLOCK_N, BLOCK_K])
-        a = gl.convert_layout(a, a_layout)
-
-        acc = warpgroup_mma(a, x_smem.index(s).permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        # wgmma(i - 1) is done in this warpgroup; once both are, its stage is free: refill it with i - 1 + STAGES.
-        _cta_barrier()
-        nxt = i - 1 + STAGES
-        free = nxt % STAGES
-        pred = (i >= 1) & (nxt < k_steps)
-        mbarrier.expect(bars.index(free), step_bytes, pred=pred)
-        _tma_load(x_desc, [off_m, nxt * BLOCK_K], bars.index(free), x_smem.index(free), pred=pred)
-        _tma_load(w_desc, [off_n, nxt * WORDS], bars.index(free), w_smem.index(free), pred=pred)
-        _tma_load(s_desc, [s_row0 + nxt, 0], bars.index(free), s_smem.index(free), pred=pred)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    for st in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(st))
-
-    out = gl.permute(acc * 128.0 * gl.load(alpha_ptr), (1, 0)).to(out_ptr.dtype.element_ty)  # [tokens, rows]
-    store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    out = gl.convert_layout(out, store_layout)
-    offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
-    offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    gl.store(out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+    STEP_BYTES: gl.constexpr = BLOCK_M * BLOCK_K * 2 + BLOCK_N * WORDS * 4 + BLOCK_N * 4
+    gl.warp_specialize([
+        (_mma_partition, (x_smem, w_smem, s_smem, ready, empty, alpha_ptr, out_ptr, M, N, K, stride_om, off_m, off_n,
+                          k_steps, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, NEW_REINTERPRET)),
+        (_load_partition, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, off_n,
+                           pid_n * scale_rows_per_tile, k_steps, STAGES, BLOCK_K, WORDS, STEP_BYTES)),
+    ], [1], [24])  # the producer: one warp, 24 registers
 
 
 @functools.cache
@@ -184,8 +246,12 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
         w_scales: uint8 (or E4M3) 128x4-swizzled scales ``[round_up(N, 128), round_up(K/16, 4)]``, contiguous.
         alpha: FP32 ``[1]`` on the same device, read in the kernel.
         out: ``[M, N]`` BF16/FP16/FP32 with unit column stride; written and returned.
-        stages: TMA pipeline depth (4-6); group_n: tile order (see ``SM90_GROUP_N``). The bytes depend on neither.
+        stages: TMA pipeline depth (3-5; 3-4 with FP32 output); group_n: tile order (see ``SM90_GROUP_N``). The bytes depend on neither.
     """
+    max_stages = 4 if out.element_size() == 4 else 5  # shared memory: 36.5 KB per stage + the epilogue's transpose
+    if not 3 <= stages <= max_stages:
+        raise ValueError(f"nvfp4_gemm_sm90: stages={stages} does not fit; with {out.dtype} output it must be in "
+                         f"3..{max_stages}")
     m, k = x16.shape
     n = w_packed.shape[0]
     x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16)
@@ -197,5 +263,6 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
     grid = (cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N),)
     _nvfp4_gemm_sm90_kernel[grid](x_desc, w_desc, s_desc, alpha, out, m, n, k, out.stride(0), w_scales.shape[1] // 4,
                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, GROUP_N=group_n,
-                                  EVEN_K=k % BLOCK_K == 0, NEW_REINTERPRET=_NEW_REINTERPRET, num_warps=NUM_WARPS)
+                                  EVEN_K=k % BLOCK_K == 0, NEW_REINTERPRET=_NEW_REINTERPRET, num_warps=NUM_WARPS,
+                                  maxnreg=MAX_REGISTERS)
     return out

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from kernel_subprocess import run_interpreted
 
 triton = pytest.importorskip("triton", reason="Triton is not installed, so the CPU kernel tests (interpreter, AOT compiles) "
@@ -106,6 +107,41 @@ def test_sm90_gemm_overlaps_decode_and_mma(even_k):
     sass = disassemble(compile_gemm_sm90(even_k=even_k))
     assert re.search(r"HGMMA\.64x256x16\.F32 R\d+, R\d+, gdesc", sass), "the weight is not the register A operand"
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass, "every wgmma is waited on at once: decode and MMA do not overlap"
+    assert "USETMAXREG" in sass, "not warp-specialized: no register hand-over between producer and MMA warps"
+
+
+@pytest.mark.parametrize("even_k", [True, False])
+def test_sm90_gemm_never_overwrites_registers_of_a_running_wgmma(even_k):
+    """The decode of K step i must not write the A fragment (or accumulator) of wgmma(i - 1), which is still running:
+    the hardware does not check it, and a loop that did it gave wrong, run-dependent bytes on an H200."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
+                        reason="this Triton has no Gluon Hopper API, so the SM90 GEMM SASS check did not run; "
+                               "it runs with Triton >= 3.6, as CI installs")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sass_count import compile_gemm_sm90, disassemble, wgmma_register_hazards
+
+    assert wgmma_register_hazards(disassemble(compile_gemm_sm90(even_k=even_k))) == []
+
+
+def test_wgmma_hazard_check_finds_a_write_to_an_in_flight_fragment():
+    """The checker above flags the pattern that broke the GEMM: a loop writing the A registers of the wgmma it left
+    in flight (``DEPBAR.LE gsb0, 0x1``), and accepts the same loop once the write targets other registers."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sass_count import wgmma_register_hazards
+
+    def loop(decode_dst: str) -> str:
+        return "\n".join([
+            ".L_x_1:",
+            f"        /*0010*/                   LOP3.LUT {decode_dst}, R9, 0x80008000, R22, 0xf8, !PT ;",
+            "        /*0020*/                   WARPGROUP.ARRIVE ;",
+            "        /*0030*/                   HGMMA.64x256x16.F32 R24, R152, gdesc[UR4], R24, gsb0 ;",
+            "        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;",
+            "        /*0050*/              @P1 BRA `(.L_x_1) ;",
+        ])
+
+    assert len(wgmma_register_hazards(loop("R153"))) == 1
+    assert wgmma_register_hazards(loop("R20")) == []
+    assert len(wgmma_register_hazards(loop("R100"))) == 1  # the accumulator R24..R151 is in flight too
 
 
 def test_qwen_resnorm_kernel_prefetches_and_does_not_spill():
@@ -132,3 +168,20 @@ def test_host_cdiv_and_next_power_of_2_match_triton():
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
     for n in [*range(1, 5000), 65535, 65536, 65537, 2**31 - 1]:
         assert next_power_of_2(n) == triton.next_power_of_2(n), n
+
+
+def test_sm90_gemm_rejects_a_pipeline_depth_that_does_not_fit():
+    """Too many stages for the output dtype is a clear ValueError before anything is launched (not a compiler
+    out-of-resources error from deep inside Triton)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
+                        reason="this Triton has no Gluon Hopper API; the check runs with Triton >= 3.6, as CI installs")
+    from diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90 import nvfp4_gemm_sm90
+
+    x16 = torch.zeros(4, 64, dtype=torch.float16)
+    w = torch.zeros(128, 32, dtype=torch.uint8)
+    s = torch.zeros(128, 4, dtype=torch.uint8)
+    alpha = torch.ones(1)
+    with pytest.raises(ValueError, match="stages=5 does not fit; with torch.float32 output it must be in 3..4"):
+        nvfp4_gemm_sm90(x16, w, s, alpha, torch.empty(4, 128), stages=5)
+    with pytest.raises(ValueError, match="stages=6 does not fit; with torch.bfloat16 output it must be in 3..5"):
+        nvfp4_gemm_sm90(x16, w, s, alpha, torch.empty(4, 128, dtype=torch.bfloat16), stages=6)

@@ -178,7 +178,7 @@ def test_every_config_gives_the_same_bytes(x_packed, m, n, k, monkeypatch):
     outs["auto"] = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode=mode)
     if gemm_mod.sm90_kernel_for(m, k, wp, ws, x_decode=mode) is not None:
         x16 = gemm_mod.decode_nvfp4_rows(xp, xs)
-        for stages, group_n in ((4, 8), (4, 64), (5, 1), (6, 64)):
+        for stages, group_n in ((4, 8), (4, 64), (3, 1), (3, 64)):
             out = torch.empty(m, n, device=DEV, dtype=torch.float32)
             outs[f"sm90 stages {stages} group {group_n}"] = _sm90().nvfp4_gemm_sm90(x16, wp, ws, alpha.reshape(1), out,
                                                                                     stages, group_n)
