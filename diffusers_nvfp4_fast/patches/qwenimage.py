@@ -43,7 +43,9 @@ class _DeferredBiasView:
 
     @property
     def to_out(self) -> list:
-        return [self._attn.to_out[0].forward_without_bias, *self._attn.to_out[1:]]
+        # list(), not to_out[1:]: slicing a ModuleList builds a new ModuleList (an nn.Module) on every access
+        first, *rest = self._attn.to_out
+        return [first.forward_without_bias, *rest]
 
     @property
     def to_add_out(self):
@@ -91,7 +93,7 @@ def defers_bias(attn: nn.Module) -> bool:
     Dropout after ``to_out[0]`` would come before the bias, so training with dropout keeps the bias in place."""
     if not isinstance(attn.processor, QwenDeferredBiasAttnProcessor) or not _bias_can_be_deferred(attn):
         return False
-    return not any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in attn.to_out[1:])
+    return not any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in list(attn.to_out)[1:])
 
 
 def _bias_can_be_deferred(attn: nn.Module) -> bool:
@@ -163,7 +165,7 @@ def _mlp_stream(
     )
     y = fc1.forward_prequantized(packed, scales, residual.dtype).reshape(*residual.shape[:-1], fc1.out_features)
     y = ff.net[0].gelu(y)
-    for module in ff.net[1:]:
+    for module in list(ff.net)[1:]:  # not ff.net[1:], which builds a ModuleList per call
         y = module(y)
     return hidden + gate2 * y
 
