@@ -31,9 +31,10 @@ Decoding, per weight row and K step: the row's scale word (4 E4M3 bytes, one per
 ``scale * 2^7`` with the hardware conversion ``cvt.rn.f16x2.e4m3x2`` and one FP16 multiply (both exact: every E4M3
 value is an FP16 value, NaN stays NaN): 3 instructions per scale pair, where integer bit moves took about 11. The E2M1
 nibbles become FP16 bits ``value * 2^-14`` with the integer placement of ``nvfp4_gemm``, and one FP16 multiply per
-pair gives ``value * scale * 2^-7``: the very operand values of the Triton kernel. (With ``2^-14`` instead, more of
-them are FP16 subnormals, and on random codes and scales the H200's wgmma then gave other bytes than the Triton
-kernel.) The epilogue multiplies the FP32 accumulator by 2^7 (exact) and then by alpha.
+pair gives ``value * scale * 2^-7``: the very operand values of the Triton kernel. (A variant without the 2^7,
+whose operands are ``value * scale * 2^-14`` and far more often FP16 subnormals, gave other bytes than the Triton
+kernel on random codes and scales on the H200, so the operands stay identical.) The epilogue multiplies the FP32
+accumulator by 2^7 (exact) and then by alpha.
 
 Same summation as ``nvfp4_gemm``: 16-wide K steps in order with FP32 accumulation in the same HGMMA instruction
 family on the same operand values, so the output bytes equal those of every ``nvfp4_gemm`` config (checked on the
