@@ -14,6 +14,7 @@ import torch
 
 from . import format as nvfp4
 from .format import round_up
+from .gates import run_checked
 
 _GEMM_BACKEND_VAR = "DIFFUSERS_NVFP4_GEMM_BACKEND"
 
@@ -26,6 +27,14 @@ def _kernels():
     except ImportError:
         return None
     return kernels
+
+
+@functools.cache
+def _reference():
+    """``fused_reference`` (imported on first use: it imports this module)."""
+    from . import fused_reference
+
+    return fused_reference
 
 
 @functools.cache
@@ -189,9 +198,7 @@ def nvfp4_linear(
 def _token_cat_impl(attn, mlp, global_scale, fast_math):
     if _use_triton(attn):
         return _kernels().token_cat_quantize(attn, mlp, global_scale, fast_math=fast_math)
-    from .fused_reference import token_cat_quantize_reference
-
-    return token_cat_quantize_reference(attn, mlp, global_scale, fast_math)
+    return _reference().token_cat_quantize_reference(attn, mlp, global_scale, fast_math)
 
 
 def _token_cat_fake(attn, mlp, global_scale, fast_math, *_):
@@ -215,13 +222,10 @@ token_cat_quantize.register_fake(_token_cat_fake)
 def _token_cat_checked_impl(
     attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from .fused_reference import token_cat_quantize_reference
-    from .gates import run_checked
-
     return run_checked(
         stats_id, "flux2_token_cat", shape_class, ("packed", "scales"),
         lambda: _token_cat_impl(attn, mlp, global_scale, fast_math),
-        lambda: token_cat_quantize_reference(attn, mlp, global_scale, fast_math),
+        lambda: _reference().token_cat_quantize_reference(attn, mlp, global_scale, fast_math),
     )
 
 
@@ -249,9 +253,7 @@ def qwen_kernel_available(x: torch.Tensor) -> bool:
 def _qwen_impl(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math):
     if qwen_kernel_available(x):
         return _kernels().qwen_resnorm_quantize(residual, x, bias, gate, scale, shift, global_scale, eps=eps, fast_math=fast_math)
-    from .fused_reference import qwen_resnorm_quantize_reference
-
-    return qwen_resnorm_quantize_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
+    return _reference().qwen_resnorm_quantize_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
 
 
 def _qwen_fake(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math, *_):
@@ -281,13 +283,11 @@ def _qwen_checked_impl(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
     shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool, stats_id: int, shape_class: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from .fused_reference import qwen_resnorm_quantize_reference
-    from .gates import run_checked
-
     return run_checked(
         stats_id, "qwen_resnorm", shape_class, ("residual_out", "packed", "scales"),
         lambda: _qwen_impl(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math),
-        lambda: qwen_resnorm_quantize_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math),
+        lambda: _reference().qwen_resnorm_quantize_reference(residual, x, bias, gate, scale, shift, global_scale, eps,
+                                                             fast_math),
     )
 
 
