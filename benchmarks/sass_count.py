@@ -94,6 +94,7 @@ def disassemble(compiled) -> str:
 
 _INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?(\S+)\s*(.*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRANCH = re.compile(r"BRA `\((\.L_x_\d+)\)")
 _NO_REGISTER_RESULT = ("HGMMA", "ST", "RED", "ATOM", "BAR", "SYNCS", "BRA", "WARPGROUP")
 
 
@@ -123,7 +124,7 @@ def wgmma_register_hazards(sass: str) -> list[str]:
         m = _INSTRUCTION.match(line)
         if m:
             seq.append((m.group(1), m.group(2), line.strip()))
-            branch = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+            branch = _BRANCH.search(line)
             if branch and branch.group(1) in labels:
                 loops.append((labels[branch.group(1)], len(seq)))
     found = []

@@ -38,9 +38,9 @@ accumulator by 2^7 (exact) and then by alpha.
 
 Same summation as ``nvfp4_gemm``: 16-wide K steps in order with FP32 accumulation in the same HGMMA instruction
 family on the same operand values, so the output bytes equal those of every ``nvfp4_gemm`` config (checked on the
-GPU) and do not depend on STAGES. Out-of-range rows read as zeros (TMA)
-and are masked at the store; K past the data reads as zero words and its scale pairs are forced to 0. Needs
-``K % 32 == 0`` (16-byte TMA row strides) and 16-byte aligned operands.
+GPU) and do not depend on STAGES. Out-of-range rows read as zeros (TMA) and are masked at the store; K past the data
+reads as zero words and its scale pairs are forced to 0. Needs ``K % 32 == 0`` (16-byte TMA row strides) and
+16-byte aligned operands.
 """
 
 from __future__ import annotations

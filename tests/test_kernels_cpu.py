@@ -174,7 +174,8 @@ def test_sm90_gemm_rejects_a_pipeline_depth_that_does_not_fit():
     """Too many stages for the output dtype is a clear ValueError before anything is launched (not a compiler
     out-of-resources error from deep inside Triton)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
-                        reason="this Triton has no Gluon Hopper API; the check runs with Triton >= 3.6, as CI installs")
+                        reason="this Triton has no Gluon Hopper API, so the SM90 GEMM pipeline-depth check did not "
+                                "run; it runs with Triton >= 3.6, as CI installs")
     from diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90 import nvfp4_gemm_sm90
 
     x16 = torch.zeros(4, 64, dtype=torch.float16)

@@ -43,9 +43,9 @@ class _DeferredBiasView:
 
     @property
     def to_out(self) -> list:
-        # list(), not to_out[1:]: slicing a ModuleList builds a new ModuleList (an nn.Module) on every access
-        first, *rest = self._attn.to_out
-        return [first.forward_without_bias, *rest]
+        # list(...)[1:], not to_out[1:]: slicing a ModuleList builds a new ModuleList (an nn.Module) on every access
+        modules = list(self._attn.to_out)
+        return [modules[0].forward_without_bias, *modules[1:]]
 
     @property
     def to_add_out(self):
@@ -165,7 +165,7 @@ def _mlp_stream(
     )
     y = fc1.forward_prequantized(packed, scales, residual.dtype).reshape(*residual.shape[:-1], fc1.out_features)
     y = ff.net[0].gelu(y)
-    for module in list(ff.net)[1:]:  # not ff.net[1:], which builds a ModuleList per call
+    for module in list(ff.net)[1:]:  # not ff.net[1:] (see _DeferredBiasView.to_out)
         y = module(y)
     return hidden + gate2 * y
 
