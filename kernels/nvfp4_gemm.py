@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import cdiv, next_power_of_2
+from .launch import INTERPRETING, cdiv, launch, next_power_of_2
 
 __all__ = ["nvfp4_gemm", "decode_nvfp4_rows", "gemm_configs", "split_k_for", "PREDECODE_MAX_M"]
 
@@ -68,16 +68,12 @@ _SPLIT_QUANTUM = 256
 _MIN_SPLIT_K = 1024
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _use_asm(t: torch.Tensor) -> bool:
     """Whether to use the one-instruction PTX register split (CUDA only; the interpreter runs the shift version).
 
     DIFFUSERS_NVFP4_TRITON_NO_ASM=1 forces the pure-Triton version on the GPU too (same values, slower).
     """
-    return t.is_cuda and not _interpreting() and os.environ.get("DIFFUSERS_NVFP4_TRITON_NO_ASM", "") in ("", "0")
+    return t.is_cuda and not INTERPRETING and os.environ.get("DIFFUSERS_NVFP4_TRITON_NO_ASM", "") in ("", "0")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -294,7 +290,7 @@ def _decode_rows_kernel(
 
 def _scale_words(scales: torch.Tensor) -> torch.Tensor:
     """uint8 128x4 scales -> the same bytes viewed as int32 words (copied only if the storage is misaligned)."""
-    s = scales.view(torch.uint8)
+    s = scales if scales.dtype == torch.uint8 else scales.view(torch.uint8)
     if s.data_ptr() % 4:
         s = s.clone()
     return s.view(torch.int32)
@@ -324,8 +320,8 @@ def decode_nvfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.d
         return out
     block_r, block_k = 32, 256
     grid = (cdiv(rows, block_r), cdiv(k, block_k))
-    _decode_rows_kernel[grid](packed, _scale_words(scales), out, rows, k, packed.stride(0), out.stride(0),
-                              scales.shape[1], BLOCK_R=block_r, BLOCK_K=block_k, USE_ASM=_use_asm(packed), num_warps=4)
+    launch(_decode_rows_kernel, grid, packed, _scale_words(scales), out, rows, k, packed.stride(0), out.stride(0),
+           scales.shape[1], BLOCK_R=block_r, BLOCK_K=block_k, USE_ASM=_use_asm(packed), num_warps=4)
     return out
 
 
@@ -421,7 +417,7 @@ def sm90_kernel_for(m: int, k: int, w_packed: torch.Tensor, w_scales: torch.Tens
     """The Gluon SM90 kernel module ``nvfp4_gemm`` runs for a call with these arguments, or None when it runs the
     Triton kernel (M rows, K columns)."""
     predecode = x_decode == "predecode" or (x_decode == "auto" and m > PREDECODE_MAX_M)
-    if not predecode or kernel == "triton" or config is not None or (kernel == "auto" and _interpreting()):
+    if not predecode or kernel == "triton" or config is not None or (kernel == "auto" and INTERPRETING):
         return None
     sm90 = _sm90_kernel_module()
     return sm90 if sm90 is not None and sm90.sm90_supported(k, w_packed, w_scales) else None
@@ -535,7 +531,7 @@ def nvfp4_gemm(
     if sm90 is not None:
         # Exact FP16 values of X, decoded once (memory-bound) instead of once per weight tile.
         x16 = decode_nvfp4_rows(x_packed, x_scales, torch.float16)
-        return sm90.nvfp4_gemm_sm90(x16, w_packed, w_scales, alpha.reshape(1), out)
+        return sm90.nvfp4_gemm_sm90(x16, w_packed, w_scales, alpha, out)
     use_asm = _use_asm(x_packed)
     w_words = _scale_words(w_scales)
     if predecode:
@@ -551,15 +547,14 @@ def nvfp4_gemm(
             chunk = cdiv(cdiv(k, max(1, split_k)), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
             splits = cdiv(k, chunk)
     target = torch.empty((splits, m, n), dtype=torch.float32, device=device) if splits > 1 else out
-    alpha1 = alpha.reshape(1)
-    args = (x_arg, xs_arg, w_packed, w_words, alpha1, target,
+    args = (x_arg, xs_arg, w_packed, w_words, alpha, target,
             m, n, k, stride_x, w_packed.stride(0), out.stride(0), cp, chunk, _m_bucket(m))
     flags = dict(X_PACKED=not predecode, SPLIT=splits > 1, USE_ASM=use_asm)
 
     def grid(meta):
         return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), splits)
 
-    if config is None and (_interpreting() or not x_packed.is_cuda):
+    if config is None and (INTERPRETING or not x_packed.is_cuda):
         # The interpreter cannot time configs: use the smallest tile of the variant.
         config = min(gemm_configs(not predecode), key=lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]))
     if config is None:
@@ -570,6 +565,6 @@ def nvfp4_gemm(
                                  num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         block = 1024
-        _split_reduce_kernel[(cdiv(m * n, block),)](target, alpha1, out, m * n, SPLITS=splits, BLOCK=block,
-                                                           num_warps=4)
+        launch(_split_reduce_kernel, (cdiv(m * n, block),), target, alpha, out, m * n, SPLITS=splits, BLOCK=block,
+               num_warps=4)
     return out

@@ -46,6 +46,7 @@ reads as zero words and its scale pairs are forced to 0. Needs ``K % 32 == 0`` (
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from triton.experimental import gluon
@@ -59,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .launch import cdiv
+from .launch import cdiv, launch
 from .nvfp4_gemm import grouped_tile
 
 __all__ = ["nvfp4_gemm_sm90", "sm90_supported", "SM90_STAGES", "SM90_GROUP_N"]
@@ -224,6 +225,50 @@ def _nvfp4_gemm_sm90_kernel(
 
 
 @functools.cache
+def _smem_layouts():
+    """(X tile layout, flat 32-bit layout): built once, the host cost of a launch matters (eager steps)."""
+    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+
+
+# (id(weight), id(scales)) -> ((data pointers), (shapes), weight descriptor, scale descriptor)
+_WEIGHT_DESCRIPTORS: dict[tuple[int, int], tuple] = {}
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous byte tensor's storage as a flat int32 tensor that does not reference ``t`` itself (a view would,
+    through ``._base``, and keep it alive from the descriptor cache)."""
+    nbytes = t.numel() * t.element_size()
+    alias = torch.empty(0, dtype=torch.uint8, device=t.device)
+    alias.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,), (1,))
+    return alias.view(torch.int32)
+
+
+def _weight_descriptors(w_packed: torch.Tensor, w_scales: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """TMA descriptors of a weight and its scales, built on the first call for that weight and then reused.
+
+    Building them (four tensor views, two descriptor objects) costs about 20 us of host time per GEMM on the H200
+    machine, and an eager step is bound by host time. An entry is keyed by the two tensors' identities, checked
+    against their current data pointers and shapes (a weight moved or replaced in place gets new descriptors), and
+    dropped when either tensor is freed: the descriptors hold views of the storage, which must not outlive it.
+    """
+    key = (id(w_packed), id(w_scales))
+    where = (w_packed.data_ptr(), w_scales.data_ptr(), w_packed.shape, w_scales.shape)
+    entry = _WEIGHT_DESCRIPTORS.get(key)
+    if entry is not None and entry[0] == where:
+        return entry[1], entry[2]
+    flat = _smem_layouts()[1]
+    w_desc = TensorDescriptor.from_tensor(_words(w_packed).reshape(w_packed.shape[0], -1), [BLOCK_N, BLOCK_K // 8], flat)
+    # 128 consecutive scale words = one 128-row block x 4 scale columns = one k-step of 64 for one weight tile.
+    s_desc = TensorDescriptor.from_tensor(_words(w_scales).reshape(-1, 128), [1, 128], flat)
+    if entry is None:
+        weakref.finalize(w_packed, _WEIGHT_DESCRIPTORS.pop, key, None)
+        weakref.finalize(w_scales, _WEIGHT_DESCRIPTORS.pop, key, None)
+    _WEIGHT_DESCRIPTORS[key] = (where, w_desc, s_desc)
+    return w_desc, s_desc
+
+
+@functools.cache
 def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] == 9
 
@@ -245,7 +290,7 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
         x16: FP16 ``[M, K]``, contiguous: the exact decoded activation (``decode_nvfp4_rows``).
         w_packed: uint8 ``[N, K/2]`` packed E2M1, contiguous.
         w_scales: uint8 (or E4M3) 128x4-swizzled scales ``[round_up(N, 128), round_up(K/16, 4)]``, contiguous.
-        alpha: FP32 ``[1]`` on the same device, read in the kernel.
+        alpha: FP32 with one element (0-d or ``[1]``) on the same device, read in the kernel.
         out: ``[M, N]`` BF16/FP16/FP32 with unit column stride; written and returned.
         stages: TMA pipeline depth (3-5; 3-4 with FP32 output); group_n: tile order (see ``SM90_GROUP_N``). The bytes depend on neither.
     """
@@ -255,15 +300,10 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
                          f"3..{max_stages}")
     m, k = x16.shape
     n = w_packed.shape[0]
-    x_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16)
-    flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    x_desc = TensorDescriptor.from_tensor(x16, [BLOCK_M, BLOCK_K], x_layout)
-    w_desc = TensorDescriptor.from_tensor(w_packed.view(torch.int32), [BLOCK_N, BLOCK_K // 8], flat)
-    # 128 consecutive scale words = one 128-row block x 4 scale columns = one k-step of 64 for one weight tile.
-    s_desc = TensorDescriptor.from_tensor(w_scales.view(torch.uint8).view(torch.int32).reshape(-1, 128), [1, 128], flat)
+    x_desc = TensorDescriptor.from_tensor(x16, [BLOCK_M, BLOCK_K], _smem_layouts()[0])
+    w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
     grid = (cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N),)
-    _nvfp4_gemm_sm90_kernel[grid](x_desc, w_desc, s_desc, alpha, out, m, n, k, out.stride(0), w_scales.shape[1] // 4,
-                                  BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, GROUP_N=group_n,
-                                  EVEN_K=k % BLOCK_K == 0, NEW_REINTERPRET=_NEW_REINTERPRET, num_warps=NUM_WARPS,
-                                  maxnreg=MAX_REGISTERS)
+    launch(_nvfp4_gemm_sm90_kernel, grid, x_desc, w_desc, s_desc, alpha, out, m, n, k, out.stride(0),
+           w_scales.shape[1] // 4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, GROUP_N=group_n,
+           EVEN_K=k % BLOCK_K == 0, NEW_REINTERPRET=_NEW_REINTERPRET, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
     return out

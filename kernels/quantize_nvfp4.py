@@ -4,7 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import as_block_rows, launch_options, padded_scale_shape, tile_grid
+from .launch import as_block_rows, launch, launch_options, padded_scale_shape, tile_grid
 from .nvfp4_epilogue import load_blocks, quantize_blocks, store_blocks
 
 
@@ -40,8 +40,8 @@ def quantize_nvfp4(
     packed = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=x.device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
-    _quantize_nvfp4_kernel[grid](
-        blocks, global_scale, packed.view(torch.int64), scales, m, k, row_stride, scales.shape[1], col_tiles,
+    launch(
+        _quantize_nvfp4_kernel, grid, blocks, global_scale, packed.view(torch.int64), scales, m, k, row_stride, scales.shape[1], col_tiles,
         BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16, **launch_options(x.device, fast_math, num_warps),
     )
     return packed, scales

@@ -43,14 +43,13 @@ both whenever the interpreter is off).
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from .launch import launch_options, padded_scale_shape
+from .launch import INTERPRETING, launch, launch_options, padded_scale_shape
 from .nvfp4_epilogue import store_nvfp4_tile, swizzled_scale_offset
 
 THREADS = tl.constexpr(128)  # torch's LayerNorm block: 32 x 4 threads
@@ -348,10 +347,6 @@ def _layer_norm_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.cache
 def unsupported_hidden_size(d: int) -> str | None:
     """None when the kernel reproduces torch's LayerNorm for rows of ``d`` elements, else the reason it cannot."""
@@ -434,14 +429,14 @@ def qwen_resnorm_quantize(
     if m == 0:
         return out, packed, scales
     if approx_rsqrt is None:
-        approx_rsqrt = not _interpreting()
-    _qwen_resnorm_quantize_kernel[(scales.shape[0],)](
-        residual, x, x if bias is None else bias, gate, scale, shift, global_scale, out,
+        approx_rsqrt = not INTERPRETING
+    launch(
+        _qwen_resnorm_quantize_kernel, (scales.shape[0],), residual, x, x if bias is None else bias, gate, scale, shift, global_scale, out,
         packed.view(torch.int32), scales,
         m, l_len, float(eps),
         residual.stride(0), residual.stride(1), x.stride(0), x.stride(1), *strides,
         scales.shape[1],
-        D=d, HAS_BIAS=bias is not None, APPROX_RSQRT=bool(approx_rsqrt), SOFT_BF16=_interpreting(),
+        D=d, HAS_BIAS=bias is not None, APPROX_RSQRT=bool(approx_rsqrt), SOFT_BF16=INTERPRETING,
         MEAN_FMA=TORCH_MEAN_FMA, maxnreg=MAX_REGISTERS, **launch_options(residual.device, fast_math),
     )
     return out, packed, scales
@@ -470,10 +465,10 @@ def layer_norm_torch_exact(
     rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0]:
         if approx_rsqrt is None:
-            approx_rsqrt = not _interpreting()
-        _layer_norm_kernel[(rows.shape[0],)](
-            rows, y, mean, rstd, rows.stride(0), float(eps),
-            D=d, WRITE_STATS=return_stats, APPROX_RSQRT=bool(approx_rsqrt), SOFT_BF16=_interpreting(),
+            approx_rsqrt = not INTERPRETING
+        launch(
+            _layer_norm_kernel, (rows.shape[0],), rows, y, mean, rstd, rows.stride(0), float(eps),
+            D=d, WRITE_STATS=return_stats, APPROX_RSQRT=bool(approx_rsqrt), SOFT_BF16=INTERPRETING,
             MEAN_FMA=TORCH_MEAN_FMA if mean_fma is None else int(mean_fma), enable_fp_fusion=False, num_warps=4,
         )
     y = y.reshape(x.shape)

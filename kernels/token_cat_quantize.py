@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import as_block_rows, launch_options, padded_scale_shape, tile_grid
+from .launch import as_block_rows, launch, launch_options, padded_scale_shape, tile_grid
 from .nvfp4_epilogue import load_blocks, quantize_blocks, store_blocks
 
 
@@ -53,9 +53,9 @@ def token_cat_quantize(
     packed = torch.empty((m, k // 2), dtype=torch.uint8, device=a.device)
     scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=a.device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
-    _token_cat_quantize_kernel[grid](
-        a_blocks, b_blocks, global_scale, packed.view(torch.int64), scales, m, width_a, width_b, stride_a, stride_b,
-        scales.shape[1], col_tiles,
+    launch(
+        _token_cat_quantize_kernel, grid, a_blocks, b_blocks, global_scale, packed.view(torch.int64), scales, m, width_a,
+        width_b, stride_a, stride_b, scales.shape[1], col_tiles,
         BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=a.dtype == torch.bfloat16, **launch_options(a.device, fast_math, num_warps),
     )
     return packed, scales

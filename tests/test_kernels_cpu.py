@@ -186,3 +186,26 @@ def test_sm90_gemm_rejects_a_pipeline_depth_that_does_not_fit():
         nvfp4_gemm_sm90(x16, w, s, alpha, torch.empty(4, 128), stages=5)
     with pytest.raises(ValueError, match="stages=6 does not fit; with torch.bfloat16 output it must be in 3..5"):
         nvfp4_gemm_sm90(x16, w, s, alpha, torch.empty(4, 128, dtype=torch.bfloat16), stages=6)
+
+
+def test_sm90_weight_descriptors_are_reused_rebuilt_and_freed():
+    import gc
+    import importlib
+    import weakref
+
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper", reason="this Triton has no Gluon Hopper API")
+    sm90 = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")
+    w = torch.randint(0, 256, (256, 64), dtype=torch.uint8)
+    s = torch.randint(0, 256, (256, 8), dtype=torch.uint8)
+    first = sm90._weight_descriptors(w, s)
+    assert sm90._weight_descriptors(w, s)[0] is first[0], "a second call for the same weight reuses its descriptors"
+    assert torch.equal(first[0].base.reshape(-1).view(torch.uint8), w.reshape(-1))
+    assert torch.equal(first[1].base.reshape(-1).view(torch.uint8), s.reshape(-1))
+    w.set_(torch.randint(0, 256, (256, 64), dtype=torch.uint8).untyped_storage(), 0, (256, 64))  # same object, new storage
+    rebuilt = sm90._weight_descriptors(w, s)
+    assert rebuilt[0] is not first[0] and rebuilt[0].base.data_ptr() == w.data_ptr()
+    weight_ref = weakref.ref(w)
+    del w, s, first, rebuilt
+    gc.collect()
+    assert weight_ref() is None, "the cache must not keep a weight alive"
+    assert not sm90._WEIGHT_DESCRIPTORS, "a freed weight's descriptors (and their storage views) are dropped"

@@ -103,12 +103,12 @@ def _bias_can_be_deferred(attn: nn.Module) -> bool:
 
 
 def resnorm_gate(
-    ff: nn.Module, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+    fc1: nn.Module | None, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
 ) -> str | None:
-    """None when the fused path applies to this stream's call, else the reason it does not."""
-    if not isinstance(_fc1(ff), NVFP4Linear):
+    """None when the fused path applies to this stream's call (``fc1`` = ``_fc1(ff)``), else the reason it does not."""
+    if not isinstance(fc1, NVFP4Linear):
         return "FC1 is not an NVFP4Linear"
-    if _fc1(ff).dynamic_input_scale:
+    if fc1.dynamic_input_scale:
         return "FC1 uses a dynamic input scale"
     if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
         return "norm2 is not an affine-free LayerNorm"
@@ -129,14 +129,20 @@ def resnorm_gate(
     return None
 
 
-def _mod_params(mod: torch.Tensor, index: torch.Tensor | None, length: int):
-    """(shift, scale, gate) as ``[B, L, D]`` views, selected per token like ``QwenImageTransformerBlock._modulate``."""
+def _mod_params(mod: torch.Tensor, index: torch.Tensor | None):
+    """(shift, scale, gate2) for the kernel, and gate2 shaped as ``QwenImageTransformerBlock._modulate`` returns it.
+
+    Per-sample rows stay ``[B, D]`` views (the kernel reads them with a zero token stride): building ``[B, L, D]``
+    views would cost host time on every call, and the eager step is bound by host time. With ``index`` (edit
+    models) each token picks the first or second half of the batch's parameters, as ``_modulate`` does.
+    """
     shift, scale, gate = mod.chunk(3, dim=-1)
     if index is None:
-        return tuple(p.unsqueeze(1).expand(p.shape[0], length, p.shape[1]) for p in (shift, scale, gate))
+        return shift, scale, gate.unsqueeze(1)
     half = shift.size(0) // 2
     pick = index.unsqueeze(-1) == 0
-    return tuple(torch.where(pick, p[:half].unsqueeze(1), p[half:].unsqueeze(1)) for p in (shift, scale, gate))
+    shift, scale, gate = (torch.where(pick, p[:half].unsqueeze(1), p[half:].unsqueeze(1)) for p in (shift, scale, gate))
+    return shift, scale, gate
 
 
 def _mlp_stream(
@@ -145,9 +151,10 @@ def _mlp_stream(
 ) -> torch.Tensor:
     """``residual + gate1*(attn_out + attn_bias)``, then norm2 + modulate + MLP + gate2 residual, fused where the
     gate allows. ``attn_bias`` is the projection bias the attention deferred (None if ``attn_out`` has it)."""
-    reason = resnorm_gate(ff, norm, residual, attn_out, attn_bias)
-    stats = stats_for(block._nvfp4_stats_id)
+    fc1 = _fc1(ff)
+    reason = resnorm_gate(fc1, norm, residual, attn_out, attn_bias)
     if reason is not None:
+        stats = stats_for(block._nvfp4_stats_id)
         if stats is not None:
             record_fallback(stats, KIND, reason)
         if attn_bias is not None:
@@ -155,12 +162,11 @@ def _mlp_stream(
         hidden = residual + gate1 * attn_out
         modulated, gate2 = block._modulate(norm(hidden), mod2, index)
         return hidden + gate2 * ff(modulated)
-    shift, scale, gate2 = _mod_params(mod2, index, residual.shape[1])
-    fc1: NVFP4Linear = _fc1(ff)
-    gate1_full = gate1.expand_as(residual)
+    shift, scale, gate2 = _mod_params(mod2, index)
     shape_class = f"D={residual.shape[-1]},eps={norm.eps},{residual.device.type}"
+    # gate1 is _modulate's [B, 1, D] (or per-token [B, L, D]): the kernel takes either as it is.
     hidden, packed, scales = ops.qwen_resnorm_quantize_checked(
-        residual, attn_out, attn_bias, gate1_full, scale, shift, fc1.input_scale_inv, float(norm.eps),
+        residual, attn_out, attn_bias, gate1, scale, shift, fc1.input_scale_inv, float(norm.eps),
         fast_math_from_env(), block._nvfp4_stats_id, shape_class,
     )
     y = fc1.forward_prequantized(packed, scales, residual.dtype).reshape(*residual.shape[:-1], fc1.out_features)
