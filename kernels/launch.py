@@ -79,17 +79,18 @@ def _hooks_installed() -> bool:
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` for a ``@triton.jit`` kernel, with less host work per call.
 
-    Triton's launch path costs 16 us (9 arguments) to 44 us (24 arguments) of host time per call on the H200
-    machine's CPU (benchmarks/results/launch_overhead-h200.json), and an eager Qwen-Image step, which launches a few
-    thousand kernels, is bound by host time. Here Triton's own binder still decides which binary runs (the
-    argument specialization: dtypes, 16-byte alignment, integers equal to 1 or divisible by 16); the binary it
-    compiled for that specialization is then launched directly, without the per-call bookkeeping of
-    ``JITFunction.run`` (launch-metadata objects, hook chains, environment reads, the check that no global changed
-    since compilation, which our kernels' constants never do). Same binary, same arguments: same bytes.
+    Triton's launch path costs 22 us (9 runtime arguments) to 40 us (24) of host time per call on the H200
+    machine's CPU, against 18 and 23 us here (benchmarks/results/launch_overhead-h200.json), and an eager
+    Qwen-Image step, which launches a few thousand kernels, is bound by host time. Triton's own binder still
+    decides which binary runs (the argument specialization: dtypes, 16-byte alignment, integers equal to 1 or
+    divisible by 16); the binary compiled for that specialization is then launched directly, without the per-call
+    bookkeeping of ``JITFunction.run`` (launch-metadata objects, hook chains, environment reads, the check that no
+    global changed since compilation, which the constants of these kernels never do). Same binary, same
+    arguments: same bytes.
 
     Triton's full path runs for the first call of each specialization (it compiles and returns the binary), under
-    the interpreter, while a launch hook is installed, and with a Triton whose internals differ from the expected
-    ``device_caches`` layout.
+    the interpreter, while a launch hook is installed, and when the binder rejects the call (a Triton whose
+    ``device_caches`` entries are laid out differently).
     """
     if INTERPRETING:
         kernel[grid](*args, **kwargs)
