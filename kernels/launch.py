@@ -90,7 +90,8 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
 
     Triton's full path runs for the first call of each specialization (it compiles and returns the binary), under
     the interpreter, while a launch hook is installed, and when the binder rejects the call (a Triton whose
-    ``device_caches`` entries are laid out differently).
+    ``device_caches`` entries are laid out differently). Triton's debug and instrumentation settings (environment
+    knobs) are taken when a specialization is first launched, not re-read per call.
     """
     if INTERPRETING:
         kernel[grid](*args, **kwargs)
