@@ -4,7 +4,11 @@ import functools
 import os
 
 import torch
-from triton import knobs
+
+try:
+    from triton import knobs
+except ImportError:  # Triton < 3.4 keeps its hooks elsewhere: every launch then takes Triton's own path
+    knobs = None
 
 # The @triton.jit decorator picks the interpreter when the module is imported with TRITON_INTERPRET set, so reading
 # the variable once, at import, agrees with what Triton runs (and saves an environment read per launch).
@@ -70,6 +74,8 @@ _COMPILED: dict = {}
 
 def _hooks_installed() -> bool:
     """Whether a launch hook (a profiler such as proton) is registered: then every launch takes Triton's path."""
+    if knobs is None:
+        return True
     for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
         if hook is not None and getattr(hook, "calls", True):
             return True
