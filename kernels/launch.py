@@ -57,11 +57,16 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, cached (the wrappers ask on every call)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def hardware_e2m1(device: torch.device) -> bool:
     """cvt.rn.satfinite.e2m1x2.f32 exists from SM100 on (ptxas rejects it for SM90)."""
     if device.type != "cuda":
         return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 10
+    return cuda_capability(device)[0] >= 10
 
 
 def launch_options(device: torch.device, fast_math: bool, num_warps: int = 4) -> dict:

@@ -60,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .launch import cdiv, launch
+from .launch import cdiv, cuda_capability, launch
 from .nvfp4_gemm import grouped_tile
 
 __all__ = ["nvfp4_gemm_sm90", "sm90_supported", "SM90_STAGES", "SM90_GROUP_N"]
@@ -231,7 +231,7 @@ def _smem_layouts():
             gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
-# (id(weight), id(scales)) -> ((data pointers), (shapes), weight descriptor, scale descriptor)
+# (id(weight), id(scales)) -> ((data pointers and shapes), weight descriptor, scale descriptor)
 _WEIGHT_DESCRIPTORS: dict[tuple[int, int], tuple] = {}
 
 
@@ -250,7 +250,7 @@ def _weight_descriptors(w_packed: torch.Tensor, w_scales: torch.Tensor) -> tuple
     Building them (four tensor views, two descriptor objects) costs about 20 us of host time per GEMM on the H200
     machine, and an eager step is bound by host time. An entry is keyed by the two tensors' identities, checked
     against their current data pointers and shapes (a weight moved or replaced in place gets new descriptors), and
-    dropped when either tensor is freed: the descriptors hold views of the storage, which must not outlive it.
+    dropped when either tensor is freed: the descriptors hold aliases of the storage, which must not outlive it.
     """
     key = (id(w_packed), id(w_scales))
     where = (w_packed.data_ptr(), w_scales.data_ptr(), w_packed.shape, w_scales.shape)
@@ -268,15 +268,10 @@ def _weight_descriptors(w_packed: torch.Tensor, w_scales: torch.Tensor) -> tuple
     return w_desc, s_desc
 
 
-@functools.cache
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] == 9
-
-
 def sm90_supported(k: int, w_packed: torch.Tensor, w_scales: torch.Tensor) -> bool:
     """Whether ``nvfp4_gemm_sm90`` takes a GEMM with this K and weight: an SM90 GPU, K % 32 == 0, contiguous
     16-byte aligned weight and scales. (Its X is the fresh FP16 decode, always contiguous and aligned.)"""
-    if not (w_packed.is_cuda and _is_sm90(w_packed.device.index)):
+    if not (w_packed.is_cuda and cuda_capability(w_packed.device)[0] == 9):
         return False
     return (k % 32 == 0 and w_packed.is_contiguous() and w_scales.is_contiguous()
             and w_packed.data_ptr() % 16 == 0 and w_scales.data_ptr() % 16 == 0)

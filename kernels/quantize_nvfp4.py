@@ -41,7 +41,8 @@ def quantize_nvfp4(
     scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=x.device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
     launch(
-        _quantize_nvfp4_kernel, grid, blocks, global_scale, packed.view(torch.int64), scales, m, k, row_stride, scales.shape[1], col_tiles,
+        _quantize_nvfp4_kernel, grid,
+        blocks, global_scale, packed.view(torch.int64), scales, m, k, row_stride, scales.shape[1], col_tiles,
         BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16, **launch_options(x.device, fast_math, num_warps),
     )
     return packed, scales

@@ -431,7 +431,8 @@ def qwen_resnorm_quantize(
     if approx_rsqrt is None:
         approx_rsqrt = not INTERPRETING
     launch(
-        _qwen_resnorm_quantize_kernel, (scales.shape[0],), residual, x, x if bias is None else bias, gate, scale, shift, global_scale, out,
+        _qwen_resnorm_quantize_kernel, (scales.shape[0],),
+        residual, x, x if bias is None else bias, gate, scale, shift, global_scale, out,
         packed.view(torch.int32), scales,
         m, l_len, float(eps),
         residual.stride(0), residual.stride(1), x.stride(0), x.stride(1), *strides,

@@ -54,8 +54,9 @@ def token_cat_quantize(
     scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=a.device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
     launch(
-        _token_cat_quantize_kernel, grid, a_blocks, b_blocks, global_scale, packed.view(torch.int64), scales, m, width_a,
-        width_b, stride_a, stride_b, scales.shape[1], col_tiles,
+        _token_cat_quantize_kernel, grid,
+        a_blocks, b_blocks, global_scale, packed.view(torch.int64), scales, m, width_a, width_b, stride_a, stride_b,
+        scales.shape[1], col_tiles,
         BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=a.dtype == torch.bfloat16, **launch_options(a.device, fast_math, num_warps),
     )
     return packed, scales
