@@ -2,6 +2,7 @@
 # GPU tests and benchmarks in groups that each fit one device call, every step under its own time limit; logs and
 # JSON go to $OUT. Usage (repository root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh GROUP...
 #   kernels: token-cat and Qwen kernel tests + their benchmarks, launch tests + host cost per launch, fast-path tests
+#   qwen:    after a change to the fused Qwen kernel: its tests and benchmark, launch tests, Qwen fast-path tests
 #   gemm:    GEMM tests + the GEMM benchmark with a config sweep at M=4608
 #   steps:   full-size FLUX.2-dev and Qwen-Image step benchmarks, eager and as CUDA-graph replays
 set -o pipefail
@@ -22,6 +23,11 @@ for group in ${@:-kernels gemm steps}; do
       step 60 t_launch $P tests/gpu/test_launch.py
       TAIL=3 step 90 bench_launch python3 benchmarks/bench_launch_overhead.py
       TAIL=12 step 150 t_fast_paths $P tests/gpu/test_fast_paths_gpu.py --durations=8 ;;
+    qwen)
+      TAIL=8 step 200 t_qwen_kernel $P tests/gpu/test_qwen_resnorm_kernel.py --durations=5
+      TAIL=10 step 90 bench_qwen python3 benchmarks/bench_qwen_resnorm.py
+      step 60 t_launch $P tests/gpu/test_launch.py
+      TAIL=12 step 150 t_fast_paths_qwen $P tests/gpu/test_fast_paths_gpu.py -k qwen --durations=8 ;;
     gemm)
       TAIL=8 step 300 t_gemm $P tests/gpu/test_gemm.py --durations=5
       TAIL=40 step 420 bench_gemm python3 benchmarks/bench_gemm.py --sweep-configs ;;

@@ -1,8 +1,11 @@
 """The NVFP4 quantize epilogue shared by every kernel that emits NVFP4 activations.
 
-A kernel loads (or computes) an FP32 tile ``x[BLOCK_R, BLOCK_K]`` of rows ``rows`` and columns ``cols`` and calls
-``store_nvfp4_tile``; the epilogue computes block maxima, E4M3 block scales and E2M1 codes exactly as DESIGN.md
-section 3 (and ``diffusers_nvfp4_fast.format``) define them, then writes packed bytes and 128x4-swizzled scales.
+A kernel calls the entry point that matches how a 16-block sits in its threads: ``quantize_blocks`` (one thread
+loaded the whole block as four int64 words), ``quantize_block_halves`` (one thread computed the whole block in
+registers) or ``quantize_pairs`` (the block is split across threads, so its maximum is a cross-thread reduction).
+Each computes block maxima, E4M3 block scales and E2M1 codes exactly as DESIGN.md section 3 (and
+``diffusers_nvfp4_fast.format``) define them; the kernel stores the packed bytes and the 128x4-swizzled scales
+(``swizzled_scale_offset``, ``store_blocks``).
 
 Everything that rounds is done in integer arithmetic or with correctly rounded FP32 operations, so the result
 does not depend on the GPU's FP8 conversion and the Triton interpreter reproduces it on CPU (precise mode).
@@ -109,8 +112,8 @@ def swizzled_scale_offset(rows, kblocks, padded_cols):
 @triton.jit
 def quantize_pairs(lo, hi, g, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
     """FP32 ``lo``/``hi`` ``[R, C, 8]`` (elements 2j and 2j+1 of C 16-blocks per row) -> (bytes int32 ``[R, C, 8]``,
-    E4M3 scale bytes int32 ``[R, C]``). Working on element pairs keeps every 16-block inside one thread's registers
-    and makes the packed byte of a pair local, with no reshapes or layout conversions."""
+    E4M3 scale bytes int32 ``[R, C]``). Working on element pairs keeps the packed byte of a pair local; the block
+    maximum reduces the last axis, across threads where the kernel's layout splits a block."""
     a = tl.maximum(tl.abs(lo), tl.abs(hi))  # maxNum: skips a NaN partner
     vec_max = tl.max(tl.where(a != a, 0.0, a), axis=2)
     sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
@@ -122,66 +125,9 @@ def quantize_pairs(lo, hi, g, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
     return byte, sf_byte
 
 
-@triton.jit
-def store_nvfp4_pairs(
-    byte, sf_byte, rows, kb0, packed_ptr, scales_ptr, M, K, padded_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """Store ``quantize_pairs`` output for rows ``rows`` (int ``[BLOCK_R]``) and 16-blocks ``kb0 .. kb0+BLOCK_C``.
-
-    ``packed_ptr`` is an int32 view of the packed output (bytes are assembled into little-endian words first, so
-    each thread issues a quarter of the stores): words go to ``[M, K/8]`` for real rows and blocks. ``scales_ptr``
-    is uint8: scale bytes go to the 128x4 layout for every row below round_up(M, 128) and block below
-    ``padded_cols``, so tiles that cover the padding write its zeros.
-    """
-    shift = (tl.arange(0, 4) * 8)[None, None, None, :]
-    words = tl.sum(tl.reshape(byte, [BLOCK_R, BLOCK_C, 2, 4]) << shift, axis=3)
-    kbs = kb0 + tl.arange(0, BLOCK_C)
-    r = rows[:, None, None]
-    pmask = (r < M) & (kbs[None, :, None] < K // 16)
-    poffs = r * (K // 8) + kbs[None, :, None] * 2 + tl.arange(0, 2)[None, None, :]
-    tl.store(packed_ptr + poffs, words, mask=pmask)
-    smask = (rows[:, None] < ((M + 127) // 128) * 128) & (kbs[None, :] < padded_cols)
-    soffs = swizzled_scale_offset(rows[:, None], kbs[None, :], padded_cols)
-    tl.store(scales_ptr + soffs, sf_byte.to(tl.uint8), mask=smask)
-
-
-@triton.jit
-def load_pairs(ptr, rows, kbs, row_stride, mask, IS_BF16: tl.constexpr):
-    """Load 16-blocks ``kbs`` (int ``[BLOCK_C]``) of rows ``rows`` from a bf16/fp16 matrix as FP32 (lo, hi) pairs.
-
-    ``ptr`` points at the matrix reinterpreted as int32 words (two 16-bit values per word, the even element in the
-    low half); ``row_stride`` is in words; ``mask`` is ``[BLOCK_R, BLOCK_C, 1]``. Masked elements read as 0.
-    """
-    j = tl.arange(0, 8)
-    row_ptr = ptr + rows[:, None, None].to(tl.int64) * row_stride
-    w = tl.load(row_ptr + (kbs[None, :, None] * 8 + j[None, None, :]), mask=mask, other=0)
-    if IS_BF16:
-        lo = (w << 16).to(tl.float32, bitcast=True)
-        hi = (w & -65536).to(tl.float32, bitcast=True)
-    else:
-        lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return lo, hi
-
-
-@triton.jit
-def store_nvfp4_tile(
-    x, rows, col0, g, packed_ptr, scales_ptr, M, K, padded_cols,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr,
-):
-    """Quantize and store an FP32 tile ``x [BLOCK_R, BLOCK_K]`` whose first column is ``col0`` (a multiple of 16).
-
-    For kernels that compute their values in registers (out-of-range elements must be 0); see ``store_nvfp4_pairs``
-    (including its int32 views of the outputs). ``BLOCK_K`` must be a multiple of 64.
-    """
-    lo, hi = tl.split(tl.reshape(x, [BLOCK_R, BLOCK_K // 16, 8, 2]))
-    byte, sf_byte = quantize_pairs(lo, hi, g, FAST_MATH, HW_E2M1)
-    store_nvfp4_pairs(byte, sf_byte, rows, col0 // 16, packed_ptr, scales_ptr, M, K, padded_cols, BLOCK_R, BLOCK_K // 16)
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# Whole-block path for kernels that load their input: one thread owns whole 16-blocks, so the block maximum, the
-# scale and the packing need no cross-thread reductions or layout conversions.
+# Whole-block paths: one thread owns whole 16-blocks (loaded as int64 words, or computed in registers), so the block
+# maximum, the scale and the packing need no cross-thread reductions or layout conversions.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -237,6 +183,32 @@ def quantize_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.cons
     w1 = _quarter_word(e8, e9, e10, e11, f, HW_E2M1) | (_quarter_word(e12, e13, e14, e15, f, HW_E2M1) << 16)
     packed = w0.to(tl.uint32).to(tl.int64) | (w1.to(tl.int64) << 32)
     return packed, sf_byte
+
+
+
+@triton.jit
+def _pairs_word(lo, hi, f, HW_E2M1: tl.constexpr):
+    """FP32 ``[R, 4]`` pairs (elements 2j, 2j+1 of 8 consecutive values) -> their 4 packed bytes as int32 ``[R]``."""
+    shift = (tl.arange(0, 4) * 8)[None, :]
+    return tl.sum(_pair_byte(lo, hi, f, HW_E2M1) << shift, axis=1)
+
+
+@triton.jit
+def quantize_block_halves(a, b, g, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
+    """One 16-block per row, held by one thread: FP32 ``a``, ``b`` ``[R, 8]`` are its elements 0..7 and 8..15.
+
+    Returns (packed int32 ``[R, 2]``: the block's 8 bytes, little-endian; E4M3 scale byte int32 ``[R]``). For kernels
+    that compute their values in registers and can give each thread whole blocks (no cross-thread maximum).
+    """
+    R: tl.constexpr = a.shape[0]
+    # maxNum skips NaN lanes; only an all-NaN block leaves NaN, mapped to 0 once per block.
+    vec_max = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))
+    vec_max = tl.where(vec_max == vec_max, vec_max, 0.0)
+    sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
+    f = factor[:, None]
+    a_lo, a_hi = tl.split(tl.reshape(a, [R, 4, 2]))
+    b_lo, b_hi = tl.split(tl.reshape(b, [R, 4, 2]))
+    return tl.join(_pairs_word(a_lo, a_hi, f, HW_E2M1), _pairs_word(b_lo, b_hi, f, HW_E2M1)), sf_byte
 
 
 @triton.jit

@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETING, launch, launch_options, padded_scale_shape
-from .nvfp4_epilogue import store_nvfp4_tile, swizzled_scale_offset
+from .nvfp4_epilogue import quantize_block_halves, quantize_pairs, swizzled_scale_offset
 
 THREADS = tl.constexpr(128)  # torch's LayerNorm block: 32 x 4 threads
 VEC = tl.constexpr(4)  # torch's vec_size: each thread reads 4 consecutive elements at a time
@@ -180,6 +180,17 @@ def _shuffle_combine(m, s, src, AXIS: tl.constexpr, COUNT: tl.constexpr, MEAN_FM
 
 
 @triton.jit
+def _pack2(hi, lo):
+    """Two FP32 tensors -> one int64 per position (bits only)."""
+    return (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _unpack2(p):
+    return (p >> 32).to(tl.int32).to(tl.float32, bitcast=True), p.to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _row_mean_rstd(mean, m2, eps, D: tl.constexpr, APPROX_RSQRT: tl.constexpr, MEAN_FMA: tl.constexpr):
     """Per-thread Welford state ``[128]`` -> (mean, rstd) as ``[128, 1]`` FP32 (every entry equal), reduced in
     torch's order. The gathers only move values: position (w, l) computes what torch's thread 32*w + l computes."""
@@ -196,12 +207,14 @@ def _row_mean_rstd(mean, m2, eps, D: tl.constexpr, APPROX_RSQRT: tl.constexpr, M
     m, s = _shuffle_combine(m, s, tl.where(lane + 1 < 32, lane + 1, lane), 1, PER_THREAD * 16, MEAN_FMA)
     # Inter-warp (shared memory in torch): warps 0,1 merge warps 2,3, then warp 0 merges warp 1. Only lane 0 of
     # warp 0 is read afterwards; the other positions compute values nobody uses, as in torch.
-    m, s = _shuffle_combine(m, s, tl.where(warp < 2, warp + 2, warp), 0, PER_THREAD * 32, MEAN_FMA)
-    m, s = _shuffle_combine(m, s, tl.where(warp < 1, warp + 1, warp), 0, PER_THREAD * 64, MEAN_FMA)
+    # Across warps a gather is a shared-memory round trip with barriers, so mean and m2 travel as one 64-bit word.
+    other = _unpack2(tl.gather(_pack2(m, s), tl.where(warp < 2, warp + 2, warp), 0))
+    m, s = _welford_combine(m, s, other[0], other[1], PER_THREAD * 32, MEAN_FMA)
+    other = _unpack2(tl.gather(_pack2(m, s), tl.where(warp < 1, warp + 1, warp), 0))
+    m, s = _welford_combine(m, s, other[0], other[1], PER_THREAD * 64, MEAN_FMA)
     # Broadcast (warp 0, lane 0) to everyone: pure data movement, so -0.0 and every bit survive.
     zeros = tl.zeros([4, 32], tl.int32)
-    m = tl.gather(tl.gather(m, zeros, 0), zeros, 1)
-    s = tl.gather(tl.gather(s, zeros, 0), zeros, 1)
+    m, s = _unpack2(tl.gather(tl.gather(_pack2(m, s), zeros, 0), zeros, 1))
     var = tl.math.div_rn(s, tl.full([4, 32], D, tl.float32))  # sigma2 / float(N): IEEE division
     rstd = _rsqrt(var + eps, APPROX_RSQRT)
     return tl.reshape(m, [THREADS, 1]), tl.reshape(rstd, [THREADS, 1])
@@ -218,7 +231,7 @@ def _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, start, HAS_BIAS: tl.co
 
 @triton.jit
 def _load_pass2(out_row, scale_row, shift_row, offs2, start):
-    """residual_out, scale and shift of one pass-2 chunk."""
+    """residual_out, scale and shift at ``start + offs2`` (pass 2)."""
     o = start + offs2
     return tl.load(out_row + o), tl.load(scale_row + o), tl.load(shift_row + o)
 
@@ -227,6 +240,43 @@ def _load_pass2(out_row, scale_row, shift_row, offs2, start):
 def _vector_offsets():
     """``[128, 4]`` element offsets of one 512-element chunk: row t = torch thread t's vector of 4."""
     return tl.arange(0, THREADS)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+
+
+@triton.jit
+def _modulate(r, scale, shift, row_mean, rstd, SOFT_BF16: tl.constexpr):
+    """residual_out -> the FC1 input ``m`` (widened to FP32, exact): normalize, ``* bf16(1 + scale)``, ``+ shift``."""
+    n = _bf16(rstd * (_widen_for_fp32(r, SOFT_BF16) - row_mean), SOFT_BF16)
+    scale1 = _bf16(1.0 + _widen(scale, SOFT_BF16), SOFT_BF16)
+    return _widen_for_fp32(_narrow(_bf16(n * scale1, SOFT_BF16) + _widen(shift, SOFT_BF16), SOFT_BF16), SOFT_BF16)
+
+
+@triton.jit
+def _store_split_blocks(m, row, col0, g, packed_ptr, scales_ptr, D: tl.constexpr, padded_cols, VEC2: tl.constexpr,
+                        FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, PTX_STORE: tl.constexpr):
+    """Quantize and store ``m`` FP32 ``[128, VEC2]`` (columns ``col0 + VEC2*t + i``), where 16 / VEC2 threads share a
+    16-block: the block maximum crosses threads, and every holder of a block has its scale byte.
+
+    Storing a scale tensor in that replicated layout makes Triton exchange it through shared memory (barriers
+    included); on the GPU each holder stores the byte itself with ``st.global.b8`` instead (the same byte, twice or
+    four times: harmless). Inline PTX cannot run in the interpreter, which takes the masked store.
+    """
+    NB: tl.constexpr = THREADS * VEC2 // 16
+    lo, hi = tl.split(tl.reshape(tl.reshape(m, [1, THREADS * VEC2]), [1, NB, 8, 2]))
+    byte, sf_byte = quantize_pairs(lo, hi, g, FAST_MATH, HW_E2M1)
+    words = tl.sum(tl.reshape(byte, [1, NB, 2, 4]) << (tl.arange(0, 4) * 8)[None, None, None, :], axis=3)
+    kbs = col0 // 16 + tl.arange(0, NB)
+    r = row.to(tl.int64)
+    tl.store(packed_ptr + r * (D // 8) + kbs[None, :, None] * 2 + tl.arange(0, 2)[None, None, :], words)
+    offs_sf = scales_ptr + swizzled_scale_offset(r, kbs[None, :], padded_cols)
+    if PTX_STORE:
+        tl.inline_asm_elementwise(
+            "{ st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r", [offs_sf, sf_byte], dtype=tl.int32, is_pure=False,
+            pack=1,
+        )
+    else:
+        first = (tl.arange(0, 8) == 0)[None, None, :]
+        tl.store(tl.broadcast_to(offs_sf[:, :, None], [1, NB, 8]),
+                 tl.broadcast_to(sf_byte[:, :, None], [1, NB, 8]).to(tl.uint8), mask=first)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -241,14 +291,11 @@ def _qwen_resnorm_quantize_kernel(
     s_res_b, s_res_l, s_x_b, s_x_l, s_gate_b, s_gate_l, s_scale_b, s_scale_l, s_shift_b, s_shift_l,
     padded_cols,
     D: tl.constexpr, HAS_BIAS: tl.constexpr, APPROX_RSQRT: tl.constexpr, SOFT_BF16: tl.constexpr,
-    MEAN_FMA: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr,
+    MEAN_FMA: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, PTX_STORE: tl.constexpr,
 ):
     # One program per row of the padded scale matrix: rows >= M only write their zero scale bytes.
-    PASS2_VEC: tl.constexpr = 8 if D % 1024 == 0 else 4
-    PASS2_CHUNK: tl.constexpr = THREADS * PASS2_VEC
     row = tl.program_id(0)
     if row < M:
-        rows = row + tl.arange(0, 1)
         offs = _vector_offsets()
         g = tl.load(g_ptr)
         b32 = row // L  # 32-bit division (a 64-bit one is a slow software routine); M < 2^31
@@ -287,24 +334,37 @@ def _qwen_resnorm_quantize_kernel(
 
         # Pass 2 reads residual_out back (cache-resident, written by this program) instead of recomputing it; the
         # barrier makes every thread's pass-1 stores visible to the whole program (same CTA). Pass 2 is elementwise
-        # up to the quantizer, so it need not follow torch's thread order: each thread takes 8 consecutive elements
-        # (half a 16-block) where D allows, so each packed word is one thread's. Loads run two chunks ahead.
+        # up to the quantizer, so it need not follow torch's thread order. While 128 whole 16-blocks remain, each
+        # thread takes one (2048 elements per step): its maximum, scale byte and packed words stay in the thread.
+        # The rest (1024 or 512 elements) is split: 8 or 4 consecutive elements per thread.
         tl.debug_barrier()
-        NCHUNK2: tl.constexpr = D // PASS2_CHUNK
-        offs2 = tl.arange(0, THREADS)[:, None] * PASS2_VEC + tl.arange(0, PASS2_VEC)[None, :]
-        r0, sc0, sh0 = _load_pass2(out_row, scale_row, shift_row, offs2, 0)
-        r1, sc1, sh1 = _load_pass2(out_row, scale_row, shift_row, offs2, min(1, NCHUNK2 - 1) * PASS2_CHUNK)
-        for j in tl.static_range(NCHUNK2):
-            r2, sc2, sh2 = _load_pass2(out_row, scale_row, shift_row, offs2, min(j + 2, NCHUNK2 - 1) * PASS2_CHUNK)
-            n = _bf16(rstd * (_widen_for_fp32(r0, SOFT_BF16) - row_mean), SOFT_BF16)
-            scale1 = _bf16(1.0 + _widen(sc0, SOFT_BF16), SOFT_BF16)
-            m = _narrow(_bf16(n * scale1, SOFT_BF16) + _widen(sh0, SOFT_BF16), SOFT_BF16)
-            store_nvfp4_tile(
-                tl.reshape(_widen_for_fp32(m, SOFT_BF16), [1, PASS2_CHUNK]), rows, j * PASS2_CHUNK, g,
-                packed_ptr, scales_ptr, M, D, padded_cols, 1, PASS2_CHUNK, FAST_MATH, HW_E2M1,
-            )
-            r0, sc0, sh0 = r1, sc1, sh1
-            r1, sc1, sh1 = r2, sc2, sh2
+        NFULL: tl.constexpr = D // 2048
+        REST: tl.constexpr = D - NFULL * 2048
+        t = tl.arange(0, THREADS)
+        half = t[:, None] * 16 + tl.arange(0, 8)[None, :]  # [128, 8]: first half of thread t's block
+        for j in tl.static_range(NFULL):
+            col = j * 2048
+            r_a, sc_a, sh_a = _load_pass2(out_row, scale_row, shift_row, half, col)
+            r_b, sc_b, sh_b = _load_pass2(out_row, scale_row, shift_row, half, col + 8)
+            m_a = _modulate(r_a, sc_a, sh_a, row_mean, rstd, SOFT_BF16)
+            m_b = _modulate(r_b, sc_b, sh_b, row_mean, rstd, SOFT_BF16)
+            words, sf_byte = quantize_block_halves(m_a, m_b, g, FAST_MATH, HW_E2M1)
+            kb = col // 16 + t
+            r64 = row.to(tl.int64)
+            tl.store(packed_ptr + r64 * (D // 8) + kb[:, None] * 2 + tl.arange(0, 2)[None, :], words)
+            tl.store(scales_ptr + swizzled_scale_offset(r64, kb, padded_cols), sf_byte.to(tl.uint8))
+        if REST >= 1024:
+            col = NFULL * 2048
+            r, sc, sh = _load_pass2(out_row, scale_row, shift_row, t[:, None] * 8 + tl.arange(0, 8)[None, :], col)
+            m = _modulate(r, sc, sh, row_mean, rstd, SOFT_BF16)
+            _store_split_blocks(m, row, col, g, packed_ptr, scales_ptr, D, padded_cols, 8, FAST_MATH, HW_E2M1,
+                                PTX_STORE)
+        if REST % 1024 == 512:
+            col = D - 512
+            r, sc, sh = _load_pass2(out_row, scale_row, shift_row, t[:, None] * 4 + tl.arange(0, 4)[None, :], col)
+            m = _modulate(r, sc, sh, row_mean, rstd, SOFT_BF16)
+            _store_split_blocks(m, row, col, g, packed_ptr, scales_ptr, D, padded_cols, 4, FAST_MATH, HW_E2M1,
+                                PTX_STORE)
     else:
         # Padding row of the 128x4 scale layout: its scale bytes are 0 (D % 512 == 0, so D/16 == padded_cols and
         # every k-block is covered by the chunks).
@@ -438,7 +498,8 @@ def qwen_resnorm_quantize(
         residual.stride(0), residual.stride(1), x.stride(0), x.stride(1), *strides,
         scales.shape[1],
         D=d, HAS_BIAS=bias is not None, APPROX_RSQRT=bool(approx_rsqrt), SOFT_BF16=INTERPRETING,
-        MEAN_FMA=TORCH_MEAN_FMA, maxnreg=MAX_REGISTERS, **launch_options(residual.device, fast_math),
+        MEAN_FMA=TORCH_MEAN_FMA, PTX_STORE=not INTERPRETING, maxnreg=MAX_REGISTERS,
+        **launch_options(residual.device, fast_math),
     )
     return out, packed, scales
 

@@ -193,6 +193,9 @@ def _worker() -> dict:
         ("b2-activation-strided", 2, 2, 512, "activation-like", False, True, True),
         ("b1-129rows-two-scale-tiles", 1, 129, 512, "randn", False, True, False),
         ("b2-edge-rows-pertoken", 2, 6, 512, "edge-rows", True, True, False),
+        # D >= 2048: whole 16-blocks per thread, then the rest split 8 (D=3072) or 4 (D=2560) elements per thread.
+        ("b2-edge-rows-d3072", 2, 2, 3072, "edge-rows", False, True, False),
+        ("b1-activation-pertoken-d2560", 1, 3, 2560, "activation-like", True, True, False),
     ]
     for name, b, l_len, d, dist, per_token, with_bias, strided in cases:
         residual, x, bias, gate, scale, shift = make_inputs(b, l_len, d, dist, per_token, seed=len(results))
@@ -271,7 +274,7 @@ def test_fma32_is_exact():
     "case",
     [
         "b2-randn-bias", "b1-large-offset-nobias-pertoken-d1024", "b2-activation-strided", "b1-129rows-two-scale-tiles",
-        "b2-edge-rows-pertoken",
+        "b2-edge-rows-pertoken", "b2-edge-rows-d3072", "b1-activation-pertoken-d2560",
     ],
 )
 def test_fused_kernel_matches_cuda_emulation(interpreter_results, case):

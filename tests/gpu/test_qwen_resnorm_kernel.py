@@ -188,7 +188,7 @@ def test_strided_rows(fast_math):
     check(make_case(2, 4096, dist="large-offset", strided=True, seed=9), fast_math)
 
 
-@pytest.mark.parametrize("d", [512, 1024, 1536, 6144])
+@pytest.mark.parametrize("d", [512, 1024, 1536, 2560, 6144])
 def test_other_hidden_sizes(d):
     for fast_math in (False, True):
         check(make_case(2, 300, d=d, dist="activation-like", seed=d), fast_math)
