@@ -94,6 +94,18 @@ def test_kernels_compile_ahead_of_time(kernel, capability, fast_math):
     assert len(compiled.asm["cubin"]) > 0
 
 
+@pytest.mark.parametrize("capability", [90, 100, 120])
+def test_qwen_resnorm_kernel_compiles_ahead_of_time(capability):
+    """The fused Qwen kernel (whole-block and split-block quantize paths) builds for Hopper and both Blackwell targets,
+    with the hardware E2M1 conversion exactly on SM100+; it runs only where such a GPU exists."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from sass_count import compile_qwen_resnorm
+
+    compiled = compile_qwen_resnorm(3072, capability)
+    assert ("cvt.rn.satfinite.e2m1x2.f32" in compiled.asm["ptx"]) == (capability >= 100)
+    assert len(compiled.asm["cubin"]) > 0
+
+
 @pytest.mark.parametrize("even_k", [True, False])
 def test_sm90_gemm_overlaps_decode_and_mma(even_k):
     """The Gluon SM90 GEMM compiles with this Triton, and its SASS keeps one wgmma in flight while the next weight
