@@ -117,12 +117,7 @@ def quantize_pairs(lo, hi, g, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
     a = tl.maximum(tl.abs(lo), tl.abs(hi))  # maxNum: skips a NaN partner
     vec_max = tl.max(tl.where(a != a, 0.0, a), axis=2)
     sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
-    f = factor[:, :, None]
-    if HW_E2M1:
-        byte = e2m1x2_hw(hi * f, lo * f)
-    else:
-        byte = e2m1_code(lo * f) | (e2m1_code(hi * f) << 4)
-    return byte, sf_byte
+    return _pair_byte(lo, hi, factor[:, :, None], HW_E2M1), sf_byte
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -183,7 +178,6 @@ def quantize_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.cons
     w1 = _quarter_word(e8, e9, e10, e11, f, HW_E2M1) | (_quarter_word(e12, e13, e14, e15, f, HW_E2M1) << 16)
     packed = w0.to(tl.uint32).to(tl.int64) | (w1.to(tl.int64) << 32)
     return packed, sf_byte
-
 
 
 @triton.jit

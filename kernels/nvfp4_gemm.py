@@ -528,15 +528,14 @@ def nvfp4_gemm(
     if kernel == "sm90" and sm90 is None:
         raise ValueError(f"nvfp4_gemm: kernel='sm90' does not take these operands (needs an SM90 GPU, "
                          f"K % 32 == 0 and 16-byte aligned tensors; got K={k} on {device})")
+    # Exact FP16 values of X, decoded once (memory-bound) instead of once per weight tile.
+    x16 = decode_nvfp4_rows(x_packed, x_scales, torch.float16) if predecode else None
     if sm90 is not None:
-        # Exact FP16 values of X, decoded once (memory-bound) instead of once per weight tile.
-        x16 = decode_nvfp4_rows(x_packed, x_scales, torch.float16)
         return sm90.nvfp4_gemm_sm90(x16, w_packed, w_scales, alpha, out)
     use_asm = _use_asm(x_packed)
     w_words = _scale_words(w_scales)
     if predecode:
-        x_arg = decode_nvfp4_rows(x_packed, x_scales, torch.float16)  # decoded once, as above
-        xs_arg, stride_x = w_words, x_arg.stride(0)  # xs_ptr is unused by this variant
+        x_arg, xs_arg, stride_x = x16, w_words, x16.stride(0)  # xs_ptr is unused by this variant
         splits, chunk = 1, k
     else:
         x_arg, xs_arg, stride_x = x_packed, _scale_words(x_scales), x_packed.stride(0)

@@ -251,23 +251,27 @@ def _modulate(r, scale, shift, row_mean, rstd, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _store_split_blocks(m, row, col0, g, packed_ptr, scales_ptr, D: tl.constexpr, padded_cols, VEC2: tl.constexpr,
-                        FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, PTX_STORE: tl.constexpr):
-    """Quantize and store ``m`` FP32 ``[128, VEC2]`` (columns ``col0 + VEC2*t + i``), where 16 / VEC2 threads share a
-    16-block: the block maximum crosses threads, and every holder of a block has its scale byte.
+def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, col, g, packed_ptr, scales_ptr,
+                      D: tl.constexpr, padded_cols, VEC2: tl.constexpr, SOFT_BF16: tl.constexpr,
+                      FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, PTX_STORE: tl.constexpr):
+    """Pass 2 for the ``128 * VEC2`` columns from ``col``, thread t taking ``VEC2`` consecutive ones, so 16 / VEC2
+    threads share a 16-block: the block maximum crosses threads, and every holder of a block has its scale byte.
 
     Storing a scale tensor in that replicated layout makes Triton exchange it through shared memory (barriers
     included); on the GPU each holder stores the byte itself with ``st.global.b8`` instead (the same byte, twice or
     four times: harmless). Inline PTX cannot run in the interpreter, which takes the masked store.
     """
     NB: tl.constexpr = THREADS * VEC2 // 16
+    r, sc, sh = _load_pass2(out_row, scale_row, shift_row, tl.arange(0, THREADS)[:, None] * VEC2
+                            + tl.arange(0, VEC2)[None, :], col)
+    m = _modulate(r, sc, sh, row_mean, rstd, SOFT_BF16)
     lo, hi = tl.split(tl.reshape(tl.reshape(m, [1, THREADS * VEC2]), [1, NB, 8, 2]))
     byte, sf_byte = quantize_pairs(lo, hi, g, FAST_MATH, HW_E2M1)
     words = tl.sum(tl.reshape(byte, [1, NB, 2, 4]) << (tl.arange(0, 4) * 8)[None, None, None, :], axis=3)
-    kbs = col0 // 16 + tl.arange(0, NB)
-    r = row.to(tl.int64)
-    tl.store(packed_ptr + r * (D // 8) + kbs[None, :, None] * 2 + tl.arange(0, 2)[None, None, :], words)
-    offs_sf = scales_ptr + swizzled_scale_offset(r, kbs[None, :], padded_cols)
+    kbs = col // 16 + tl.arange(0, NB)
+    r64 = row.to(tl.int64)
+    tl.store(packed_ptr + r64 * (D // 8) + kbs[None, :, None] * 2 + tl.arange(0, 2)[None, None, :], words)
+    offs_sf = scales_ptr + swizzled_scale_offset(r64, kbs[None, :], padded_cols)
     if PTX_STORE:
         tl.inline_asm_elementwise(
             "{ st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r", [offs_sf, sf_byte], dtype=tl.int32, is_pure=False,
@@ -354,17 +358,11 @@ def _qwen_resnorm_quantize_kernel(
             tl.store(packed_ptr + r64 * (D // 8) + kb[:, None] * 2 + tl.arange(0, 2)[None, :], words)
             tl.store(scales_ptr + swizzled_scale_offset(r64, kb, padded_cols), sf_byte.to(tl.uint8))
         if REST >= 1024:
-            col = NFULL * 2048
-            r, sc, sh = _load_pass2(out_row, scale_row, shift_row, t[:, None] * 8 + tl.arange(0, 8)[None, :], col)
-            m = _modulate(r, sc, sh, row_mean, rstd, SOFT_BF16)
-            _store_split_blocks(m, row, col, g, packed_ptr, scales_ptr, D, padded_cols, 8, FAST_MATH, HW_E2M1,
-                                PTX_STORE)
+            _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, NFULL * 2048, g, packed_ptr,
+                              scales_ptr, D, padded_cols, 8, SOFT_BF16, FAST_MATH, HW_E2M1, PTX_STORE)
         if REST % 1024 == 512:
-            col = D - 512
-            r, sc, sh = _load_pass2(out_row, scale_row, shift_row, t[:, None] * 4 + tl.arange(0, 4)[None, :], col)
-            m = _modulate(r, sc, sh, row_mean, rstd, SOFT_BF16)
-            _store_split_blocks(m, row, col, g, packed_ptr, scales_ptr, D, padded_cols, 4, FAST_MATH, HW_E2M1,
-                                PTX_STORE)
+            _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, D - 512, g, packed_ptr,
+                              scales_ptr, D, padded_cols, 4, SOFT_BF16, FAST_MATH, HW_E2M1, PTX_STORE)
     else:
         # Padding row of the 128x4 scale layout: its scale bytes are 0 (D % 512 == 0, so D/16 == padded_cols and
         # every k-block is covered by the chunks).

@@ -12,6 +12,7 @@ from kernel_subprocess import run_interpreted
 
 triton = pytest.importorskip("triton", reason="Triton is not installed, so the CPU kernel tests (interpreter, AOT compiles) "
                                                "did not run; CI installs it with .[test]")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # sass_count: compile and disassemble
 
 
 def test_interpreted_kernels_match_reference():
@@ -84,7 +85,6 @@ def test_e2m1_rounding_matches_reference_on_every_boundary():
 @pytest.mark.parametrize("fast_math", [True, False])
 @pytest.mark.parametrize("kernel", ["quantize", "token_cat"])
 def test_kernels_compile_ahead_of_time(kernel, capability, fast_math):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from sass_count import compile_kernel
 
     compiled = compile_kernel(kernel, capability, fast_math)
@@ -98,7 +98,6 @@ def test_kernels_compile_ahead_of_time(kernel, capability, fast_math):
 def test_qwen_resnorm_kernel_compiles_ahead_of_time(capability):
     """The fused Qwen kernel (whole-block and split-block quantize paths) builds for Hopper and both Blackwell targets,
     with the hardware E2M1 conversion exactly on SM100+; it runs only where such a GPU exists."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from sass_count import compile_qwen_resnorm
 
     compiled = compile_qwen_resnorm(3072, capability)
@@ -113,7 +112,6 @@ def test_sm90_gemm_overlaps_decode_and_mma(even_k):
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
                         reason="this Triton has no Gluon Hopper API, so the SM90 GEMM compile check did not run; "
                                "it runs with Triton >= 3.6, as CI installs")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from sass_count import compile_gemm_sm90, disassemble
 
     sass = disassemble(compile_gemm_sm90(even_k=even_k))
@@ -129,7 +127,6 @@ def test_sm90_gemm_never_overwrites_registers_of_a_running_wgmma(even_k):
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
                         reason="this Triton has no Gluon Hopper API, so the SM90 GEMM SASS check did not run; "
                                "it runs with Triton >= 3.6, as CI installs")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from sass_count import compile_gemm_sm90, disassemble, wgmma_register_hazards
 
     assert wgmma_register_hazards(disassemble(compile_gemm_sm90(even_k=even_k))) == []
@@ -138,7 +135,6 @@ def test_sm90_gemm_never_overwrites_registers_of_a_running_wgmma(even_k):
 def test_wgmma_hazard_check_finds_a_write_to_an_in_flight_fragment():
     """The checker above flags the pattern that broke the GEMM: a loop writing the A registers of the wgmma it left
     in flight (``DEPBAR.LE gsb0, 0x1``), and accepts the same loop once the write targets other registers."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from sass_count import wgmma_register_hazards
 
     def loop(decode_dst: str) -> str:
@@ -160,7 +156,6 @@ def test_qwen_resnorm_kernel_prefetches_and_does_not_spill():
     """The fused Qwen kernel, compiled for sm_90 with its register cap, keeps every value in registers (no local
     memory) and issues the x/residual loads of several chunks before its first store (a load placed after a store
     that may alias it cannot be hoisted, which exposed one memory round trip per chunk)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from sass_count import compile_qwen_resnorm, disassemble
 
     sass = disassemble(compile_qwen_resnorm(3072))

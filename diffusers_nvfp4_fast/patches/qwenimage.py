@@ -141,8 +141,7 @@ def _mod_params(mod: torch.Tensor, index: torch.Tensor | None):
         return shift, scale, gate.unsqueeze(1)
     half = shift.size(0) // 2
     pick = index.unsqueeze(-1) == 0
-    shift, scale, gate = (torch.where(pick, p[:half].unsqueeze(1), p[half:].unsqueeze(1)) for p in (shift, scale, gate))
-    return shift, scale, gate
+    return tuple(torch.where(pick, p[:half].unsqueeze(1), p[half:].unsqueeze(1)) for p in (shift, scale, gate))
 
 
 def _mlp_stream(
