@@ -70,7 +70,7 @@ def compile_qwen_resnorm(d: int = 3072, arch: int = 90):
     it (register cap, no FMA contraction, 4 warps), without a GPU; row strides divisible by 16 as at run time."""
     mod = importlib.import_module("diffusers_nvfp4_fast.kernels.qwen_resnorm_quantize")
     consts = {"D": d, "HAS_BIAS": True, "APPROX_RSQRT": True, "SOFT_BF16": False, "MEAN_FMA": mod.TORCH_MEAN_FMA,
-              "FAST_MATH": True, "HW_E2M1": arch >= 100, "PTX_STORE": True}
+              "FAST_MATH": True, "HW_E2M1": arch >= 100, "ONE_SAMPLE": True}
     names = list(inspect.signature(mod._qwen_resnorm_quantize_kernel.fn).parameters)
     pointer_types = {"g_ptr": "*fp32", "packed_ptr": "*i32", "scales_ptr": "*u8"}
     sig = {n: pointer_types.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"

@@ -1,8 +1,9 @@
 """The NVFP4 quantize epilogue shared by every kernel that emits NVFP4 activations.
 
 A kernel calls the entry point that matches how a 16-block sits in its threads: ``quantize_blocks`` (one thread
-loaded the whole block as four int64 words), ``quantize_block_halves`` (one thread computed the whole block in
-registers) or ``quantize_pairs`` (the block is split across threads, so its maximum is a cross-thread reduction).
+loaded the whole block as four int64 words) or ``quantize_block_halves`` (one thread computed the whole block in
+registers); a kernel that splits a block across threads reduces the maximum itself, then calls
+``block_scale_and_factor`` and ``e2m1_words`` / ``e2m1_half_words`` on its share.
 Each computes block maxima, E4M3 block scales and E2M1 codes exactly as DESIGN.md section 3 (and
 ``diffusers_nvfp4_fast.format``) define them; the kernel stores the packed bytes and the 128x4-swizzled scales
 (``swizzled_scale_offset``, ``store_blocks``).
@@ -18,9 +19,12 @@ Special values: NaN is skipped by the block maximum and a NaN product encodes as
 import triton
 import triton.language as tl
 
+from .launch import INTERPRETING
+
 E4M3_MAX = tl.constexpr(448.0)
 MIN_E4M3_NORMAL = tl.constexpr(0.015625)  # 2^-6
 TWO_POW_23 = tl.constexpr(8388608.0)
+INLINE_PTX = tl.constexpr(not INTERPRETING)  # inline PTX where it can run (GPU builds), Triton ops in the interpreter
 
 
 @triton.jit
@@ -57,22 +61,86 @@ def e4m3_value(byte):
 
 
 @triton.jit
-def e2m1_code(v):
-    """FP32 -> E2M1 code (int32 0..15): nearest, ties to the even code, saturating; sign bit kept; NaN -> 7.
+def _e2m1_parts(v):
+    """FP32 ``v`` -> (``u``, ``s``) uint32: the low nibble of ``u`` is the E2M1 magnitude code of ``v`` (nearest, ties to
+    the even code, saturating at 6; NaN -> 7) and bits 3..21 of ``u`` are zero; the top bit of ``s`` is the sign.
 
     The E2M1 grid has spacing 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]. Adding ``c = 1.5 * 2^(22 + e)``, whose ulp is
     that spacing (``e`` = 0, 1, 2 for the three ranges), rounds to the grid in one correctly rounded FP32 add with
-    ties to even, and ``bits(|t| + c) - bits(c)`` counts grid steps; the range's first code (0, 2, 4) is added back.
-    ``c`` is built from the exponent field of ``max(|t|, 1)``, so no compare or float-to-int conversion is needed.
+    ties to even. ``c`` is built with its mantissa already holding the range's first code (0, 2 or 4 grid steps,
+    even, so the tie parity is unchanged), hence ``bits(|t| + c)`` ends in the code itself. ``e`` comes from the
+    exponent field of ``max(|t|, 1)``; one multiply-add turns it into ``c``'s bits.
     """
     # minNum (PTX min.f32, np.fmin in the interpreter): a NaN becomes 6.0, i.e. code 7 with the sign bit clear.
     t = tl.maximum(tl.minimum(v, 6.0), -6.0)
-    tb = t.to(tl.int32, bitcast=True)
-    exp_field = tl.maximum(tb & 0x7F800000, 0x3F800000)  # 2^0, 2^1 or 2^2 as FP32 bits (the sign is masked off)
-    c_bits = exp_field + (0x4AC00000 - 0x3F800000)  # 1.5 * 2^22 scaled by the same power of two
-    steps = (tl.abs(t) + c_bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True) - c_bits
-    first_code = (exp_field >> 22) - 254  # 0, 2, 4
-    return (steps + first_code) | ((tb >> 28) & 8)
+    e8 = tl.maximum(tl.abs(t), 1.0).to(tl.int32, bitcast=True) >> 23  # 127, 128 or 129
+    # bits(c) = (e8 << 23) + (22 << 23) + 2^22 (the 1.5) + 2 * (e8 - 127) (the first code)
+    c_bits = e8 * 0x800002 + (0x4AC00000 - 127 * 0x800002)
+    u = (tl.abs(t) + c_bits.to(tl.float32, bitcast=True)).to(tl.uint32, bitcast=True)
+    return u, t.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _low_bytes(b0, b1, b2, b3):
+    """The low bytes of four uint32 -> one uint32 (``b0``'s in the lowest byte): three byte permutes on the GPU (the
+    compiler builds it from shifts and masks, two instructions per byte, otherwise)."""
+    if INLINE_PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1; prmt.b32 t0, $1, $2, 0x40; prmt.b32 t1, $3, $4, 0x40; prmt.b32 $0, t0, t1, 0x5410; }",
+            "=r,r,r,r,r", [b0, b1, b2, b3], dtype=tl.uint32, is_pure=True, pack=1,
+        )
+    else:
+        return (b0 & 0xFF) | ((b1 & 0xFF) << 8) | ((b2 & 0xFF) << 16) | (b3 << 24)
+
+
+@triton.jit
+def _sign_nibbles(s7, s6, s5, s4, s3, s2, s1, s0):
+    """Top nibbles of eight uint32, ``s0``'s lowest: one funnel shift each. Only bit 3 of each nibble (the sign) is kept
+    by the caller."""
+    acc = s7 >> 28
+    acc = (acc << 4) | (s6 >> 28)
+    acc = (acc << 4) | (s5 >> 28)
+    acc = (acc << 4) | (s4 >> 28)
+    acc = (acc << 4) | (s3 >> 28)
+    acc = (acc << 4) | (s2 >> 28)
+    acc = (acc << 4) | (s1 >> 28)
+    return (acc << 4) | (s0 >> 28)
+
+
+@triton.jit
+def e2m1_word(x0, x1, x2, x3, x4, x5, x6, x7, HW_E2M1: tl.constexpr):
+    """Eight scaled FP32 values (same shape) -> their eight E2M1 codes as one int32, ``x0`` in the lowest nibble."""
+    if HW_E2M1:
+        return (e2m1x2_hw(x1, x0) | (e2m1x2_hw(x3, x2) << 8) | (e2m1x2_hw(x5, x4) << 16)
+                | (e2m1x2_hw(x7, x6) << 24))
+    else:
+        u0, s0 = _e2m1_parts(x0)
+        u1, s1 = _e2m1_parts(x1)
+        u2, s2 = _e2m1_parts(x2)
+        u3, s3 = _e2m1_parts(x3)
+        u4, s4 = _e2m1_parts(x4)
+        u5, s5 = _e2m1_parts(x5)
+        u6, s6 = _e2m1_parts(x6)
+        u7, s7 = _e2m1_parts(x7)
+        # (u_hi << 4) + u_lo: the pair's byte in the low 8 bits (u's bits 3..21 are zero, so nothing carries in).
+        mags = _low_bytes((u1 << 4) + u0, (u3 << 4) + u2, (u5 << 4) + u4, (u7 << 4) + u6)
+        word = (_sign_nibbles(s7, s6, s5, s4, s3, s2, s1, s0) & 0x88888888) | mags
+        return word.to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def e2m1_half_word(x0, x1, x2, x3, HW_E2M1: tl.constexpr):
+    """Four scaled FP32 values -> their E2M1 codes in the low 16 bits of an int32 (``x0`` in the lowest nibble)."""
+    if HW_E2M1:
+        return e2m1x2_hw(x1, x0) | (e2m1x2_hw(x3, x2) << 8)
+    else:
+        u0, s0 = _e2m1_parts(x0)
+        u1, s1 = _e2m1_parts(x1)
+        u2, s2 = _e2m1_parts(x2)
+        u3, s3 = _e2m1_parts(x3)
+        mags = (((u1 << 4) + u0) & 0xFF) | ((((u3 << 4) + u2) & 0xFF) << 8)
+        signs = ((s3 >> 28) << 12) | ((s2 >> 28) << 8) | ((s1 >> 28) << 4) | (s0 >> 28)
+        return ((signs & 0x8888) | mags).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -110,14 +178,46 @@ def swizzled_scale_offset(rows, kblocks, padded_cols):
 
 
 @triton.jit
-def quantize_pairs(lo, hi, g, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
-    """FP32 ``lo``/``hi`` ``[R, C, 8]`` (elements 2j and 2j+1 of C 16-blocks per row) -> (bytes int32 ``[R, C, 8]``,
-    E4M3 scale bytes int32 ``[R, C]``). Working on element pairs keeps the packed byte of a pair local; the block
-    maximum reduces the last axis, across threads where the kernel's layout splits a block."""
-    a = tl.maximum(tl.abs(lo), tl.abs(hi))  # maxNum: skips a NaN partner
-    vec_max = tl.max(tl.where(a != a, 0.0, a), axis=2)
-    sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
-    return _pair_byte(lo, hi, factor[:, :, None], HW_E2M1), sf_byte
+def split8(x):
+    """``[R, 8]`` or ``[R, C, 8]`` -> its eight ``[R]`` / ``[R, C]`` slices in element order (register renaming only:
+    the 8 elements sit in one thread)."""
+    if len(x.shape) == 2:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], 2, 2, 2]))
+    else:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], 2, 2, 2]))
+    e_lo, e_hi = tl.split(even)
+    o_lo, o_hi = tl.split(odd)
+    x0, x4 = tl.split(e_lo)
+    x2, x6 = tl.split(e_hi)
+    x1, x5 = tl.split(o_lo)
+    x3, x7 = tl.split(o_hi)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def split4(x):
+    """``[R, 4]`` or ``[R, C, 4]`` -> its four slices in element order."""
+    if len(x.shape) == 2:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], 2, 2]))
+    else:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], x.shape[1], 2, 2]))
+    x0, x2 = tl.split(even)
+    x1, x3 = tl.split(odd)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def e2m1_words(x, HW_E2M1: tl.constexpr):
+    """Scaled FP32 ``[..., 8]`` -> int32 ``[...]``: each row of eight values as four packed bytes."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = split8(x)
+    return e2m1_word(x0, x1, x2, x3, x4, x5, x6, x7, HW_E2M1)
+
+
+@triton.jit
+def e2m1_half_words(x, HW_E2M1: tl.constexpr):
+    """Scaled FP32 ``[..., 4]`` -> int32 ``[...]`` holding each row's two packed bytes in its low 16 bits."""
+    x0, x1, x2, x3 = split4(x)
+    return e2m1_half_word(x0, x1, x2, x3, HW_E2M1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -149,20 +249,6 @@ def _max4(a, b, c, d):
 
 
 @triton.jit
-def _pair_byte(lo, hi, f, HW_E2M1: tl.constexpr):
-    if HW_E2M1:
-        return e2m1x2_hw(hi * f, lo * f)
-    else:
-        return e2m1_code(lo * f) | (e2m1_code(hi * f) << 4)
-
-
-@triton.jit
-def _quarter_word(a, b, c, d, f, HW_E2M1: tl.constexpr):
-    """Four values -> 16 bits: two packed bytes, element order kept (low nibble = earlier element)."""
-    return _pair_byte(a, b, f, HW_E2M1) | (_pair_byte(c, d, f, HW_E2M1) << 8)
-
-
-@triton.jit
 def quantize_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
     """Four int64 tensors ``[R, C]`` (elements 4i..4i+3 of each 16-block in ``q_i``) -> (packed int64 ``[R, C]``:
     the block's 8 packed bytes, little-endian; E4M3 scale byte int32 ``[R, C]``)."""
@@ -174,17 +260,10 @@ def quantize_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.cons
                          tl.maximum(_max4(e8, e9, e10, e11), _max4(e12, e13, e14, e15)))
     vec_max = tl.where(vec_max == vec_max, vec_max, 0.0)
     sf_byte, f = block_scale_and_factor(vec_max, g, FAST_MATH)
-    w0 = _quarter_word(e0, e1, e2, e3, f, HW_E2M1) | (_quarter_word(e4, e5, e6, e7, f, HW_E2M1) << 16)
-    w1 = _quarter_word(e8, e9, e10, e11, f, HW_E2M1) | (_quarter_word(e12, e13, e14, e15, f, HW_E2M1) << 16)
+    w0 = e2m1_word(e0 * f, e1 * f, e2 * f, e3 * f, e4 * f, e5 * f, e6 * f, e7 * f, HW_E2M1)
+    w1 = e2m1_word(e8 * f, e9 * f, e10 * f, e11 * f, e12 * f, e13 * f, e14 * f, e15 * f, HW_E2M1)
     packed = w0.to(tl.uint32).to(tl.int64) | (w1.to(tl.int64) << 32)
     return packed, sf_byte
-
-
-@triton.jit
-def _pairs_word(lo, hi, f, HW_E2M1: tl.constexpr):
-    """FP32 ``[R, 4]`` pairs (elements 2j, 2j+1 of 8 consecutive values) -> their 4 packed bytes as int32 ``[R]``."""
-    shift = (tl.arange(0, 4) * 8)[None, :]
-    return tl.sum(_pair_byte(lo, hi, f, HW_E2M1) << shift, axis=1)
 
 
 @triton.jit
@@ -194,15 +273,12 @@ def quantize_block_halves(a, b, g, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexp
     Returns (packed int32 ``[R, 2]``: the block's 8 bytes, little-endian; E4M3 scale byte int32 ``[R]``). For kernels
     that compute their values in registers and can give each thread whole blocks (no cross-thread maximum).
     """
-    R: tl.constexpr = a.shape[0]
     # maxNum skips NaN lanes; only an all-NaN block leaves NaN, mapped to 0 once per block.
     vec_max = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))
     vec_max = tl.where(vec_max == vec_max, vec_max, 0.0)
     sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
     f = factor[:, None]
-    a_lo, a_hi = tl.split(tl.reshape(a, [R, 4, 2]))
-    b_lo, b_hi = tl.split(tl.reshape(b, [R, 4, 2]))
-    return tl.join(_pairs_word(a_lo, a_hi, f, HW_E2M1), _pairs_word(b_lo, b_hi, f, HW_E2M1)), sf_byte
+    return tl.join(e2m1_words(a * f, HW_E2M1), e2m1_words(b * f, HW_E2M1)), sf_byte
 
 
 @triton.jit

@@ -50,7 +50,14 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETING, launch, launch_options, padded_scale_shape
-from .nvfp4_epilogue import quantize_block_halves, quantize_pairs, swizzled_scale_offset
+from .nvfp4_epilogue import (
+    INLINE_PTX,
+    block_scale_and_factor,
+    e2m1_half_words,
+    e2m1_words,
+    quantize_block_halves,
+    swizzled_scale_offset,
+)
 
 THREADS = tl.constexpr(128)  # torch's LayerNorm block: 32 x 4 threads
 VEC = tl.constexpr(4)  # torch's vec_size: each thread reads 4 consecutive elements at a time
@@ -60,7 +67,8 @@ _THREADS, _CHUNK = 128, 512  # the same, for host code
 TORCH_MEAN_FMA = 1  # torch 2.11 (cu130) on an H200: test_layer_norm_subnormal_means matched variant 1 only
 # Register cap of the fused kernel: 40 fits 12 programs (48 warps) per SM on Hopper instead of 10 at the compiler's
 # choice (47), without spilling (Triton 3.6 and 3.9). On the H200 it was 6% faster at 4096 rows than the same kernel
-# uncapped (one-off side-by-side run: 29.8 vs 31.8 us); the kernel waits mostly on loads, so more resident warps help.
+# uncapped (one-off side-by-side run: 29.8 vs 31.8 us). After the instruction cuts of the word-at-a-time E2M1 encoder,
+# 32 (16 programs per SM) was slower (29.5 vs 27.2 us) and 48 within 1% of 40.
 MAX_REGISTERS = 40
 
 
@@ -171,12 +179,13 @@ def _welford_combine(own_m, own_s, other_m, other_s, COUNT: tl.constexpr, MEAN_F
 
 
 @triton.jit
-def _shuffle_combine(m, s, src, AXIS: tl.constexpr, COUNT: tl.constexpr, MEAN_FMA: tl.constexpr):
-    """Every (warp, lane) merges the state at ``src`` along AXIS into its own, like WARP_SHFL_DOWN / the shared-memory
-    step of torch's compute_stats (each position keeps its own value where torch's shuffle has no source)."""
-    other_m = tl.gather(m, src, AXIS)
-    other_s = tl.gather(s, src, AXIS)
-    return _welford_combine(m, s, other_m, other_s, COUNT, MEAN_FMA)
+def _shuffle_down_combine(m, s, lane, OFFSET: tl.constexpr, COUNT: tl.constexpr, MEAN_FMA: tl.constexpr):
+    """One WARP_SHFL_DOWN level of torch's compute_stats on ``[4, 32]`` (warp, lane) states: every lane merges the
+    state of lane + OFFSET, or its own where that is past lane 31 (the clamp of ``shfl.down``). A gather, not inline
+    ``shfl.sync.down``: which hardware lane holds which element is the compiler's choice (it differed between the
+    fused and the LayerNorm-only kernel at D=512 on an H200), and the gather is correct for every layout."""
+    src = tl.where(lane + OFFSET < 32, lane + OFFSET, lane)
+    return _welford_combine(m, s, tl.gather(m, src, 1), tl.gather(s, src, 1), COUNT, MEAN_FMA)
 
 
 @triton.jit
@@ -200,11 +209,11 @@ def _row_mean_rstd(mean, m2, eps, D: tl.constexpr, APPROX_RSQRT: tl.constexpr, M
     warp = tl.broadcast_to(tl.arange(0, 4)[:, None], [4, 32])
     lane = tl.broadcast_to(tl.arange(0, 32)[None, :], [4, 32])
     # Intra-warp shuffle-down tree: offsets 16, 8, 4, 2, 1; lane l merges lane l + offset (itself when past 31).
-    m, s = _shuffle_combine(m, s, tl.where(lane + 16 < 32, lane + 16, lane), 1, PER_THREAD, MEAN_FMA)
-    m, s = _shuffle_combine(m, s, tl.where(lane + 8 < 32, lane + 8, lane), 1, PER_THREAD * 2, MEAN_FMA)
-    m, s = _shuffle_combine(m, s, tl.where(lane + 4 < 32, lane + 4, lane), 1, PER_THREAD * 4, MEAN_FMA)
-    m, s = _shuffle_combine(m, s, tl.where(lane + 2 < 32, lane + 2, lane), 1, PER_THREAD * 8, MEAN_FMA)
-    m, s = _shuffle_combine(m, s, tl.where(lane + 1 < 32, lane + 1, lane), 1, PER_THREAD * 16, MEAN_FMA)
+    m, s = _shuffle_down_combine(m, s, lane, 16, PER_THREAD, MEAN_FMA)
+    m, s = _shuffle_down_combine(m, s, lane, 8, PER_THREAD * 2, MEAN_FMA)
+    m, s = _shuffle_down_combine(m, s, lane, 4, PER_THREAD * 4, MEAN_FMA)
+    m, s = _shuffle_down_combine(m, s, lane, 2, PER_THREAD * 8, MEAN_FMA)
+    m, s = _shuffle_down_combine(m, s, lane, 1, PER_THREAD * 16, MEAN_FMA)
     # Inter-warp (shared memory in torch): warps 0,1 merge warps 2,3, then warp 0 merges warp 1. Only lane 0 of
     # warp 0 is read afterwards; the other positions compute values nobody uses, as in torch.
     # Across warps a gather is a shared-memory round trip with barriers, so mean and m2 travel as one 64-bit word.
@@ -224,9 +233,11 @@ def _row_mean_rstd(mean, m2, eps, D: tl.constexpr, APPROX_RSQRT: tl.constexpr, M
 def _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, start, HAS_BIAS: tl.constexpr):
     """x, residual, bias and gate of one pass-1 chunk (bias is a placeholder, x again, without HAS_BIAS)."""
     o = start + offs
-    x = tl.load(x_row + o)
+    # x and residual are read once: evict-first keeps the SM's L1 for bias, gate, scale and shift, which every row
+    # program reads again (H200, 4096 rows: 26.8 -> 25.6 us; L1 bypass (.cg) did not help).
+    x = tl.load(x_row + o, eviction_policy="evict_first")
     bias = tl.load(bias_ptr + o) if HAS_BIAS else x
-    return x, tl.load(res_row + o), bias, tl.load(gate_row + o)
+    return x, tl.load(res_row + o, eviction_policy="evict_first"), bias, tl.load(gate_row + o)
 
 
 @triton.jit
@@ -253,34 +264,36 @@ def _modulate(r, scale, shift, row_mean, rstd, SOFT_BF16: tl.constexpr):
 @triton.jit
 def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, col, g, packed_ptr, scales_ptr,
                       D: tl.constexpr, padded_cols, VEC2: tl.constexpr, SOFT_BF16: tl.constexpr,
-                      FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, PTX_STORE: tl.constexpr):
+                      FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
     """Pass 2 for the ``128 * VEC2`` columns from ``col``, thread t taking ``VEC2`` consecutive ones, so 16 / VEC2
     threads share a 16-block: the block maximum crosses threads, and every holder of a block has its scale byte.
 
     Storing a scale tensor in that replicated layout makes Triton exchange it through shared memory (barriers
     included); on the GPU each holder stores the byte itself with ``st.global.b8`` instead (the same byte, twice or
-    four times: harmless). Inline PTX cannot run in the interpreter, which takes the masked store.
+    four times: harmless). Inline PTX cannot run in the interpreter, which takes a plain store.
     """
     NB: tl.constexpr = THREADS * VEC2 // 16
     r, sc, sh = _load_pass2(out_row, scale_row, shift_row, tl.arange(0, THREADS)[:, None] * VEC2
                             + tl.arange(0, VEC2)[None, :], col)
-    m = _modulate(r, sc, sh, row_mean, rstd, SOFT_BF16)
-    lo, hi = tl.split(tl.reshape(tl.reshape(m, [1, THREADS * VEC2]), [1, NB, 8, 2]))
-    byte, sf_byte = quantize_pairs(lo, hi, g, FAST_MATH, HW_E2M1)
-    words = tl.sum(tl.reshape(byte, [1, NB, 2, 4]) << (tl.arange(0, 4) * 8)[None, None, None, :], axis=3)
-    kbs = col // 16 + tl.arange(0, NB)
+    m = tl.reshape(_modulate(r, sc, sh, row_mean, rstd, SOFT_BF16), [NB, 16 // VEC2, VEC2])
+    vec_max = tl.max(tl.max(tl.abs(m), axis=2), axis=1)  # maxNum: NaN lanes skipped; all-NaN blocks -> 0 below
+    sf_byte, factor = block_scale_and_factor(tl.where(vec_max == vec_max, vec_max, 0.0), g, FAST_MATH)
+    x = m * factor[:, None, None]
     r64 = row.to(tl.int64)
-    tl.store(packed_ptr + r64 * (D // 8) + kbs[None, :, None] * 2 + tl.arange(0, 2)[None, None, :], words)
-    offs_sf = scales_ptr + swizzled_scale_offset(r64, kbs[None, :], padded_cols)
-    if PTX_STORE:
+    t = tl.reshape(tl.arange(0, THREADS), [NB, 16 // VEC2])  # the thread's share: VEC2 / 2 packed bytes
+    if VEC2 == 8:
+        tl.store(packed_ptr + r64 * (D // 8) + col // 8 + t, e2m1_words(x, HW_E2M1))
+    else:
+        half_words = packed_ptr.to(tl.pointer_type(tl.int16)) + r64 * (D // 4) + col // 4 + t
+        tl.store(half_words, e2m1_half_words(x, HW_E2M1).to(tl.int16))
+    offs_sf = scales_ptr + swizzled_scale_offset(r64, col // 16 + tl.arange(0, NB), padded_cols)
+    if INLINE_PTX:
         tl.inline_asm_elementwise(
             "{ st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r", [offs_sf, sf_byte], dtype=tl.int32, is_pure=False,
             pack=1,
         )
     else:
-        first = (tl.arange(0, 8) == 0)[None, None, :]
-        tl.store(tl.broadcast_to(offs_sf[:, :, None], [1, NB, 8]),
-                 tl.broadcast_to(sf_byte[:, :, None], [1, NB, 8]).to(tl.uint8), mask=first)
+        tl.store(offs_sf, sf_byte.to(tl.uint8))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -295,16 +308,20 @@ def _qwen_resnorm_quantize_kernel(
     s_res_b, s_res_l, s_x_b, s_x_l, s_gate_b, s_gate_l, s_scale_b, s_scale_l, s_shift_b, s_shift_l,
     padded_cols,
     D: tl.constexpr, HAS_BIAS: tl.constexpr, APPROX_RSQRT: tl.constexpr, SOFT_BF16: tl.constexpr,
-    MEAN_FMA: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, PTX_STORE: tl.constexpr,
+    MEAN_FMA: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, ONE_SAMPLE: tl.constexpr,
 ):
     # One program per row of the padded scale matrix: rows >= M only write their zero scale bytes.
     row = tl.program_id(0)
     if row < M:
         offs = _vector_offsets()
         g = tl.load(g_ptr)
-        b32 = row // L  # 32-bit division (a 64-bit one is a slow software routine); M < 2^31
-        b = b32.to(tl.int64)
-        l_idx = (row - b32 * L).to(tl.int64)
+        if ONE_SAMPLE:  # the common case (CFG runs the two branches as separate calls): no division
+            b = 0
+            l_idx = row.to(tl.int64)
+        else:
+            b32 = row // L  # 32-bit division (a 64-bit one is a slow software routine); M < 2^31
+            b = b32.to(tl.int64)
+            l_idx = (row - b32 * L).to(tl.int64)
         res_row = res_ptr + b * s_res_b + l_idx * s_res_l
         x_row = x_ptr + b * s_x_b + l_idx * s_x_l
         gate_row = gate_ptr + b * s_gate_b + l_idx * s_gate_l
@@ -359,10 +376,10 @@ def _qwen_resnorm_quantize_kernel(
             tl.store(scales_ptr + swizzled_scale_offset(r64, kb, padded_cols), sf_byte.to(tl.uint8))
         if REST >= 1024:
             _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, NFULL * 2048, g, packed_ptr,
-                              scales_ptr, D, padded_cols, 8, SOFT_BF16, FAST_MATH, HW_E2M1, PTX_STORE)
+                              scales_ptr, D, padded_cols, 8, SOFT_BF16, FAST_MATH, HW_E2M1)
         if REST % 1024 == 512:
             _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, D - 512, g, packed_ptr,
-                              scales_ptr, D, padded_cols, 4, SOFT_BF16, FAST_MATH, HW_E2M1, PTX_STORE)
+                              scales_ptr, D, padded_cols, 4, SOFT_BF16, FAST_MATH, HW_E2M1)
     else:
         # Padding row of the 128x4 scale layout: its scale bytes are 0 (D % 512 == 0, so D/16 == padded_cols and
         # every k-block is covered by the chunks).
@@ -496,7 +513,7 @@ def qwen_resnorm_quantize(
         residual.stride(0), residual.stride(1), x.stride(0), x.stride(1), *strides,
         scales.shape[1],
         D=d, HAS_BIAS=bias is not None, APPROX_RSQRT=bool(approx_rsqrt), SOFT_BF16=INTERPRETING,
-        MEAN_FMA=TORCH_MEAN_FMA, PTX_STORE=not INTERPRETING, maxnreg=MAX_REGISTERS,
+        MEAN_FMA=TORCH_MEAN_FMA, ONE_SAMPLE=b == 1, maxnreg=MAX_REGISTERS,
         **launch_options(residual.device, fast_math),
     )
     return out, packed, scales

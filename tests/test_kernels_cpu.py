@@ -53,17 +53,19 @@ def test_interpreted_kernels_match_reference():
 
 
 def test_e2m1_rounding_matches_reference_on_every_boundary():
-    """The epilogue's bit-trick E2M1 rounding vs ``format.e2m1_round`` on every BF16 bit pattern (as FP32), the 4096
-    FP32 neighbours on each side of every rounding midpoint and of every code value, and NaNs of both signs."""
+    """The epilogue's E2M1 encoder (eight values -> one packed word) vs ``format.e2m1_round`` + ``pack_nibbles`` on
+    every BF16 bit pattern (as FP32), the 4096 FP32 neighbours on each side of every rounding midpoint and of every code
+    value, and NaNs of both signs; each value is encoded at every one of the word's eight nibble positions."""
     out = run_interpreted("""
         import torch, triton, triton.language as tl
-        from diffusers_nvfp4_fast.kernels.nvfp4_epilogue import e2m1_code
-        from diffusers_nvfp4_fast.format import e2m1_round
+        from diffusers_nvfp4_fast.kernels.nvfp4_epilogue import e2m1_words
+        from diffusers_nvfp4_fast.format import e2m1_round, pack_nibbles
 
         @triton.jit
-        def probe(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-            offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-            tl.store(out_ptr + offs, e2m1_code(tl.load(x_ptr + offs, mask=offs < n, other=0.0)), mask=offs < n)
+        def probe(x_ptr, out_ptr, n_words, BLOCK: tl.constexpr):
+            words = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + words[:, None] * 8 + tl.arange(0, 8)[None, :], mask=words[:, None] < n_words, other=0.0)
+            tl.store(out_ptr + words, e2m1_words(x, False), mask=words < n_words)
 
         points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0])
         steps = torch.arange(-4096, 4097, dtype=torch.int32)
@@ -72,11 +74,15 @@ def test_e2m1_rounding_matches_reference_on_every_boundary():
         every_bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
         nans = torch.tensor([0x7FC00000, 0x7F800001, -0x00400000, -0x00000001], dtype=torch.int32).view(torch.float32)
         x = torch.cat([near, -near, every_bf16, nans])
-        got = torch.empty(x.shape, dtype=torch.int32)
-        probe[(triton.cdiv(x.numel(), 4096),)](x, got, x.numel(), BLOCK=4096)
-        want = e2m1_round(x).to(torch.int32)
+        x = torch.cat([x, torch.zeros((-x.numel()) % 8)])
+        # eight rotations: every value lands once in each nibble position of its word
+        x = torch.cat([torch.roll(x.view(-1, 8), shifts=k, dims=1).flatten() for k in range(8)])
+        got = torch.empty(x.numel() // 8, dtype=torch.int32)
+        probe[(triton.cdiv(got.numel(), 1024),)](x, got, got.numel(), BLOCK=1024)
+        want = pack_nibbles(e2m1_round(x)).view(torch.int32)
         bad = (got != want).nonzero().flatten()
-        print("CHECKED", x.numel(), "MISMATCHES", bad.numel(), x[bad[:5]].tolist(), got[bad[:5]].tolist())
+        print("CHECKED", x.numel(), "MISMATCHES", bad.numel(), x.view(-1, 8)[bad[:3]].tolist(), got[bad[:3]].tolist(),
+              want[bad[:3]].tolist())
     """)
     assert " MISMATCHES 0 " in out, out
 
