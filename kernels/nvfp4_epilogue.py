@@ -156,7 +156,11 @@ def e2m1x2_hw(hi, lo):
 
 @triton.jit
 def block_scale_and_factor(vec_max, g, FAST_MATH: tl.constexpr):
-    """Block maxima and global scale (FP32) -> (E4M3 scale byte int32, FP32 factor applied before E2M1)."""
+    """Block maxima and global scale (FP32) -> (E4M3 scale byte int32, FP32 factor applied before E2M1).
+
+    ``vec_max`` is the NaN-skipping (maxNum) maximum of the block's magnitudes: NaN only for a block of only NaNs,
+    which is mapped to 0 here."""
+    vec_max = tl.where(vec_max == vec_max, vec_max, 0.0)
     if FAST_MATH:
         sf = g * (vec_max * rcp_approx_ftz(tl.full(vec_max.shape, 6.0, tl.float32)))
         sf_byte = e4m3_round(tl.minimum(sf, E4M3_MAX))
@@ -244,7 +248,7 @@ def _unpack4(q, IS_BF16: tl.constexpr):
 @triton.jit
 def _max4(a, b, c, d):
     # tl.maximum is maxNum (PTX max.f32, np.fmax in the interpreter): NaN lanes are skipped, as the spec's block
-    # maximum requires; a block of only NaNs gives NaN, which the caller maps to 0.
+    # maximum requires; a block of only NaNs gives NaN, which block_scale_and_factor maps to 0.
     return tl.maximum(tl.maximum(tl.abs(a), tl.abs(b)), tl.maximum(tl.abs(c), tl.abs(d)))
 
 
@@ -258,7 +262,6 @@ def quantize_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.cons
     e12, e13, e14, e15 = _unpack4(q3, IS_BF16)
     vec_max = tl.maximum(tl.maximum(_max4(e0, e1, e2, e3), _max4(e4, e5, e6, e7)),
                          tl.maximum(_max4(e8, e9, e10, e11), _max4(e12, e13, e14, e15)))
-    vec_max = tl.where(vec_max == vec_max, vec_max, 0.0)
     sf_byte, f = block_scale_and_factor(vec_max, g, FAST_MATH)
     w0 = e2m1_word(e0 * f, e1 * f, e2 * f, e3 * f, e4 * f, e5 * f, e6 * f, e7 * f, HW_E2M1)
     w1 = e2m1_word(e8 * f, e9 * f, e10 * f, e11 * f, e12 * f, e13 * f, e14 * f, e15 * f, HW_E2M1)
@@ -273,9 +276,8 @@ def quantize_block_halves(a, b, g, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexp
     Returns (packed int32 ``[R, 2]``: the block's 8 bytes, little-endian; E4M3 scale byte int32 ``[R]``). For kernels
     that compute their values in registers and can give each thread whole blocks (no cross-thread maximum).
     """
-    # maxNum skips NaN lanes; only an all-NaN block leaves NaN, mapped to 0 once per block.
+    # maxNum skips NaN lanes; only an all-NaN block leaves NaN (mapped to 0 by block_scale_and_factor).
     vec_max = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))
-    vec_max = tl.where(vec_max == vec_max, vec_max, 0.0)
     sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
     f = factor[:, None]
     return tl.join(e2m1_words(a * f, HW_E2M1), e2m1_words(b * f, HW_E2M1)), sf_byte

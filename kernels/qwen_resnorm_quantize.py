@@ -276,8 +276,8 @@ def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, col, g
     r, sc, sh = _load_pass2(out_row, scale_row, shift_row, tl.arange(0, THREADS)[:, None] * VEC2
                             + tl.arange(0, VEC2)[None, :], col)
     m = tl.reshape(_modulate(r, sc, sh, row_mean, rstd, SOFT_BF16), [NB, 16 // VEC2, VEC2])
-    vec_max = tl.max(tl.max(tl.abs(m), axis=2), axis=1)  # maxNum: NaN lanes skipped; all-NaN blocks -> 0 below
-    sf_byte, factor = block_scale_and_factor(tl.where(vec_max == vec_max, vec_max, 0.0), g, FAST_MATH)
+    vec_max = tl.max(tl.max(tl.abs(m), axis=2), axis=1)  # maxNum: NaN lanes skipped
+    sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
     x = m * factor[:, None, None]
     r64 = row.to(tl.int64)
     t = tl.reshape(tl.arange(0, THREADS), [NB, 16 // VEC2])  # the thread's share: VEC2 / 2 packed bytes
