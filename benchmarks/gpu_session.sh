@@ -22,7 +22,7 @@ for group in ${@:-kernels gemm steps}; do
       TAIL=10 step 60 bench_qwen python3 benchmarks/bench_qwen_resnorm.py
       step 60 t_launch $P tests/gpu/test_launch.py
       TAIL=3 step 90 bench_launch python3 benchmarks/bench_launch_overhead.py
-      TAIL=12 step 150 t_fast_paths $P tests/gpu/test_fast_paths_gpu.py --durations=8 ;;
+      TAIL=12 step 240 t_fast_paths $P tests/gpu/test_fast_paths_gpu.py --durations=8 ;;
     qwen)
       TAIL=8 step 200 t_qwen_kernel $P tests/gpu/test_qwen_resnorm_kernel.py --durations=5
       TAIL=10 step 90 bench_qwen python3 benchmarks/bench_qwen_resnorm.py

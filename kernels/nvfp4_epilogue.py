@@ -64,20 +64,29 @@ def e4m3_value(byte):
 def _e2m1_parts(v):
     """FP32 ``v`` -> (``u``, ``s``) uint32: the low nibble of ``u`` is the E2M1 magnitude code of ``v`` (nearest, ties to
     the even code, saturating at 6; NaN -> 7) and bits 3..21 of ``u`` are zero; the top bit of ``s`` is the sign.
+    ``v`` must be the result of an FP32 multiply (the scaled value): on the GPU a NaN ``v`` then has its sign clear.
 
     The E2M1 grid has spacing 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]. Adding ``c = 1.5 * 2^(22 + e)``, whose ulp is
     that spacing (``e`` = 0, 1, 2 for the three ranges), rounds to the grid in one correctly rounded FP32 add with
     ties to even. ``c`` is built with its mantissa already holding the range's first code (0, 2 or 4 grid steps,
-    even, so the tie parity is unchanged), hence ``bits(|t| + c)`` ends in the code itself. ``e`` comes from the
-    exponent field of ``max(|t|, 1)``; one multiply-add turns it into ``c``'s bits.
+    even, so the tie parity is unchanged), hence ``bits(a + c)`` with ``a = min(|v|, 6)`` ends in the code itself.
+    ``e`` comes from the exponent field of ``max(a, 1)``; one multiply-add turns it into ``c``'s bits.
     """
-    # minNum (PTX min.f32, np.fmin in the interpreter): a NaN becomes 6.0, i.e. code 7 with the sign bit clear.
-    t = tl.maximum(tl.minimum(v, 6.0), -6.0)
-    e8 = tl.maximum(tl.abs(t), 1.0).to(tl.int32, bitcast=True) >> 23  # 127, 128 or 129
+    # minNum (PTX min.f32, np.fmin in the interpreter) saturates at 6 and turns a NaN into 6.0, i.e. code 7.
+    if INLINE_PTX:
+        # The sign comes from v itself: every caller passes an FP32 product (value * factor), and a GPU multiply
+        # returns the canonical NaN 0x7FFFFFFF, sign clear, whatever the sign of a NaN operand.
+        a = tl.minimum(tl.abs(v), 6.0)
+        sign = v
+    else:
+        # NumPy keeps a NaN operand's sign through the product: the clamped value carries the sign instead.
+        sign = tl.maximum(tl.minimum(v, 6.0), -6.0)
+        a = tl.abs(sign)
+    e8 = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) >> 23  # 127, 128 or 129
     # bits(c) = (e8 << 23) + (22 << 23) + 2^22 (the 1.5) + 2 * (e8 - 127) (the first code)
     c_bits = e8 * 0x800002 + (0x4AC00000 - 127 * 0x800002)
-    u = (tl.abs(t) + c_bits.to(tl.float32, bitcast=True)).to(tl.uint32, bitcast=True)
-    return u, t.to(tl.uint32, bitcast=True)
+    u = (a + c_bits.to(tl.float32, bitcast=True)).to(tl.uint32, bitcast=True)
+    return u, sign.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -109,7 +118,8 @@ def _sign_nibbles(s7, s6, s5, s4, s3, s2, s1, s0):
 
 @triton.jit
 def e2m1_word(x0, x1, x2, x3, x4, x5, x6, x7, HW_E2M1: tl.constexpr):
-    """Eight scaled FP32 values (same shape) -> their eight E2M1 codes as one int32, ``x0`` in the lowest nibble."""
+    """Eight scaled FP32 values (same shape; products, see ``_e2m1_parts``) -> their eight E2M1 codes as one int32,
+    ``x0`` in the lowest nibble."""
     if HW_E2M1:
         return (e2m1x2_hw(x1, x0) | (e2m1x2_hw(x3, x2) << 8) | (e2m1x2_hw(x5, x4) << 16)
                 | (e2m1x2_hw(x7, x6) << 24))

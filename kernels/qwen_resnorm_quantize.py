@@ -206,7 +206,6 @@ def _row_mean_rstd(mean, m2, eps, D: tl.constexpr, APPROX_RSQRT: tl.constexpr, M
     PER_THREAD: tl.constexpr = D // THREADS
     m = tl.reshape(mean, [4, 32])  # thread t = (warp t // 32, lane t % 32)
     s = tl.reshape(m2, [4, 32])
-    warp = tl.broadcast_to(tl.arange(0, 4)[:, None], [4, 32])
     lane = tl.broadcast_to(tl.arange(0, 32)[None, :], [4, 32])
     # Intra-warp shuffle-down tree: offsets 16, 8, 4, 2, 1; lane l merges lane l + offset (itself when past 31).
     m, s = _shuffle_down_combine(m, s, lane, 16, PER_THREAD, MEAN_FMA)
@@ -214,16 +213,20 @@ def _row_mean_rstd(mean, m2, eps, D: tl.constexpr, APPROX_RSQRT: tl.constexpr, M
     m, s = _shuffle_down_combine(m, s, lane, 4, PER_THREAD * 4, MEAN_FMA)
     m, s = _shuffle_down_combine(m, s, lane, 2, PER_THREAD * 8, MEAN_FMA)
     m, s = _shuffle_down_combine(m, s, lane, 1, PER_THREAD * 16, MEAN_FMA)
-    # Inter-warp (shared memory in torch): warps 0,1 merge warps 2,3, then warp 0 merges warp 1. Only lane 0 of
-    # warp 0 is read afterwards; the other positions compute values nobody uses, as in torch.
-    # Across warps a gather is a shared-memory round trip with barriers, so mean and m2 travel as one 64-bit word.
-    other = _unpack2(tl.gather(_pack2(m, s), tl.where(warp < 2, warp + 2, warp), 0))
-    m, s = _welford_combine(m, s, other[0], other[1], PER_THREAD * 32, MEAN_FMA)
-    other = _unpack2(tl.gather(_pack2(m, s), tl.where(warp < 1, warp + 1, warp), 0))
-    m, s = _welford_combine(m, s, other[0], other[1], PER_THREAD * 64, MEAN_FMA)
-    # Broadcast (warp 0, lane 0) to everyone: pure data movement, so -0.0 and every bit survive.
+    # Inter-warp (shared memory in torch): warps 0,1 merge warps 2,3, then warp 0 merges warp 1. Every thread runs
+    # these two levels itself on copies of the four warp states (lane 0 of each warp holds its warp's), so the result
+    # needs no broadcast: one cross-warp exchange (a shared-memory round trip; mean and m2 travel as one 64-bit word)
+    # gives lane l the state of warp l % 4, and four in-warp gathers give every lane all four. Only data moves, so
+    # -0.0 and every bit survive; the operations and their operand order are torch's.
     zeros = tl.zeros([4, 32], tl.int32)
-    m, s = _unpack2(tl.gather(tl.gather(_pack2(m, s), zeros, 0), zeros, 1))
+    spread = tl.gather(tl.gather(_pack2(m, s), zeros, 1), lane % 4, 0)
+    w0 = _unpack2(tl.gather(spread, zeros, 1))
+    w1 = _unpack2(tl.gather(spread, zeros + 1, 1))
+    w2 = _unpack2(tl.gather(spread, zeros + 2, 1))
+    w3 = _unpack2(tl.gather(spread, zeros + 3, 1))
+    m02, s02 = _welford_combine(w0[0], w0[1], w2[0], w2[1], PER_THREAD * 32, MEAN_FMA)
+    m13, s13 = _welford_combine(w1[0], w1[1], w3[0], w3[1], PER_THREAD * 32, MEAN_FMA)
+    m, s = _welford_combine(m02, s02, m13, s13, PER_THREAD * 64, MEAN_FMA)
     var = tl.math.div_rn(s, tl.full([4, 32], D, tl.float32))  # sigma2 / float(N): IEEE division
     rstd = _rsqrt(var + eps, APPROX_RSQRT)
     return tl.reshape(m, [THREADS, 1]), tl.reshape(rstd, [THREADS, 1])

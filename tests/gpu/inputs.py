@@ -4,7 +4,7 @@ import torch
 
 
 def make_input(kind: str, rows: int, cols: int, device="cuda", seed: int = 0) -> torch.Tensor:
-    """bf16 [rows, cols]: randn, large/small magnitudes, exact E2M1 ties, zeros, NaN/Inf rows."""
+    """bf16 [rows, cols]: randn, large/small magnitudes, exact E2M1 ties, zeros, NaN (both signs)/Inf rows."""
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(rows, cols, device=device, generator=gen)
     if kind == "large":
@@ -29,7 +29,12 @@ def make_input(kind: str, rows: int, cols: int, device="cuda", seed: int = 0) ->
         x[2 :: max(rows // 5, 1), 5] = float("-inf")
         if rows > 3:
             x[3, :16] = float("nan")
-    return x.to(torch.bfloat16)
+    x = x.to(torch.bfloat16)
+    if kind == "nan_inf":
+        # NaNs with the sign bit set (0xFFC0; assigning -nan to a bf16 tensor would store the positive 0x7FC0): the
+        # kernels take the E2M1 sign from the scaled product, which a GPU multiply returns as the positive NaN.
+        x.view(torch.int16)[max(rows // 3, 1) - 1 :: max(rows // 4, 1), 9 % cols] = -64
+    return x
 
 
 INPUT_KINDS = ("randn", "large", "small", "mixed_scale", "ties", "zeros", "nan_inf")
