@@ -265,7 +265,7 @@ def _modulate(r, scale, shift, row_mean, rstd, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, col, g, packed_ptr, scales_ptr,
+def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, col, g, packed_ptr, scales_ptr,
                       D: tl.constexpr, padded_cols, VEC2: tl.constexpr, SOFT_BF16: tl.constexpr,
                       FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
     """Pass 2 for the ``128 * VEC2`` columns from ``col``, thread t taking ``VEC2`` consecutive ones, so 16 / VEC2
@@ -282,7 +282,6 @@ def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, col, g
     vec_max = tl.max(tl.max(tl.abs(m), axis=2), axis=1)  # maxNum: NaN lanes skipped
     sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
     x = m * factor[:, None, None]
-    r64 = row.to(tl.int64)
     t = tl.reshape(tl.arange(0, THREADS), [NB, 16 // VEC2])  # the thread's share: VEC2 / 2 packed bytes
     if VEC2 == 8:
         tl.store(packed_ptr + r64 * (D // 8) + col // 8 + t, e2m1_words(x, HW_E2M1))
@@ -330,7 +329,8 @@ def _qwen_resnorm_quantize_kernel(
         gate_row = gate_ptr + b * s_gate_b + l_idx * s_gate_l
         scale_row = scale_ptr + b * s_scale_b + l_idx * s_scale_l
         shift_row = shift_ptr + b * s_shift_b + l_idx * s_shift_l
-        out_row = rout_ptr + row.to(tl.int64) * D
+        r64 = row.to(tl.int64)
+        out_row = rout_ptr + r64 * D
 
         # Pass 1: residual_out and the per-thread Welford state, chunk by chunk in torch's element order. A load that
         # follows a store to memory that may alias cannot be moved above it, so the loads run three chunks ahead in
@@ -374,14 +374,13 @@ def _qwen_resnorm_quantize_kernel(
             m_b = _modulate(r_b, sc_b, sh_b, row_mean, rstd, SOFT_BF16)
             words, sf_byte = quantize_block_halves(m_a, m_b, g, FAST_MATH, HW_E2M1)
             kb = col // 16 + t
-            r64 = row.to(tl.int64)
             tl.store(packed_ptr + r64 * (D // 8) + kb[:, None] * 2 + tl.arange(0, 2)[None, :], words)
             tl.store(scales_ptr + swizzled_scale_offset(r64, kb, padded_cols), sf_byte.to(tl.uint8))
         if REST >= 1024:
-            _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, NFULL * 2048, g, packed_ptr,
+            _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, NFULL * 2048, g, packed_ptr,
                               scales_ptr, D, padded_cols, 8, SOFT_BF16, FAST_MATH, HW_E2M1)
         if REST % 1024 == 512:
-            _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, row, D - 512, g, packed_ptr,
+            _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, D - 512, g, packed_ptr,
                               scales_ptr, D, padded_cols, 4, SOFT_BF16, FAST_MATH, HW_E2M1)
     else:
         # Padding row of the 128x4 scale layout: its scale bytes are 0 (D % 512 == 0, so D/16 == padded_cols and
