@@ -68,7 +68,8 @@ TORCH_MEAN_FMA = 1  # torch 2.11 (cu130) on an H200: test_layer_norm_subnormal_m
 # Register cap of the fused kernel: 40 fits 12 programs (48 warps) per SM on Hopper instead of 10 at the compiler's
 # choice (47), without spilling (Triton 3.6 and 3.9). On the H200 it was 6% faster at 4096 rows than the same kernel
 # uncapped (one-off side-by-side run: 29.8 vs 31.8 us). After the instruction cuts of the word-at-a-time E2M1 encoder,
-# 32 (16 programs per SM) was slower (29.5 vs 27.2 us) and 48 within 1% of 40.
+# 32 (16 programs per SM) was slower (29.5 vs 27.2 us) and 48 within 1% of 40. With the current kernel, which no
+# longer spills at 32 or 36 under Triton 3.6, those were still slower at 4096 rows (27.9 and 26.4 vs 25.6 us).
 MAX_REGISTERS = 40
 
 
