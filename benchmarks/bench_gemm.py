@@ -1,7 +1,7 @@
 """NVFP4 W4A4 GEMM on Hopper/Ampere: the Triton kernel vs cuBLAS BF16 vs dequantize-then-matmul, side by side.
 
 Usage: python benchmarks/bench_gemm.py [--m 17 1024 4608 9216] [--models flux2-dev qwen-image] [--quick]
-Writes benchmarks/results/gemm-<device>.json (DESIGN.md section 10) and prints a table.
+Writes benchmarks/results/gemm-<device>.json (docs/design.md §10) and prints a table.
 
 Variants per (M, N, K), all in one process:
 * ``nvfp4_gemm``: ``kernels.nvfp4_gemm`` on pre-quantized X and W, the GEMM ``NVFP4Linear`` runs (on SM90 with
@@ -96,7 +96,7 @@ def make_input(m: int, k: int, seed: int):
     x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
     x_scale = (x.float().abs().amax() / 2688.0).reshape(1)
     g_x = (1.0 / x_scale).to(torch.float32)
-    xp, xs = kernels.quantize_nvfp4(x, g_x)
+    xp, xs = kernels.quantize_nvfp4_triton(x, g_x)
     return x, xp, xs, g_x, x_scale.reshape(())
 
 
@@ -131,7 +131,7 @@ def bench_shape(model: str, weight, m: int, ref_rows: int, gemm_mod, result: dic
     exact_epilogue = torch.equal(out, out32.to(torch.bfloat16)) and same_bytes
     del out32
 
-    quant_gemm = lambda: gemm_mod.nvfp4_gemm(*kernels.quantize_nvfp4(x, g_x), wp, ws, alpha, torch.bfloat16)  # noqa: E731
+    quant_gemm = lambda: gemm_mod.nvfp4_gemm(*kernels.quantize_nvfp4_triton(x, g_x), wp, ws, alpha, torch.bfloat16)  # noqa: E731
     cublas = lambda: F.linear(x, w)  # noqa: E731
 
     def dequant():

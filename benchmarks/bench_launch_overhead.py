@@ -69,18 +69,18 @@ def main() -> None:
     bias = torch.randn(d, device=dev, dtype=torch.bfloat16)
     mod = torch.randn(1, 3 * d, device=dev, dtype=torch.bfloat16)
     shift, scale, gate = mod.chunk(3, dim=-1)
-    w_packed, w_scales = quantize_mod.quantize_nvfp4(torch.randn(d, d, device=dev, dtype=torch.bfloat16), g)
-    x_packed, x_scales = quantize_mod.quantize_nvfp4(x, g)
+    w_packed, w_scales = quantize_mod.quantize_nvfp4_triton(torch.randn(d, d, device=dev, dtype=torch.bfloat16), g)
+    x_packed, x_scales = quantize_mod.quantize_nvfp4_triton(x, g)
     alpha = torch.tensor(1e-3, device=dev)
     x16 = gemm_mod.decode_nvfp4_rows(x_packed, x_scales)
     out = torch.empty(rows, d, device=dev, dtype=torch.bfloat16)
     sm90 = gemm_mod.sm90_kernel_for(rows, d, w_packed, w_scales)
 
     def quantize():
-        return quantize_mod.quantize_nvfp4(x, g)
+        return quantize_mod.quantize_nvfp4_triton(x, g)
 
     def qwen():
-        return qwen_mod.qwen_resnorm_quantize(residual, attn, bias, gate, scale, shift, g, eps=1e-6)
+        return qwen_mod.qwen_resnorm_quantize_triton(residual, attn, bias, gate, scale, shift, g, eps=1e-6)
 
     figures = {}
     for name, module, fn in (("quantize", quantize_mod, quantize), ("qwen_resnorm_quantize", qwen_mod, qwen)):

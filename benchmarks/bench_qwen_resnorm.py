@@ -2,7 +2,7 @@
 quantize vs ``torch.compile`` of the chain (+ the same standalone quantize), at hidden size 3072.
 
 Usage: python benchmarks/bench_qwen_resnorm.py [--rows 17 1024 4096 4608] [--dim 3072]
-Writes benchmarks/results/qwen_resnorm-<device>.json (DESIGN.md section 10) and prints a table.
+Writes benchmarks/results/qwen_resnorm-<device>.json (docs/design.md §10) and prints a table.
 
 Timing: ``triton.testing.do_bench_cudagraph`` median (CUDA-graph replays, so Python launch overhead is excluded;
 the L2 cache is not flushed, so at 1024 rows, ~20 MB, inputs can stay L2-resident).
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth_gbps, header, write_result  # noqa: E402
 
 from diffusers_nvfp4_fast import kernels  # noqa: E402
-from diffusers_nvfp4_fast.fused_reference import qwen_residual_chain  # noqa: E402
+from diffusers_nvfp4_fast.ops.qwen_resnorm_quantize import ResNormInputs, qwen_residual_chain  # noqa: E402
 
 EPS = 1e-6
 GOAL_ROWS = 4096
@@ -76,19 +76,19 @@ def main() -> None:
 
     for rows in args.rows:
         case = make_inputs(rows, d)
-        m_ref = qwen_residual_chain(*case, EPS)[1]
+        m_ref = qwen_residual_chain(ResNormInputs(*case), EPS)[1]
         g = torch.tensor([448.0 * 6.0 / m_ref.float().abs().max().item()], dtype=torch.float32, device="cuda")
 
         def fused(fast_math=True, case=case, g=g):
-            return kernels.qwen_resnorm_quantize(*case, g, eps=EPS, fast_math=fast_math)
+            return kernels.qwen_resnorm_quantize_triton(*case, g, eps=EPS, fast_math=fast_math)
 
         def eager(fast_math=True, case=case, g=g):
-            r, m = qwen_residual_chain(*case, EPS)
-            return (r, *kernels.quantize_nvfp4(m.reshape(-1, d), g, fast_math=fast_math))
+            r, m = qwen_residual_chain(ResNormInputs(*case), EPS)
+            return (r, *kernels.quantize_nvfp4_triton(m.reshape(-1, d), g, fast_math=fast_math))
 
         def compiled(case=case, g=g):
-            r, m = compiled_chain(*case, EPS)
-            return (r, *kernels.quantize_nvfp4(m.reshape(-1, d), g, fast_math=True))
+            r, m = compiled_chain(ResNormInputs(*case), EPS)
+            return (r, *kernels.quantize_nvfp4_triton(m.reshape(-1, d), g, fast_math=True))
 
         exact = same_bytes(fused(True), eager(True)) and same_bytes(fused(False), eager(False))
         exact_compiled = same_bytes(compiled(), eager(True))
@@ -96,7 +96,7 @@ def main() -> None:
             "fused": time_us(fused),
             "eager": time_us(eager),
             "compiled": time_us(compiled),
-            "eager_chain": time_us(lambda case=case: qwen_residual_chain(*case, EPS)),  # context: no quantize
+            "eager_chain": time_us(lambda case=case: qwen_residual_chain(ResNormInputs(*case), EPS)),  # context: no quantize
         }
         exact_of = {"fused": exact, "eager": True, "compiled": exact_compiled, "eager_chain": None}
         nbytes = fused_bytes(rows, d)

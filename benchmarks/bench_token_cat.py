@@ -14,10 +14,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth_gbps, header, time_us, write_result  # noqa: E402
-from diffusers_nvfp4_fast.kernels.launch import padded_scale_shape  # noqa: E402
 
 from diffusers_nvfp4_fast import kernels  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as torch_quantize  # noqa: E402
+from diffusers_nvfp4_fast.kernels.launch import padded_scale_shape  # noqa: E402
 
 
 def main() -> None:
@@ -40,10 +40,10 @@ def main() -> None:
         b = torch.randn(rows, args.b, device="cuda", dtype=torch.bfloat16)
         k = args.a + args.b
         nbytes = rows * (2 * k + k // 2) + triton_scale_bytes(rows, k)
-        fused = lambda: kernels.token_cat_quantize(a, b, g)  # noqa: E731
-        unfused = lambda: kernels.quantize_nvfp4(torch.cat([a, b], -1), g)  # noqa: E731
+        fused = lambda: kernels.token_cat_quantize_triton(a, b, g)  # noqa: E731
+        unfused = lambda: kernels.quantize_nvfp4_triton(torch.cat([a, b], -1), g)  # noqa: E731
         exact = all(torch.equal(x, y) for x, y in zip(fused(), unfused()))
-        compiled_exact = all(torch.equal(x, y) for x, y in zip(compiled_ref(a, b), kernels.token_cat_quantize(a, b, g, fast_math=False)))
+        compiled_exact = all(torch.equal(x, y) for x, y in zip(compiled_ref(a, b), kernels.token_cat_quantize_triton(a, b, g, fast_math=False)))
         us = {"fused": time_us(fused), "unfused": time_us(unfused), "compiled": time_us(lambda: compiled_ref(a, b))}
         for variant, t in us.items():
             gbps = nbytes / (t * 1e-6) / 1e9
@@ -55,13 +55,13 @@ def main() -> None:
             })
     # The standalone quantize on its own (issue goal: >= 85% of copy bandwidth at 4096 x 24576).
     x = torch.randn(4096, args.a + args.b, device="cuda", dtype=torch.bfloat16)
-    t = time_us(lambda: kernels.quantize_nvfp4(x, g))
+    t = time_us(lambda: kernels.quantize_nvfp4_triton(x, g))
     k = x.shape[1]
     gbps = (4096 * (2 * k + k // 2) + triton_scale_bytes(4096, k)) / (t * 1e-6) / 1e9
     ref = torch_quantize(x, g[0], fast_math=False)
     result["cases"].append({"shape": {"rows": 4096, "K": k}, "variant": "standalone_quantize", "us": round(t, 2),
                             "GBps": round(gbps, 1), "bw_fraction": round(gbps / copy, 3), "speedup_vs": {},
-                            "exact": all(torch.equal(p, q) for p, q in zip(kernels.quantize_nvfp4(x, g, fast_math=False), ref))})
+                            "exact": all(torch.equal(p, q) for p, q in zip(kernels.quantize_nvfp4_triton(x, g, fast_math=False), ref))})
     path = write_result(result)
     print(f"copy bandwidth {copy:.0f} GB/s -> {path}")
     for c in result["cases"]:
@@ -80,8 +80,8 @@ def sweep(a_width: int, b_width: int) -> list[dict]:
                                     (32, 16, 8), (4, 64, 4)]:
         kw = dict(block_r=block_r, block_c=block_c, num_warps=warps)
         rows.append({"block_r": block_r, "block_c": block_c, "num_warps": warps,
-                     "fused_us": round(time_us(lambda: kernels.token_cat_quantize(a, b, g, **kw)), 2),
-                     "standalone_us": round(time_us(lambda: kernels.quantize_nvfp4(x, g, **kw)), 2)})
+                     "fused_us": round(time_us(lambda: kernels.token_cat_quantize_triton(a, b, g, **kw)), 2),
+                     "standalone_us": round(time_us(lambda: kernels.quantize_nvfp4_triton(x, g, **kw)), 2)})
         print(rows[-1])
     return rows
 

@@ -4,12 +4,12 @@ Usage:
     python benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024 [--steps-timed 5]
     python benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024
     python benchmarks/bench_transformer_step.py --model flux2-dev --tiny     # CPU dry run of the whole logic
-Writes benchmarks/results/transformer_step-<model>-<device>.json (DESIGN.md section 10) and prints a table.
+Writes benchmarks/results/transformer_step-<model>-<device>.json (docs/design.md §10) and prints a table.
 
 How the NVFP4 model is built without ever holding the BF16 model: the diffusers model is created on the meta device
 (``accelerate.init_empty_weights(include_buffers=False)``, class defaults = the public FLUX.2-dev / Qwen-Image
 configs). Each Linear that the public NVFP4 checkpoints quantize (exclusion patterns ``FLUX2_EXCLUDE`` /
-``qwen_exclude(60)`` from ``diffusers_nvfp4_fast.tiny``, matched like the loader does with ``loading.is_excluded``,
+``qwen_exclude(60)`` from ``diffusers_nvfp4_fast.testing.tiny``, matched like the loader does with ``loaders.common.is_excluded``,
 and ``in_features % 16 == 0``) gets a random BF16 weight ``randn * 0.02`` on the GPU, quantized at once (precise
 mode, 128x4 scales, ``weight_scale_2 = amax / 2688``) into an ``NVFP4Linear``; the BF16 weight is freed before the
 next layer. ``input_scale`` is fixed to ``8 / 2688`` (activation amax 8: the block inputs are normalized and modulated,
@@ -71,7 +71,7 @@ MODELS = {
 
 
 def exclude_patterns(model_name: str, config: dict) -> tuple[str, ...]:
-    from diffusers_nvfp4_fast.tiny import FLUX2_EXCLUDE, qwen_exclude
+    from diffusers_nvfp4_fast.testing.tiny import FLUX2_EXCLUDE, qwen_exclude
 
     return FLUX2_EXCLUDE if model_name == "flux2-dev" else qwen_exclude(config["num_layers"])
 
@@ -97,7 +97,7 @@ def materialize(model: nn.Module, model_name: str, device: torch.device, *, nvfp
     Returns counts: quantized and BF16 Linears.
     """
     from diffusers_nvfp4_fast import NVFP4Linear
-    from diffusers_nvfp4_fast.loading import is_excluded
+    from diffusers_nvfp4_fast.loaders.common import is_excluded
 
     gen = torch.Generator(device=device).manual_seed(seed)
     patterns = list(exclude_patterns(model_name, dict(model.config)))
@@ -301,7 +301,7 @@ def _free(*objs) -> None:
 def run(args) -> dict:
     import importlib
 
-    from diffusers_nvfp4_fast import ops
+    from diffusers_nvfp4_fast.ops.dispatch import gemm_backend
 
     try:
         from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths
@@ -335,7 +335,7 @@ def run(args) -> dict:
     bf16_bytes = bf16_param_bytes(model)
     counts = materialize(model, args.model, device, nvfp4=True)
     weight_bytes = tensor_bytes(model)
-    backend = ops.gemm_backend(device)
+    backend = gemm_backend(device)
     log(f"NVFP4 {args.model} built: {counts}, weights {weight_bytes / 1e9:.2f} GB (BF16 would be {bf16_bytes / 1e9:.2f} GB), "
         f"GEMM backend {backend}")
     result["gemm_backend"] = backend

@@ -1,4 +1,4 @@
-"""Shared helpers of the GPU benchmarks: timing, copy bandwidth, result files (DESIGN.md section 10)."""
+"""Shared helpers of the GPU benchmarks: timing, copy bandwidth, result files (docs/design.md §10)."""
 
 from __future__ import annotations
 

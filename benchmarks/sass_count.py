@@ -21,10 +21,11 @@ import subprocess
 import tempfile
 
 import triton
-from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
-from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
+from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
 
 SIGNATURES = {
     "quantize": (_quantize_nvfp4_kernel, {"x_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8",
@@ -47,9 +48,10 @@ def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, bl
 
 def compile_gemm_sm90(stages: int = 4, even_k: bool = True):
     """Compile the Gluon SM90 GEMM (``kernels/nvfp4_gemm_sm90.py``) for sm_90a without a GPU."""
-    from diffusers_nvfp4_fast.kernels import nvfp4_gemm_sm90 as mod
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    from diffusers_nvfp4_fast.kernels import nvfp4_gemm_sm90 as mod
 
     x_layout = gl.NVMMASharedLayout.get_default_for([mod.BLOCK_M, mod.BLOCK_K], gl.float16)
     flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)

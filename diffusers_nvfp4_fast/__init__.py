@@ -1,23 +1,40 @@
-"""diffusers-nvfp4-fast: byte-identical fast paths for NVFP4 FLUX.2 and Qwen-Image transformers in diffusers."""
+"""diffusers-nvfp4-fast: byte-identical fast paths for NVFP4 FLUX.2 and Qwen-Image transformers in diffusers.
 
-from . import gates, ops  # noqa: F401  (submodules tests and advanced users reach through the package)
-from .api import disable_fast_paths, enable_fast_paths, fast_path_report, fast_paths
-from .format import dequantize_nvfp4, quantize_nvfp4, swap_nibbles, swizzle_scales, unswizzle_scales
-from .linear import NVFP4Linear
-from .loading import NVFP4CheckpointError, load_nvfp4_transformer
+The public names are imported on first use, so the command line (``diffusers-nvfp4-fast --help``) starts without
+importing torch or diffusers.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "enable_fast_paths": "api", "disable_fast_paths": "api", "fast_paths": "api", "fast_path_report": "api",
+    "NVFP4Linear": "linear",
+    "load_nvfp4_transformer": "loaders", "NVFP4CheckpointError": "loaders",
+    "quantize_nvfp4": "format", "dequantize_nvfp4": "format", "swizzle_scales": "format", "unswizzle_scales": "format",
+    "swap_nibbles": "format",
+}
 __all__ = [
-    "NVFP4CheckpointError",
-    "NVFP4Linear",
-    "dequantize_nvfp4",
-    "disable_fast_paths",
-    "enable_fast_paths",
-    "fast_path_report",
-    "fast_paths",
-    "load_nvfp4_transformer",
-    "quantize_nvfp4",
-    "swap_nibbles",
-    "swizzle_scales",
+    "NVFP4CheckpointError", "NVFP4Linear", "dequantize_nvfp4", "disable_fast_paths", "enable_fast_paths",
+    "fast_path_report", "fast_paths", "load_nvfp4_transformer", "quantize_nvfp4", "swap_nibbles", "swizzle_scales",
     "unswizzle_scales",
 ]
-__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .api import disable_fast_paths, enable_fast_paths, fast_path_report, fast_paths
+    from .format import dequantize_nvfp4, quantize_nvfp4, swap_nibbles, swizzle_scales, unswizzle_scales
+    from .linear import NVFP4Linear
+    from .loaders import NVFP4CheckpointError, load_nvfp4_transformer
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

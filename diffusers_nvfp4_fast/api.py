@@ -9,9 +9,9 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from . import gates, ops
-from .gates import VerifyMode
 from .linear import NVFP4Linear
+from .ops.dispatch import gemm_backend
+from .ops.verify import VerifyMode, drop_stats, new_stats, stats_for
 from .patches.flux2 import patch_flux2
 from .patches.qwenimage import patch_qwenimage
 
@@ -40,7 +40,7 @@ def _transformers(pipe_or_model) -> list[nn.Module]:
 
 
 def _convert_in_memory_modelopt(model: nn.Module) -> None:
-    from .modelopt_convert import convert_modelopt_model, has_modelopt_modules
+    from .loaders.modelopt_memory import convert_modelopt_model, has_modelopt_modules
 
     if has_modelopt_modules(model):
         convert_modelopt_model(model)
@@ -63,7 +63,7 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
     for model in _transformers(pipe_or_transformer):
         state = getattr(model, _STATE_ATTR, None)
         if state is not None:
-            gates.stats_for(state["stats_id"]).verify_mode = verify
+            stats_for(state["stats_id"]).verify_mode = verify
             continue
         _convert_in_memory_modelopt(model)
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
@@ -75,7 +75,7 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
             )
             continue
         swizzled = sum(m.swizzle_weight_scales_() for m in linears)
-        stats_id, stats = gates.new_stats(verify)
+        stats_id, stats = new_stats(verify)
         restore: list = []
         patcher = _PATCHERS.get(type(model).__name__)
         if patcher is not None:
@@ -83,7 +83,7 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
         setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore})
         logger.info(
             "fast paths on for %s: %d NVFP4 linears (%d scale tensors swizzled now), fused sites %s, GEMM backend %s",
-            type(model).__name__, len(linears), swizzled, dict(stats.sites), ops.gemm_backend(linears[0].weight.device),
+            type(model).__name__, len(linears), swizzled, dict(stats.sites), gemm_backend(linears[0].weight.device),
         )
     return fast_path_report(pipe_or_transformer)
 
@@ -100,7 +100,7 @@ def disable_fast_paths(pipe_or_transformer) -> None:
             continue
         for undo in reversed(state["restore"]):
             undo()
-        gates.drop_stats(state["stats_id"])
+        drop_stats(state["stats_id"])
         delattr(model, _STATE_ATTR)
 
 
@@ -126,10 +126,10 @@ def fast_path_report(pipe_or_transformer) -> dict:
     for model in _transformers(pipe_or_transformer):
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
         state = getattr(model, _STATE_ATTR, None)
-        stats = gates.stats_for(state["stats_id"]) if state else None
+        stats = stats_for(state["stats_id"]) if state else None
         entry = {"enabled": state is not None, "nvfp4_linears": len(linears)}
         if linears:
-            entry["gemm_backend"] = ops.gemm_backend(linears[0].weight.device)
+            entry["gemm_backend"] = gemm_backend(linears[0].weight.device)
         if stats is not None:
             entry.update(stats.as_dict())
         report[type(model).__name__] = entry

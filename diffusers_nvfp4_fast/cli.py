@@ -1,293 +1,18 @@
-"""``diffusers-nvfp4-fast`` command line: ``inspect`` a checkpoint's layout; ``demo`` (see ``demo.py``).
+"""``diffusers-nvfp4-fast``: parses arguments and hands over to ``loaders.inspect`` or ``demo``.
 
-``inspect FILE-OR-DIR`` prints what a checkpoint's header says, without reading weights: key families with dtypes
-and shapes, quantization markers and header metadata, per-layer scale-layout guesses from shapes, the nibble order
-and where it comes from, missing ``input_scale``s, and (for BFL-format FLUX.2 files) a dry run of the loader:
-inferred model config and every problem it would raise. Attach its output (``--json`` for the machine-readable
-form) when reporting a checkpoint that does not load or looks wrong.
+Nothing heavy is imported before a command runs, so ``--help`` answers without importing torch or diffusers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-from .format import BLOCK_SIZE, round_up
-
-# Only block indices are collapsed: BFL module names themselves contain numbers (img_mlp.0 / img_mlp.2).
-_BLOCK_INDEX = re.compile(r"(blocks|layers)\.\d+\.")
-_NIBBLE_NOTE = "nibble order cannot be detected from the bytes (a swap keeps every value inside its 16-block)"
 
 
-def _family(key: str) -> str:
-    return _BLOCK_INDEX.sub(r"\1.*.", key)
-
-
-def guess_scale_layout(scale_shape: tuple[int, ...], packed_weight_shape: tuple[int, ...]) -> str:
-    """'linear', '128x4', '128x4 (flat)', 'ambiguous' (both layouts have this shape) or 'neither' -- from shapes."""
-    if len(packed_weight_shape) != 2:
-        return "neither"
-    n, c = packed_weight_shape[0], packed_weight_shape[1] * 2 // BLOCK_SIZE
-    linear, swizzled = (n, c), (round_up(n, 128), round_up(c, 4))
-    shape = tuple(scale_shape)
-    if shape == linear and shape == swizzled:
-        return "ambiguous"
-    if shape == linear:
-        return "linear"
-    if shape == swizzled:
-        return "128x4"
-    if len(shape) == 1 and shape[0] == swizzled[0] * swizzled[1]:
-        return "128x4 (flat)"
-    return "neither"
-
-
-def _headers(path: Path) -> tuple[dict[str, tuple[Path, Any]], dict[str, dict[str, str]], dict[str, Any]]:
-    """key -> (file, TensorInfo); file name -> __metadata__; and the directory's config facts (if a directory)."""
-    from .bfl import SafetensorsHeader
-
-    extra: dict[str, Any] = {}
-    if path.is_dir():
-        from .loading import _weight_files
-
-        files = _weight_files(path)
-        if (path / "config.json").is_file():
-            cfg = json.loads((path / "config.json").read_text())
-            extra["class"] = cfg.get("_class_name")
-            extra["quantization_config"] = cfg.get("quantization_config")
-        if (path / "hf_quant_config.json").is_file():
-            extra["hf_quant_config"] = json.loads((path / "hf_quant_config.json").read_text())
-    else:
-        files = [path]
-    tensors: dict[str, tuple[Path, Any]] = {}
-    metadata = {}
-    for f in files:
-        h = SafetensorsHeader(f)
-        metadata[f.name] = h.metadata
-        tensors.update({k: (f, v) for k, v in h.tensors.items()})
-    return tensors, metadata, extra
-
-
-def inspect_checkpoint(path: str | Path, *, check_scales: bool = False) -> dict[str, Any]:
-    """The header facts of a ``.safetensors`` file or a ModelOpt export directory, as a JSON-able dict.
-
-    Reads headers and the few-byte ``comfy_quant`` markers only; ``check_scales`` also reads the block-scale
-    tensors (not the weights) to test the 128x4 padding (nonzero padding after one unswizzle = swizzled twice).
-    """
-    from .bfl import (
-        COMFY_NVFP4_CONVENTION,
-        HEADER_METADATA_KEY,
-        MARKER_SUFFIX,
-        SafetensorsHeader,
-        detect_key_prefix,
-        plan_bfl_checkpoint,
-        read_quant_metadata,
-    )
-
-    path = Path(path)
-    tensors, file_metadata, extra = _headers(path)
-    keys = list(tensors)
-    prefix = detect_key_prefix(keys)
-    short = {k[len(prefix):]: k for k in keys}
-    if any(k.startswith(("double_blocks.", "single_blocks.")) for k in short):
-        naming = "BFL (double_blocks / single_blocks)"
-    elif any(k.startswith(("transformer_blocks.", "single_transformer_blocks.")) for k in short):
-        naming = "diffusers (transformer_blocks)"
-    else:
-        naming = "unknown"
-    facts: dict[str, Any] = {
-        "path": str(path), "kind": "directory" if path.is_dir() else "file",
-        "files": sorted({str(f.name) for f, _ in tensors.values()}),
-        "bytes": sum(f.stat().st_size for f in {f for f, _ in tensors.values()}),
-        "tensors": len(keys), "key_prefix": prefix, "naming": naming, **extra,
-    }
-    by_dtype: dict[str, list[int]] = {}
-    for _, info in tensors.values():
-        entry = by_dtype.setdefault(info.dtype, [0, 0])
-        entry[0] += 1
-        entry[1] += info.nbytes
-    facts["dtypes"] = {d: {"tensors": c, "bytes": b} for d, (c, b) in sorted(by_dtype.items())}
-    families: dict[str, dict[str, Any]] = {}
-    for k, (_, info) in tensors.items():
-        fam = families.setdefault(_family(k[len(prefix):]), {"count": 0, "dtypes": set(), "shapes": set()})
-        fam["count"] += 1
-        fam["dtypes"].add(info.dtype)
-        fam["shapes"].add(tuple(info.shape))
-    facts["families"] = {
-        f: {"count": v["count"], "dtypes": sorted(v["dtypes"]), "shapes": [list(s) for s in sorted(v["shapes"])[:4]],
-            "more_shapes": max(0, len(v["shapes"]) - 4)}
-        for f, v in sorted(families.items())
-    }
-    facts["header_metadata_keys"] = {name: sorted(meta) for name, meta in file_metadata.items() if meta}
-
-    problems: list[str] = []
-    qmeta = None
-    if not path.is_dir():
-        header = SafetensorsHeader(path)
-        qmeta = read_quant_metadata(header, prefix, problems)
-        facts["markers"] = qmeta.markers
-        facts["header_quantization_metadata"] = qmeta.has_header
-        formats: dict[str, int] = {}
-        for info in qmeta.layers.values():
-            formats[info.format] = formats.get(info.format, 0) + 1
-        facts["declared_formats"] = formats
-        facts["file_flags"] = qmeta.file_flags
-        if HEADER_METADATA_KEY in header.metadata:
-            try:
-                hm = json.loads(header.metadata[HEADER_METADATA_KEY])
-                facts["header_quantization_metadata_top_level"] = {k: v for k, v in hm.items() if k != "layers"}
-            except json.JSONDecodeError:
-                pass
-
-    # Per FP4 layer: packed weight + block scale, by shape.
-    layers = []
-    for k, (f, info) in tensors.items():
-        if not k.endswith(".weight_scale"):
-            continue
-        module = k[: -len(".weight_scale")]
-        w = tensors.get(module + ".weight")
-        if w is None:
-            layers.append({"layer": module[len(prefix):], "scale_shape_guess": "no weight", "scale_shape": list(info.shape)})
-            continue
-        bfl_name = module[len(prefix):]
-        declared = qmeta.layers.get(bfl_name) if qmeta else None
-        if path.is_dir():
-            nibble, nibble_src = "lo_first", "ModelOpt export convention"
-        elif declared and "nibble_order" in declared.flags:
-            nibble, nibble_src = declared.flags["nibble_order"], "metadata"
-        elif qmeta and "nibble_order" in qmeta.file_flags:
-            nibble, nibble_src = qmeta.file_flags["nibble_order"], "metadata (file-wide)"
-        else:
-            nibble, nibble_src = COMFY_NVFP4_CONVENTION["nibble_order"], "inferred ComfyUI convention"
-        layer = {
-            "layer": bfl_name, "weight": [w[1].dtype, list(w[1].shape)], "scale": [info.dtype, list(info.shape)],
-            "scale_shape_guess": guess_scale_layout(info.shape, w[1].shape),
-            "declared": (declared.flags | {"format": declared.format}) if declared else None,
-            "marker": (module + "." + MARKER_SUFFIX) in tensors,
-            "input_scale": (module + ".input_scale") in tensors, "weight_scale_2": (module + ".weight_scale_2") in tensors,
-            "nibble_order": nibble, "nibble_order_source": nibble_src,
-        }
-        if check_scales and w[1].dtype == "U8" and layer["scale_shape_guess"] in ("128x4", "128x4 (flat)", "ambiguous"):
-            layer["padding_check"] = _padding_check(f, k, w[1].shape, info.shape)
-        layers.append(layer)
-    facts["nvfp4_layers"] = layers
-    guesses: dict[str, int] = {}
-    for layer in layers:
-        guesses[layer["scale_shape_guess"]] = guesses.get(layer["scale_shape_guess"], 0) + 1
-    facts["scale_shape_guesses"] = guesses
-    facts["missing_input_scale"] = [x["layer"] for x in layers if not x.get("input_scale", True)]
-    facts["nibble_note"] = _NIBBLE_NOTE
-
-    if not path.is_dir() and naming.startswith("BFL"):
-        try:
-            plan = plan_bfl_checkpoint(header)
-            dry = plan.facts()
-            facts["loader_dry_run"] = {k: dry[k] for k in ("variant", "config_source", "config", "nibble_order",
-                                                            "nibble_order_source", "scale_layout", "scale_layout_source",
-                                                            "missing_input_scale", "problems")}
-        except Exception as e:  # the dry run must not hide the facts above
-            facts["loader_dry_run"] = {"error": f"{type(e).__name__}: {e}"}
-    facts["metadata_problems"] = problems
-    return facts
-
-
-def _padding_check(file: Path, key: str, packed_shape, scale_shape) -> str:
-    import torch
-
-    from .bfl import SafetensorsHeader, _unswizzle_checked
-
-    scales = SafetensorsHeader(file).load([key])[key].view(torch.uint8)
-    n, c = packed_shape[0], packed_shape[1] * 2 // BLOCK_SIZE
-    if (round_up(n, 128), round_up(c, 4)) == (n, c):
-        return "no padding (cannot tell)"
-    _, problem = _unswizzle_checked(scales, n, c, key)
-    return "nonzero padding after one unswizzle (swizzled twice?)" if problem else "padding zero after one unswizzle (ok)"
-
-
-def format_report(facts: dict[str, Any]) -> str:
-    """Human-readable ``inspect`` output."""
-    lines = [f"{facts['kind']}: {facts['path']}", f"  files: {', '.join(facts['files'])}  ({facts['bytes'] / 1e6:.1f} MB)"]
-    lines.append(f"  tensors: {facts['tensors']}   key prefix: {facts['key_prefix'] or '(none)'}   naming: {facts['naming']}")
-    if facts.get("class"):
-        lines.append(f"  config.json class: {facts['class']}")
-    if facts.get("quantization_config"):
-        qc = facts["quantization_config"]
-        lines.append(f"  quantization_config: quant_algo={qc.get('quant_algo')} ignore={qc.get('ignore')}")
-    lines.append("  dtypes: " + ", ".join(f"{d} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for d, v in facts["dtypes"].items()))
-    if facts["header_metadata_keys"]:
-        lines.append(f"  header __metadata__ keys: {facts['header_metadata_keys']}")
-    if "markers" in facts:
-        lines.append(
-            f"  comfy_quant markers: {facts['markers']}   _quantization_metadata: {facts['header_quantization_metadata']}"
-            f"   declared formats: {facts['declared_formats'] or '{}'}   file-wide flags: {facts['file_flags'] or '{}'}"
-        )
-    lines.append("  key families:")
-    width = max((len(f) for f in facts["families"]), default=10)
-    for fam, v in facts["families"].items():
-        shapes = " ".join(str(s) for s in v["shapes"]) + (f" (+{v['more_shapes']} more)" if v["more_shapes"] else "")
-        lines.append(f"    {fam:<{width}}  x{v['count']:<4} {'/'.join(v['dtypes']):<8} {shapes}")
-    layers = facts["nvfp4_layers"]
-    lines.append(f"  NVFP4 layers (weight + weight_scale): {len(layers)}   scale layout by shape: {facts['scale_shape_guesses']}")
-    nib: dict[str, int] = {}
-    for layer in layers:
-        label = f"{layer.get('nibble_order')} ({layer.get('nibble_order_source')})"
-        nib[label] = nib.get(label, 0) + 1
-    if nib:
-        lines.append(f"  nibble order: {nib}; {facts['nibble_note']}")
-    checks = [x["padding_check"] for x in layers if "padding_check" in x]
-    if checks:
-        lines.append(f"  128x4 padding check: {dict((c, checks.count(c)) for c in sorted(set(checks)))}")
-    for layer in layers[:6]:
-        lines.append(
-            f"    {layer['layer']}: weight {layer.get('weight')} scale {layer.get('scale')} -> {layer['scale_shape_guess']};"
-            f" declared {layer.get('declared')}; input_scale {'yes' if layer.get('input_scale') else 'MISSING'}"
-        )
-    if len(layers) > 6:
-        lines.append(f"    ... ({len(layers) - 6} more; --json lists all)")
-    missing = facts["missing_input_scale"]
-    shown = ", ".join(missing[:12]) + (" ..." if len(missing) > 12 else "")
-    lines.append(f"  layers without input_scale: {len(missing)}" + (f": {shown}" if missing else ""))
-    dry = facts.get("loader_dry_run")
-    if dry:
-        if "error" in dry:
-            lines.append(f"  loader dry run: failed: {dry['error']}")
-        else:
-            lines.append(f"  loader dry run: {dry['variant']} (config {dry['config_source']})")
-            lines.append(f"    config: {json.dumps(dry['config'])}")
-            lines.append(f"    nibble order {dry['nibble_order']} from {dry['nibble_order_source']}; "
-                         f"scale layout {dry['scale_layout']} from {dry['scale_layout_source']}")
-            if dry["missing_input_scale"]:
-                lines.append(f"    loading needs input_scales= or dynamic_input_scale=True for {len(dry['missing_input_scale'])} "
-                             f"layer(s): {', '.join(dry['missing_input_scale'][:12])}")
-            probs = dry["problems"]
-            lines.append(f"    problems: {len(probs)}" + "".join(f"\n      {p}" for p in probs[:30]))
-    if facts["metadata_problems"]:
-        lines.append("  metadata problems:" + "".join(f"\n    {p}" for p in facts["metadata_problems"]))
-    return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``diffusers-nvfp4-fast`` and ``python -m diffusers_nvfp4_fast``. Returns the exit status.
-
-    ``inspect`` exits 1 when the loader dry run or the metadata found problems, 0 otherwise.
-    """
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["demo"]:
-        # The demo owns its own options; hand everything after "demo" over untouched.
-        try:
-            from .demo import main as demo_main
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.demo":
-                raise  # the demo exists but something it needs is missing: show that, not a vague message
-            print("diffusers-nvfp4-fast demo: not available in this installation", file=sys.stderr)
-            return 2
-
-        result = demo_main(args_list[1:])
-        return int(result or 0)
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="diffusers-nvfp4-fast", description="NVFP4 fast paths for diffusers: tools.")
     sub = parser.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="print a checkpoint's layout facts from its header (no weights are read)")
@@ -295,19 +20,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.add_argument("--check-scales", action="store_true",
                      help="also read the block-scale tensors (not the weights) and test the 128x4 padding")
-    sub.add_parser("demo", help="run the demo (options: diffusers-nvfp4-fast demo --help)")
-    args = parser.parse_args(args_list)
+    sub.add_parser("demo", help="quantize, load and run an embedded tiny model offline, fast paths off and on "
+                                "(options: diffusers-nvfp4-fast demo --help)")
+    return parser
+
+
+def _inspect(path: Path, as_json: bool, check_scales: bool) -> int:
+    """``inspect`` exits 1 when the loader dry run or the metadata found problems, 2 when the file cannot be read."""
+    if not path.exists():
+        print(f"diffusers-nvfp4-fast inspect: {path}: no such file or directory", file=sys.stderr)
+        return 2
+    from .loaders.inspect import format_report, inspect_checkpoint
+
+    try:
+        facts = inspect_checkpoint(path, check_scales=check_scales)
+    except (OSError, ValueError) as e:
+        print(f"diffusers-nvfp4-fast inspect: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(facts, indent=1, default=str) if as_json else format_report(facts))
+    dry = facts.get("loader_dry_run") or {}
+    return 1 if dry.get("problems") or dry.get("error") or facts["metadata_problems"] else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``diffusers-nvfp4-fast`` and ``python -m diffusers_nvfp4_fast``. Returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["demo"]:  # the demo owns its options: everything after "demo" goes to it untouched
+        from .demo import main as demo_main
+
+        return int(demo_main(args_list[1:]) or 0)
+    args = _parser().parse_args(args_list)
     if args.command == "inspect":
-        path = Path(args.path)
-        if not path.exists():
-            print(f"diffusers-nvfp4-fast inspect: {path}: no such file or directory", file=sys.stderr)
-            return 2
-        try:
-            facts = inspect_checkpoint(path, check_scales=args.check_scales)
-        except (OSError, ValueError) as e:
-            print(f"diffusers-nvfp4-fast inspect: {e}", file=sys.stderr)
-            return 2
-        print(json.dumps(facts, indent=1, default=str) if args.json else format_report(facts))
-        dry = facts.get("loader_dry_run") or {}
-        return 1 if dry.get("problems") or dry.get("error") or facts["metadata_problems"] else 0
+        return _inspect(Path(args.path), args.json, args.check_scales)
     return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -17,24 +18,38 @@ from pathlib import Path
 
 import torch
 
-from . import tiny
 from .api import disable_fast_paths, enable_fast_paths, fast_path_report
-from .loading import load_nvfp4_transformer
+from .loaders import load_nvfp4_transformer
+from .testing.export import quantize_tiny_pipeline
+from .testing.tiny import TINY_PIPELINES
+from .utils import png_sha256, run_pipeline
 
 
-def run_demo(model: str = "flux2", *, device: str = "cpu", size: int = 64, steps: int = 3, out_dir: str | None = None) -> dict:
-    """Run the demo; returns a summary dict (hashes, report, timings)."""
+def _step(progress: bool, text: str) -> None:
+    if progress:
+        print(text, file=sys.stderr, flush=True)
+
+
+def run_demo(
+    model: str = "flux2", *, device: str = "cpu", size: int = 64, steps: int = 3, out_dir: str | None = None,
+    progress: bool = False,
+) -> dict:
+    """Run the demo; returns a summary dict (hashes, report, timings). ``progress`` prints each step to stderr."""
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        checkpoint = tiny.quantize_tiny_pipeline(model, Path(out_dir or tmp) / f"{model}-nvfp4")
+        _step(progress, f"[1/4] building a tiny random {model} pipeline and quantizing its transformer to NVFP4")
+        checkpoint = quantize_tiny_pipeline(model, Path(out_dir or tmp) / f"{model}-nvfp4")
+        _step(progress, "[2/4] loading the checkpoint with load_nvfp4_transformer")
         transformer = load_nvfp4_transformer(checkpoint, device=device)
-        pipe, kwargs = tiny.TINY_PIPELINES[model](transformer)
+        pipe, kwargs = TINY_PIPELINES[model](transformer)
         pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         t1 = time.perf_counter()
-        off = tiny.run_pipeline(pipe, kwargs, size=size, steps=steps)
+        _step(progress, f"[3/4] generating a {size}x{size} image, {steps} steps, fast paths off")
+        off = run_pipeline(pipe, kwargs, size=size, steps=steps)
+        _step(progress, "[4/4] the same with fast paths on")
         enable_fast_paths(pipe)
-        on = tiny.run_pipeline(pipe, kwargs, size=size, steps=steps)
+        on = run_pipeline(pipe, kwargs, size=size, steps=steps)
         report = fast_path_report(pipe)
         disable_fast_paths(pipe)
         t2 = time.perf_counter()
@@ -42,15 +57,15 @@ def run_demo(model: str = "flux2", *, device: str = "cpu", size: int = 64, steps
             on.save(Path(out_dir) / f"{model}-fast.png")
     return {
         "model": model, "device": device, "checkpoint": str(checkpoint) if out_dir else "(temporary)",
-        "load": transformer._nvfp4_load_summary, "sha256_fast_paths_off": tiny.png_sha256(off),
-        "sha256_fast_paths_on": tiny.png_sha256(on), "identical": tiny.png_sha256(off) == tiny.png_sha256(on),
+        "load": transformer._nvfp4_load_summary, "sha256_fast_paths_off": png_sha256(off),
+        "sha256_fast_paths_on": png_sha256(on), "identical": png_sha256(off) == png_sha256(on),
         "report": report, "seconds": {"build_quantize_load": round(t1 - t0, 2), "generate_twice": round(t2 - t1, 2)},
     }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="diffusers-nvfp4-fast demo", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", choices=sorted(tiny.TINY_PIPELINES), default="flux2")
+    ap.add_argument("--model", choices=sorted(TINY_PIPELINES), default="flux2")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
@@ -63,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     diffusers_logging.set_verbosity_error()
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-    summary = run_demo(args.model, device=args.device, size=args.size, steps=args.steps, out_dir=args.out)
+    summary = run_demo(args.model, device=args.device, size=args.size, steps=args.steps, out_dir=args.out,
+                       progress=not args.json)
     if args.json:
         print(json.dumps(summary, indent=1))
     else:

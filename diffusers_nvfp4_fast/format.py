@@ -1,7 +1,7 @@
 """The NVFP4 format in pure torch: the reference every kernel in this project is tested against.
 
 NVFP4 stores a tensor as 4-bit E2M1 values, one E4M3 scale per 16 consecutive values of a row, and one FP32
-scale per tensor. This module implements DESIGN.md section 3 exactly, on any device torch supports:
+scale per tensor. This module implements docs/design.md §3 exactly, on any device torch supports:
 
 * ``quantize_nvfp4(x, global_scale)``: BF16/FP16/FP32 ``[..., K]`` -> packed uint8 ``[M, K/2]`` + uint8 block
   scales (128x4 swizzled ``[round_up(M,128), round_up(K/16,4)]`` or linear ``[M, K/16]``).
@@ -50,6 +50,11 @@ _FOUR_OVER_SIX_VAR = "FLASHINFER_NVFP4_4OVER6"
 
 def round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
+
+
+def padded_scale_shape(rows: int, k: int) -> tuple[int, int]:
+    """Shape of the 128x4 block scales of a ``[rows, k]`` matrix: ``(round_up(rows, 128), round_up(k / 16, 4))``."""
+    return round_up(rows, 128), round_up(k // BLOCK_SIZE, 4)
 
 
 def env_enabled(name: str) -> bool:
@@ -202,7 +207,7 @@ def quantize_nvfp4(
     scale_layout: ScaleLayout = "128x4",
     fast_math: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize ``x`` to NVFP4 (pure torch; DESIGN.md section 3).
+    """Quantize ``x`` to NVFP4 (pure torch; docs/design.md §3).
 
     Args:
         x: ``[..., K]`` bfloat16/float16/float32, K a multiple of 16; leading dims are flattened to M rows.

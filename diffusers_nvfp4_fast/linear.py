@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import ops
-from .format import BLOCK_SIZE, ScaleLayout, fast_math_from_env, round_up, swizzle_scales
+from .format import BLOCK_SIZE, ScaleLayout, fast_math_from_env, padded_scale_shape, swizzle_scales
+from .ops.linear import nvfp4_linear
+from .ops.quantize import quantize
 
 
 class NVFP4Linear(nn.Module):
-    """``y = bf16(fp4_gemm(quantize(x, 1/input_scale), W) * alpha) (+ bias)``, DESIGN.md section 3.
+    """``y = bf16(fp4_gemm(quantize(x, 1/input_scale), W) * alpha) (+ bias)``, docs/design.md §3.
 
     Deliberately not an ``nn.Linear`` subclass: nothing may call ``F.linear`` on packed bytes.
 
@@ -46,7 +47,7 @@ class NVFP4Linear(nn.Module):
         self.out_features = out_features
         self.scale_layout = scale_layout
         if scale_layout == "128x4":
-            scale_shape = (round_up(out_features, 128), round_up(in_features // BLOCK_SIZE, 4))
+            scale_shape = padded_scale_shape(out_features, in_features)
         else:
             scale_shape = (out_features, in_features // BLOCK_SIZE)
         self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
@@ -84,7 +85,7 @@ class NVFP4Linear(nn.Module):
         recipe) into a new layer on the weight's device; ``input_scale`` is the activation scale (FP32 scalar)."""
         n, k = weight.shape
         weight_scale_2 = (weight.abs().max().float() / (448.0 * 6.0)).reshape(())
-        packed, scales = ops.quantize_nvfp4(weight.to(torch.bfloat16), (1.0 / weight_scale_2).reshape(1), False)
+        packed, scales = quantize(weight.to(torch.bfloat16), (1.0 / weight_scale_2).reshape(1), False)
         layer = cls(k, n, bias=bias is not None, device=weight.device)
         return layer.load_nvfp4(packed, scales, weight_scale_2, torch.as_tensor(input_scale, dtype=torch.float32), bias,
                                 scale_layout="128x4")
@@ -143,8 +144,8 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"NVFP4Linear expected input [..., {self.in_features}], got {tuple(x.shape)}")
         if self.dynamic_input_scale:
             return self._forward_dynamic(x, bias)
-        x_packed, x_scales = ops.quantize_nvfp4(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math_from_env())
-        y = ops.nvfp4_linear(x_packed, x_scales, self.weight, self.weight_scale, self.alpha, bias, x.dtype,
+        x_packed, x_scales = quantize(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math_from_env())
+        y = nvfp4_linear(x_packed, x_scales, self.weight, self.weight_scale, self.alpha, bias, x.dtype,
                              self.scale_layout == "128x4")
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -154,8 +155,8 @@ class NVFP4Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         amax = rows.abs().amax().to(torch.float32)
         input_scale = torch.where(amax > 0, amax / (448.0 * 6.0), torch.ones_like(amax))
-        x_packed, x_scales = ops.quantize_nvfp4(rows, 1.0 / input_scale, fast_math_from_env())
-        y = ops.nvfp4_linear(
+        x_packed, x_scales = quantize(rows, 1.0 / input_scale, fast_math_from_env())
+        y = nvfp4_linear(
             x_packed, x_scales, self.weight, self.weight_scale, input_scale * self.weight_scale_2, bias, x.dtype,
             self.scale_layout == "128x4",
         )
@@ -170,7 +171,7 @@ class NVFP4Linear(nn.Module):
                 "this NVFP4Linear uses dynamic_input_scale (no checkpoint input_scale), so input quantized with its static "
                 "input_scale_inv would be wrong; fused paths must fall back for it (check `dynamic_input_scale` in the gate)"
             )
-        return ops.nvfp4_linear(
+        return nvfp4_linear(
             x_packed, x_scales, self.weight, self.weight_scale, self.alpha, self.bias, out_dtype,
             self.scale_layout == "128x4",
         )

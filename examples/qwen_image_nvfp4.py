@@ -10,7 +10,9 @@ import argparse
 import torch
 from diffusers import QwenImagePipeline
 
-from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report, load_nvfp4_transformer, tiny
+from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report, load_nvfp4_transformer
+from diffusers_nvfp4_fast.testing import export, tiny
+from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
 
 
 def main() -> None:
@@ -27,7 +29,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     if args.tiny:
-        checkpoint = tiny.quantize_tiny_pipeline("qwen", "qwen-tiny-nvfp4")
+        checkpoint = export.quantize_tiny_pipeline("qwen", "qwen-tiny-nvfp4")
         pipe, call = tiny.tiny_qwen_pipeline(load_nvfp4_transformer(checkpoint))
         size, steps = 64, 3
     else:
@@ -37,14 +39,14 @@ def main() -> None:
         call, size, steps = {"prompt": args.prompt}, args.size, args.steps
     pipe.to(device)
 
-    image_off = tiny.run_pipeline(pipe, call, size=size, steps=steps)
+    image_off = run_pipeline(pipe, call, size=size, steps=steps)
     enable_fast_paths(pipe)                      # scale layout fix, fused residual+LayerNorm+modulate+quantize, FP4 GEMMs
-    image_on = tiny.run_pipeline(pipe, call, size=size, steps=steps)
+    image_on = run_pipeline(pipe, call, size=size, steps=steps)
     print(fast_path_report(pipe))
     disable_fast_paths(pipe)
 
-    print("PNG SHA256 off:", tiny.png_sha256(image_off))
-    print("PNG SHA256 on: ", tiny.png_sha256(image_on))
+    print("PNG SHA256 off:", png_sha256(image_off))
+    print("PNG SHA256 on: ", png_sha256(image_on))
     image_on.save("qwen_image_nvfp4.png")
 
 

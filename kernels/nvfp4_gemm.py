@@ -1,7 +1,7 @@
 """NVFP4 x NVFP4 GEMM for GPUs without FP4 tensor cores (SM80-SM90), in Triton.
 
 ``out[M, N] = out_dtype((sum_k x[m, k] * w[n, k]) * alpha)`` where ``x`` and ``w`` are NVFP4 (E2M1 values, one E4M3
-scale per 16 values of a row, 128x4-swizzled scales; DESIGN.md section 3) and ``alpha`` is an FP32 scalar tensor.
+scale per 16 values of a row, 128x4-swizzled scales; docs/design.md §3) and ``alpha`` is an FP32 scalar tensor.
 
 Why it is exact: an E2M1 value (<= 2 significant bits) times an E4M3 scale (<= 4 significant bits) has at most 6
 significant bits and lies in [2^-10, 2688], so it is exact in FP16 (and BF16), and the product of two such numbers

@@ -23,7 +23,7 @@ def _quantize_nvfp4_kernel(
     store_blocks(packed, sf_byte, rows, kbs, packed_ptr, scales_ptr, M, K, padded_cols)
 
 
-def quantize_nvfp4(
+def quantize_nvfp4_triton(
     x: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True, block_r: int = 8, block_c: int = 32,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,7 +32,7 @@ def quantize_nvfp4(
     Returns packed uint8 ``[M, K/2]`` and scales uint8 ``[round_up(M,128), round_up(K/16,4)]`` (128x4 layout).
     """
     if x.dim() != 2:
-        raise ValueError(f"quantize_nvfp4 kernel wants a 2-D input, got shape {tuple(x.shape)}")
+        raise ValueError(f"quantize_nvfp4_triton wants a 2-D input, got shape {tuple(x.shape)}")
     m, k = x.shape
     if k % 16:
         raise ValueError(f"K={k} must be a multiple of 16")

@@ -1,4 +1,4 @@
-"""Fused Qwen-Image residual + LayerNorm + modulate + NVFP4 quantize (DESIGN.md section 6).
+"""Fused Qwen-Image residual + LayerNorm + modulate + NVFP4 quantize (docs/design.md §6).
 
 Between the attention output and FC1 a ``QwenImageTransformerBlock`` runs, op by op in BF16::
 
@@ -8,7 +8,7 @@ Between the attention output and FC1 a ``QwenImageTransformerBlock`` runs, op by
     m = bf16(bf16(n * bf16(1 + scale)) + shift) # _modulate
     packed, scales = quantize(m, g)             # FC1's input quantization
 
-``qwen_resnorm_quantize`` does all of it in one pass and never writes ``m``. Byte identity with the eager ops needs
+``qwen_resnorm_quantize_triton`` does all of it in one pass and never writes ``m``. Byte identity with the eager ops needs
 two things:
 
 * every BF16 rounding happens exactly where torch rounds (explicit FP32 -> BF16 -> FP32, no FMA contraction:
@@ -131,12 +131,31 @@ def _rsqrt(x, APPROX_RSQRT: tl.constexpr):
 
 
 @triton.jit
+def _fma(a, b, c):
+    """``fma.rn.f32``: one rounding. Some Triton interpreters evaluate ``tl.fma`` as ``a*b + c`` in FP32 (two roundings;
+    Triton 3.8), so there the single rounding is emulated: the FP64 product is exact, the FP64 sum is rounded to odd
+    (TwoSum tells whether it was exact), and rounding that to FP32 gives the correctly rounded result."""
+    if INLINE_PTX:
+        return tl.fma(a, b, c)
+    else:
+        p = a.to(tl.float64) * b.to(tl.float64)
+        c64 = c.to(tl.float64)
+        s = p + c64
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)
+        bits = s.to(tl.int64, bitcast=True)
+        toward = tl.where((s > 0) == (err > 0), 1, -1).to(tl.int64)  # one ulp towards the exact sum
+        odd = tl.where((err != 0) & ((bits & 1) == 0), bits + toward, bits)
+        return odd.to(tl.float64, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _welford_step(mean, m2, v, COUNT: tl.constexpr):
     """cuWelfordOnlineSum for the COUNT-th element of every thread; ``1/COUNT`` is a correctly rounded FP32 constant
     (the Python double 1/COUNT rounded to FP32: double rounding is innocuous for a quotient)."""
     delta = v - mean
-    new_mean = tl.fma(delta, tl.full(v.shape, 1.0 / COUNT, tl.float32), mean)
-    new_m2 = tl.fma(delta, v - new_mean, m2)
+    new_mean = _fma(delta, tl.full(v.shape, 1.0 / COUNT, tl.float32), mean)
+    new_m2 = _fma(delta, v - new_mean, m2)
     return new_mean, new_m2
 
 
@@ -170,12 +189,12 @@ def _welford_combine(own_m, own_s, other_m, other_s, COUNT: tl.constexpr, MEAN_F
     n_own = cnt * coef
     delta = own_m - other_m
     if MEAN_FMA == 1:
-        mean = tl.fma(n_other, other_m, n_own * own_m)
+        mean = _fma(n_other, other_m, n_own * own_m)
     elif MEAN_FMA == 2:
-        mean = tl.fma(n_own, own_m, n_other * other_m)
+        mean = _fma(n_own, own_m, n_other * other_m)
     else:
         mean = n_other * other_m + n_own * own_m
-    m2 = tl.fma((delta * delta) * cnt, n_own, other_s + own_s)  # nvcc contracts the last multiply-add
+    m2 = _fma((delta * delta) * cnt, n_own, other_s + own_s)  # nvcc contracts the last multiply-add
     return mean, m2
 
 
@@ -458,7 +477,7 @@ def _row_strides(t: torch.Tensor, name: str, b: int, l_len: int, d: int) -> tupl
     raise ValueError(f"{name} must be [B, D], [B, 1, D] or [B, L, D] with B={b}, L={l_len}, D={d}; got {tuple(t.shape)}")
 
 
-def qwen_resnorm_quantize(
+def qwen_resnorm_quantize_triton(
     residual: torch.Tensor,
     x: torch.Tensor,
     bias: torch.Tensor | None,
@@ -480,7 +499,7 @@ def qwen_resnorm_quantize(
             in the leading dims (chunks of ``mod_params`` are fine), last dim contiguous.
         global_scale: FP32 1-element tensor ``g`` (FC1's ``1 / input_scale``) on the same device.
         eps: the LayerNorm's eps (used as FP32, like torch).
-        fast_math: the NVFP4 quantize recipe (DESIGN.md section 3).
+        fast_math: the NVFP4 quantize recipe (docs/design.md §3).
         approx_rsqrt: None = ``rsqrt.approx.f32`` unless running under ``TRITON_INTERPRET=1`` (see module docstring).
 
     Returns:
@@ -527,7 +546,7 @@ def layer_norm_torch_exact(
     mean_fma: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``F.layer_norm(x, (D,), eps=eps)`` without affine, as torch's CUDA kernel computes it (the fused kernel's
-    statistics path alone). x: ``[..., D]`` bfloat16, last dim contiguous, D as for ``qwen_resnorm_quantize``.
+    statistics path alone). x: ``[..., D]`` bfloat16, last dim contiguous, D as for ``qwen_resnorm_quantize_triton``.
 
     Returns bfloat16 of x's shape (contiguous); with ``return_stats`` also the FP32 per-row mean and rstd ``[rows]``,
     comparable bit for bit with ``torch.native_layer_norm(x, (D,), None, None, eps)[1:]``. ``mean_fma`` overrides

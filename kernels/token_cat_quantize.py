@@ -33,20 +33,20 @@ def _token_cat_quantize_kernel(
     store_blocks(packed, sf_byte, rows, kbs, packed_ptr, scales_ptr, M, A + B, padded_cols)
 
 
-def token_cat_quantize(
+def token_cat_quantize_triton(
     attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True,
     block_r: int = 8, block_c: int = 32, num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attn ``[..., A]``, mlp ``[..., B]`` (same leading dims, bf16/fp16; rows may be strided) ->
     packed uint8 ``[R, (A+B)/2]`` and 128x4 scales uint8 ``[round_up(R,128), round_up((A+B)/16,4)]``."""
     if attn.dtype != mlp.dtype:
-        raise TypeError(f"token_cat_quantize: attn is {attn.dtype} but mlp is {mlp.dtype}")
+        raise TypeError(f"token_cat_quantize_triton: attn is {attn.dtype} but mlp is {mlp.dtype}")
     a = attn.reshape(-1, attn.shape[-1])
     b = mlp.reshape(-1, mlp.shape[-1])
     (m, width_a), (mb, width_b) = a.shape, b.shape
     if m != mb or width_a % 16 or width_b % 16:
         raise ValueError(
-            f"token_cat_quantize: attn {tuple(attn.shape)} and mlp {tuple(mlp.shape)} need equal rows and widths % 16 == 0"
+            f"token_cat_quantize_triton: attn {tuple(attn.shape)} and mlp {tuple(mlp.shape)} need equal rows and widths % 16 == 0"
         )
     (a_blocks, stride_a), (b_blocks, stride_b) = as_block_rows(a), as_block_rows(b)
     k = width_a + width_b

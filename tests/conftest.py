@@ -1,11 +1,9 @@
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -21,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def modelopt_exports(tmp_path_factory):
     """which -> directory of a real ModelOpt NVFP4 export of the tiny transformer (built once per session)."""
-    from modelopt_fixtures import export_with_modelopt
+    from support.modelopt_exports import export_with_modelopt
 
     cache = {}
 

@@ -1,4 +1,4 @@
-"""The pure-torch NVFP4 format (DESIGN.md section 3): the reference every kernel is tested against."""
+"""The pure-torch NVFP4 format (docs/design.md §3): the reference every kernel is tested against."""
 
 import pytest
 import torch
@@ -136,7 +136,9 @@ def test_modelopt_weight_quantizer_agrees_except_documented_differences(tmp_path
     from modelopt.torch.quantization.config import _load_quantize_config_dict
     from safetensors.torch import load_file
 
-    from diffusers_nvfp4_fast import tiny
+    from diffusers_nvfp4_fast.testing import tiny
+    from support.bfl_files import flux2_batch
+    from support.modelopt_exports import FLUX2_EXCLUDE_RE
 
     model = tiny.tiny_flux2_transformer(True)
     name = "single_transformer_blocks.0.attn.to_out"
@@ -145,10 +147,6 @@ def test_modelopt_weight_quantizer_agrees_except_documented_differences(tmp_path
         w[0, :16] = 0.0                      # all-zero block
         w[1, :16] = w.abs().max() * 1e-6     # block scale far below 2^-9
     base = {k: v.clone() for k, v in model.state_dict().items()}
-    from modelopt_fixtures import FLUX2_EXCLUDE_RE
-
-    from tests._modelopt_export import flux2_batch
-
     gen = torch.Generator().manual_seed(0)
     batches = [flux2_batch(model, gen) for _ in range(2)]
     with warnings.catch_warnings():

@@ -13,13 +13,11 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_flux2 as flux2_module
 from torch import nn
 
-from .. import ops
 from ..format import fast_math_from_env
-from ..gates import failed_kind_reason, record_fallback, stats_for
 from ..linear import NVFP4Linear
-from .processor_swap import swap_processor
-
-KIND = "flux2_token_cat"
+from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
+from ..ops.verify import failed_kind_reason, record_fallback, stats_for
+from .swap import swap_processor
 
 
 def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> str | None:
@@ -57,13 +55,14 @@ class _FusedOutputMixin:
             return attn.to_out(torch.cat([attn_out, mlp_out], dim=-1))
         to_out: NVFP4Linear = attn.to_out
         shape_class = f"A={attn_out.shape[-1]},B={mlp_out.shape[-1]},{attn_out.dtype},{attn_out.device.type}"
-        packed, scales = ops.token_cat_quantize_checked(
+        packed, scales = token_cat_quantize_checked(
             attn_out, mlp_out, to_out.input_scale_inv, fast_math_from_env(), self._stats_id, shape_class
         )
         out = to_out.forward_prequantized(packed, scales, attn_out.dtype)
         return out.reshape(*attn_out.shape[:-1], to_out.out_features)
 
 
+# Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, Flux2ParallelSelfAttnProcessor.__call__.
 def _qkv_mlp(attn, hidden_states, image_rotary_emb):
     # diffusers' split of the fused input projection, kept identical (including its tensor-parallel arithmetic).
     projected = attn.to_qkv_mlp_proj(hidden_states)
@@ -80,7 +79,9 @@ def _qkv_mlp(attn, hidden_states, image_rotary_emb):
 
 
 class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
-    """``Flux2ParallelSelfAttnProcessor`` with the output concatenation fused into NVFP4 quantization."""
+    """``Flux2ParallelSelfAttnProcessor`` with the output concatenation fused into NVFP4 quantization.
+
+    Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, ``Flux2ParallelSelfAttnProcessor``."""
 
     _attention_backend = None
     _parallel_config = None
@@ -102,7 +103,9 @@ class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
 
 
 class Flux2FusedKVParallelSelfAttnProcessor(_FusedOutputMixin):
-    """``Flux2KVParallelSelfAttnProcessor`` (reference-image KV cache) with the same fused output."""
+    """``Flux2KVParallelSelfAttnProcessor`` (reference-image KV cache) with the same fused output.
+
+    Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, ``Flux2KVParallelSelfAttnProcessor``."""
 
     _attention_backend = None
     _parallel_config = None

@@ -19,14 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import ops
 from ..format import fast_math_from_env
-from ..gates import failed_kind_reason, record_fallback, stats_for
 from ..linear import NVFP4Linear
-from .forward_swap import swap_forward
-from .processor_swap import swap_processor
-
-KIND = "qwen_resnorm"
+from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs, kernel_runs_on, qwen_resnorm_quantize_checked
+from ..ops.verify import failed_kind_reason, record_fallback, stats_for
+from .swap import swap_forward, swap_processor
 
 
 def _fc1(ff: nn.Module) -> nn.Module | None:
@@ -120,7 +117,7 @@ def resnorm_gate(
         return f"shapes {tuple(residual.shape)} / {tuple(x.shape)}"
     if residual.shape[-1] % 16:
         return f"hidden size {residual.shape[-1]} not a multiple of 16"
-    if residual.is_cuda and not ops.qwen_kernel_available(residual):
+    if residual.is_cuda and not kernel_runs_on(residual):
         return "no Triton kernel for this GPU"
     if residual.is_cuda and residual.shape[-1] % 512:
         return f"hidden size {residual.shape[-1]} not a multiple of 512 (kernel reproduces torch's LayerNorm there only)"
@@ -164,9 +161,9 @@ def _mlp_stream(
     shift, scale, gate2 = _mod_params(mod2, index)
     shape_class = f"D={residual.shape[-1]},eps={norm.eps},{residual.device.type}"
     # gate1 is _modulate's [B, 1, D] (or per-token [B, L, D]): the kernel takes either as it is.
-    hidden, packed, scales = ops.qwen_resnorm_quantize_checked(
-        residual, attn_out, attn_bias, gate1, scale, shift, fc1.input_scale_inv, float(norm.eps),
-        fast_math_from_env(), block._nvfp4_stats_id, shape_class,
+    inputs = ResNormInputs(residual, attn_out, attn_bias, gate1, scale, shift)
+    hidden, packed, scales = qwen_resnorm_quantize_checked(
+        inputs, fc1.input_scale_inv, float(norm.eps), fast_math_from_env(), block._nvfp4_stats_id, shape_class,
     )
     y = fc1.forward_prequantized(packed, scales, residual.dtype).reshape(*residual.shape[:-1], fc1.out_features)
     y = ff.net[0].gelu(y)
@@ -175,6 +172,8 @@ def _mlp_stream(
     return hidden + gate2 * y
 
 
+# Adapted from diffusers 0.42.1, models/transformers/transformer_qwenimage.py, QwenImageTransformerBlock.forward:
+# the same code, with each stream's norm2 section handed to _mlp_stream.
 def fused_block_forward(
     self,
     hidden_states: torch.Tensor,

@@ -1,0 +1,112 @@
+"""Record activation scales for NVFP4 layers that lack one (option A for the FLUX.2 '-mixed' file)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..format import decode_nvfp4
+from ..linear import NVFP4Linear
+from .bfl.input_scales import INPUT_SCALE_DIVISOR, INPUT_SCALES_FORMAT
+
+logger = logging.getLogger("diffusers_nvfp4_fast")
+
+
+def calibrate_input_scales(
+    pipe_or_transformer: Any,
+    prompts_or_run: Sequence[str] | Callable[[], Any],
+    out_path: str | os.PathLike | None = None,
+    *,
+    layers: Sequence[str] | None = None,
+    apply: bool = True,
+    call_kwargs: Mapping[str, Any] | None = None,
+) -> dict[str, float]:
+    """Record activation amax for NVFP4 layers lacking an ``input_scale`` and turn it into ``amax / 2688``.
+
+    The layers (default: every ``NVFP4Linear`` with ``dynamic_input_scale=True``, i.e. loaded without a checkpoint
+    scale) run with dequantized weights in BF16 during the runs, the way ModelOpt's max calibration sees unquantized
+    activations; all other layers run as they are. Save the result with ``out_path`` and reuse it with
+    ``load_nvfp4_transformer(file, input_scales=out_path)``.
+
+    Args:
+        pipe_or_transformer: a pipeline (``.transformer`` is used) or the transformer.
+        prompts_or_run: prompts (each runs ``pipe(prompt=p, **call_kwargs)``) or a callable doing the runs.
+        out_path: JSON side file to write (``{"format", "version", "input_scales": {...}, "amax": {...}}``).
+        layers: diffusers layer names to calibrate instead of the default set.
+        apply: set the scales on the layers and switch their ``dynamic_input_scale`` off (default True).
+
+    Returns:
+        ``{layer name: input_scale}``.
+    """
+    model = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
+    model = getattr(model, "_orig_mod", model)
+    modules = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    names = list(layers) if layers is not None else [n for n, m in modules.items() if m.dynamic_input_scale]
+    unknown = [n for n in names if n not in modules]
+    if unknown:
+        raise ValueError(f"not NVFP4Linear layers of {type(model).__name__}: {unknown}")
+    if not names:
+        raise ValueError("no layers to calibrate: no NVFP4Linear has dynamic_input_scale=True (pass layers=)")
+    if callable(prompts_or_run):
+        run = prompts_or_run
+    else:
+        if not hasattr(pipe_or_transformer, "transformer"):
+            raise TypeError("prompts need a pipeline to run; with a bare transformer pass a callable that runs it")
+        prompts = [prompts_or_run] if isinstance(prompts_or_run, str) else list(prompts_or_run)
+
+        def run() -> None:
+            for p in prompts:
+                pipe_or_transformer(prompt=p, **dict(call_kwargs or {}))
+
+    amax: dict[str, torch.Tensor | None] = dict.fromkeys(names)
+
+    def calibrating_forward(name: str, module: NVFP4Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        # e2m1 * e4m3 is exact; times weight_scale_2 is the weight the checkpoint encodes (up to one FP32 rounding).
+        weight = decode_nvfp4(module.weight, module.weight_scale, scale_layout=module.scale_layout, dtype=torch.float32)
+        weight = weight * module.weight_scale_2
+        cast: dict[torch.dtype, torch.Tensor] = {}
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            seen = x.detach().abs().amax().to(torch.float32)
+            amax[name] = seen if amax[name] is None else torch.maximum(amax[name], seen)
+            if x.dtype not in cast:
+                cast[x.dtype] = weight.to(x.dtype)
+            return nn.functional.linear(x, cast[x.dtype], module.bias)
+
+        return forward
+
+    for name in names:
+        modules[name].forward = calibrating_forward(name, modules[name])
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for name in names:
+            del modules[name].forward  # back to the class's forward
+    never = [n for n, a in amax.items() if a is None or not bool(torch.isfinite(a)) or float(a) == 0.0]
+    if never:
+        raise RuntimeError(f"calibration saw no usable (nonzero, finite) input for {len(never)} layer(s): {never[:20]}")
+    scales = {n: float((a.cpu() / INPUT_SCALE_DIVISOR).item()) for n, a in amax.items()}
+    if out_path is not None:
+        Path(out_path).write_text(json.dumps({
+            "format": INPUT_SCALES_FORMAT, "version": 1,
+            "note": "input_scale = amax / (448 * 6) per layer, recorded by diffusers_nvfp4_fast.calibrate_input_scales",
+            "input_scales": scales, "amax": {n: float(a.item()) for n, a in amax.items()},
+        }, indent=1))
+    if apply:
+        with torch.no_grad():
+            for name, value in scales.items():
+                m = modules[name]
+                m.input_scale = torch.tensor(value, dtype=torch.float32, device=m.weight.device)
+                m.refresh_derived_scales_()
+                m.dynamic_input_scale = False
+                m.input_scale_source = "calibrated"
+    logger.info("Calibrated input_scale for %d layer(s)%s", len(scales), f", wrote {out_path}" if out_path else "")
+    return scales

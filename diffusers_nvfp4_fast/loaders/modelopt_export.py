@@ -1,0 +1,258 @@
+"""Load a ModelOpt NVFP4 diffusers export (a directory with config.json + safetensors) into diffusers' own class.
+
+Quantized Linears become ``NVFP4Linear`` without ever existing in BF16. Every key is checked (missing, unexpected,
+dtype, shape) before any weight is read, and all problems are raised together in one ``NVFP4CheckpointError``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..format import BLOCK_SIZE, ScaleLayout, padded_scale_shape
+from ..linear import NVFP4Linear
+from .common import NVFP4_SUFFIXES, classify_scale_layout, finish_model, is_excluded, load_summary, log_summary, replace_linear
+from .errors import NVFP4CheckpointError
+from .safetensors_header import CheckpointIndex
+
+logger = logging.getLogger("diffusers_nvfp4_fast")
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
+
+
+@dataclass
+class QuantizationInfo:
+    """What the checkpoint says about its quantization."""
+
+    quant_algo: str
+    group_size: int
+    exclude_patterns: list[str] = field(default_factory=list)
+    source: str = ""
+
+
+def _group_size(qc: dict) -> int:
+    group_size = BLOCK_SIZE
+    for group in (qc.get("config_groups") or {}).values():
+        for part in ("weights", "input_activations"):
+            if group.get(part) and group[part].get("group_size") is not None:
+                group_size = int(group[part]["group_size"])
+    return group_size
+
+
+def read_quantization_info(model_dir: Path, config: dict) -> QuantizationInfo:
+    """From ``config.json["quantization_config"]`` or, failing that, ``hf_quant_config.json``."""
+    qc = config.get("quantization_config")
+    if qc is not None:
+        info = QuantizationInfo(
+            quant_algo=str(qc.get("quant_algo", "")), group_size=_group_size(qc),
+            exclude_patterns=list(qc.get("ignore") or qc.get("exclude_modules") or []),
+            source=str(model_dir / "config.json"),
+        )
+    elif (model_dir / "hf_quant_config.json").is_file():
+        nested = json.loads((model_dir / "hf_quant_config.json").read_text())
+        q = nested.get("quantization", nested)
+        info = QuantizationInfo(
+            quant_algo=str(q.get("quant_algo", "")), group_size=int(q.get("group_size") or BLOCK_SIZE),
+            exclude_patterns=list(q.get("exclude_modules") or q.get("ignore") or []),
+            source=str(model_dir / "hf_quant_config.json"),
+        )
+    else:
+        raise NVFP4CheckpointError(
+            f"{model_dir}: no quantization_config in config.json and no hf_quant_config.json; "
+            "this does not look like a ModelOpt NVFP4 export"
+        )
+    if info.quant_algo.upper() != "NVFP4":
+        raise NVFP4CheckpointError(f"{info.source}: quant_algo is {info.quant_algo!r}, expected 'NVFP4'")
+    if info.group_size != BLOCK_SIZE:
+        raise NVFP4CheckpointError(f"{info.source}: group_size is {info.group_size}, NVFP4 uses {BLOCK_SIZE}")
+    return info
+
+
+def resolve_dir(path_or_repo_id: str | os.PathLike, subfolder: str | None) -> Path:
+    """A local directory, or a Hugging Face snapshot of the repo (only ``subfolder`` when given)."""
+    path = Path(path_or_repo_id)
+    if path.exists():
+        model_dir = path / subfolder if subfolder else path
+    else:
+        from huggingface_hub import snapshot_download
+
+        patterns = [f"{subfolder}/*"] if subfolder else None
+        model_dir = Path(snapshot_download(str(path_or_repo_id), allow_patterns=patterns))
+        model_dir = model_dir / subfolder if subfolder else model_dir
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (is `subfolder` right?)")
+    return model_dir
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of an export: the index's shards, the single weights file, or every ``*.safetensors``."""
+    index = model_dir / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    if (model_dir / WEIGHTS_NAME).is_file():
+        return [model_dir / WEIGHTS_NAME]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no .safetensors weights")
+    return files
+
+
+def _check_nvfp4_layer(name: str, linear: nn.Linear, index: CheckpointIndex, problems: list[str]) -> ScaleLayout | None:
+    """Check one quantized layer's keys, dtypes and shapes; returns the stored scale layout (None on problems)."""
+    n, k = linear.out_features, linear.in_features
+    missing = [s for s in NVFP4_SUFFIXES if f"{name}.{s}" not in index]
+    problems.extend(f"missing key {name}.{s} (NVFP4 layer {name} [{n}x{k}])" for s in missing)
+    if missing:
+        return None
+
+    def expect(suffix: str, dtypes: tuple[torch.dtype, ...], shapes) -> tuple[int, ...]:
+        path, info = index.entries[f"{name}.{suffix}"]
+        if info.torch_dtype not in dtypes:
+            problems.append(f"{name}.{suffix} in {path.name}: dtype {info.torch_dtype or info.dtype}, expected "
+                            f"{' or '.join(map(str, dtypes))}")
+        if shapes is not None and info.shape not in shapes:
+            problems.append(f"{name}.{suffix} in {path.name}: shape {list(info.shape)}, expected "
+                            f"{' or '.join(str(list(s)) for s in shapes)}")
+        return info.shape
+
+    if k % BLOCK_SIZE:
+        problems.append(f"{name}: in_features {k} is not a multiple of {BLOCK_SIZE}, cannot be NVFP4")
+        return None
+    expect("weight", (torch.uint8,), [(n, k // 2)])
+    expect("weight_scale_2", (torch.float32,), [(), (1,)])
+    expect("input_scale", (torch.float32,), [(), (1,)])
+    scale_shape = expect("weight_scale", (torch.float8_e4m3fn, torch.uint8), None)
+    layout = classify_scale_layout(scale_shape, n, k)
+    if layout is None:
+        problems.append(
+            f"{name}.weight_scale in {index.entries[name + '.weight_scale'][0].name}: shape {list(scale_shape)} is "
+            f"neither linear {[n, k // 16]} nor 128x4-swizzled {list(padded_scale_shape(n, k))}"
+        )
+    if linear.bias is not None:
+        if f"{name}.bias" in index:
+            expect("bias", (torch.bfloat16, torch.float16, torch.float32), [(n,)])
+        else:
+            problems.append(f"missing key {name}.bias (layer {name} has a bias)")
+    return layout
+
+
+def _model_class(config: dict):
+    import diffusers
+
+    cls_name = config.get("_class_name")
+    cls = getattr(diffusers, cls_name, None) if cls_name else None
+    if cls is None:
+        raise NVFP4CheckpointError(f"config.json names _class_name={cls_name!r}, which diffusers does not provide")
+    return cls
+
+
+def _stored_as_nvfp4(name: str, index: CheckpointIndex) -> bool:
+    weight = index.info(f"{name}.weight")
+    return f"{name}.weight_scale" in index or (weight is not None and weight.dtype == "U8")
+
+
+def _plan_quantized(model: nn.Module, index: CheckpointIndex, qinfo: QuantizationInfo, problems: list[str]) -> dict:
+    """Quantized Linear name -> stored scale layout, checking each; warns where the file and the patterns disagree."""
+    quantized: dict[str, ScaleLayout | None] = {}
+    disagreements = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        stored_nvfp4 = _stored_as_nvfp4(name, index)
+        if stored_nvfp4 == is_excluded(name, qinfo.exclude_patterns):
+            disagreements.append(f"{name} ({'NVFP4' if stored_nvfp4 else 'BF16'} in the file)")
+        if stored_nvfp4:
+            quantized[name] = _check_nvfp4_layer(name, module, index, problems)
+    if disagreements:
+        shown = ", ".join(disagreements[:8]) + (" ..." if len(disagreements) > 8 else "")
+        logger.warning("%d layer(s) are stored differently from what the exclude patterns in %s say; the stored tensors "
+                       "win: %s", len(disagreements), qinfo.source, shown)
+    return quantized
+
+
+def _check_plain_keys(model: nn.Module, index: CheckpointIndex, quantized: dict, problems: list[str]) -> list[str]:
+    """Check every non-quantized tensor of the model against the file; returns the keys to load."""
+    expected = {k: t for k, t in model.state_dict().items() if k.rsplit(".", 1)[0] not in quantized}
+    params = dict(model.named_parameters())
+    for key, t in expected.items():
+        entry = index.entries.get(key)
+        if entry is None:
+            if key in params:
+                problems.append(f"missing key {key} (shape {list(t.shape)})")
+            continue
+        path, info = entry
+        if info.shape != tuple(t.shape):
+            problems.append(f"{key} in {path.name}: shape {list(info.shape)}, expected {list(t.shape)}")
+        if info.torch_dtype is None or not info.torch_dtype.is_floating_point:
+            problems.append(f"{key} in {path.name}: dtype {info.dtype}, expected a floating-point dtype")
+    nvfp4_keys = {f"{n}.{s}" for n in quantized for s in (*NVFP4_SUFFIXES, "bias")}
+    for key, (path, info) in index.entries.items():
+        if key not in expected and key not in nvfp4_keys:
+            problems.append(f"unexpected key {key} in {path.name} ({info.dtype}, {list(info.shape)})")
+    return [k for k in expected if k in index]
+
+
+def _load_nvfp4_layer(model: nn.Module, name: str, index: CheckpointIndex, layout: ScaleLayout,
+                      torch_dtype: torch.dtype) -> bool:
+    """Replace Linear ``name`` by an ``NVFP4Linear`` holding the stored tensors; True if its scales were swizzled."""
+    linear = model.get_submodule(name)
+    keys = [f"{name}.{s}" for s in NVFP4_SUFFIXES] + ([f"{name}.bias"] if linear.bias is not None else [])
+    t = index.load(keys)
+    new = NVFP4Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=torch_dtype)
+    new.load_nvfp4(t[f"{name}.weight"], t[f"{name}.weight_scale"], t[f"{name}.weight_scale_2"],
+                   t[f"{name}.input_scale"], t.get(f"{name}.bias"), scale_layout=layout)
+    swizzled = new.swizzle_weight_scales_()
+    replace_linear(model, name, linear, new)
+    return swizzled
+
+
+def load_modelopt_export(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    subfolder: str | None = None,
+    torch_dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str | None = None,
+    scale_layout: ScaleLayout | None = None,
+) -> nn.Module:
+    """Load a ModelOpt NVFP4 diffusers export (FLUX.2 dev/klein, Qwen-Image) as its diffusers model class.
+
+    Args:
+        path_or_repo_id: local directory or Hugging Face repo id.
+        subfolder: e.g. ``"transformer"`` inside a pipeline repo.
+        torch_dtype: dtype of unquantized weights and biases.
+        device: where to put the model (default: stays on CPU).
+        scale_layout: force how stored block scales are read ("linear" or "128x4") when the shape cannot tell.
+    """
+    from accelerate import init_empty_weights
+
+    model_dir = resolve_dir(path_or_repo_id, subfolder)
+    config = json.loads((model_dir / "config.json").read_text())
+    qinfo = read_quantization_info(model_dir, config)
+    cls = _model_class(config)
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config({k: v for k, v in config.items() if k != "quantization_config"})
+    index = CheckpointIndex(weight_files(model_dir))
+    problems: list[str] = []
+    quantized = _plan_quantized(model, index, qinfo, problems)
+    plain_keys = _check_plain_keys(model, index, quantized, problems)
+    if problems:
+        raise NVFP4CheckpointError(
+            f"{model_dir}: {len(problems)} problem(s) loading this NVFP4 checkpoint into {cls.__name__}:\n  "
+            + "\n  ".join(problems)
+        )
+    plain = index.load(plain_keys)
+    model.load_state_dict({k: v.to(torch_dtype) for k, v in plain.items()}, strict=False, assign=True)
+    swizzled = sum(_load_nvfp4_layer(model, name, index, scale_layout or stored, torch_dtype)
+                   for name, stored in quantized.items())
+    finish_model(model, model_dir, device)
+    model._nvfp4_load_summary = load_summary(model, scales_swizzled_on_load=swizzled)
+    log_summary(model._nvfp4_load_summary, model_dir)
+    return model

@@ -1,0 +1,111 @@
+"""The one place that decides which implementation of an op runs: Triton kernel, FlashInfer or torch reference.
+
+Every op in this package is a ``torch.library`` custom op with a fake implementation, so ``torch.compile(fullgraph=
+True)`` traces it as one opaque node and CUDA graphs capture it. ``call_op`` runs the implementation directly in
+eager mode (docs/design.md §8: the eager step is bound by host time) and the custom op under compilation.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from types import ModuleType
+
+import torch
+
+try:  # the kernels need Triton; without it every op runs its torch reference
+    from .. import kernels as _kernels_module
+except ImportError:
+    _kernels_module = None
+
+kernels: ModuleType | None = _kernels_module
+GEMM_BACKEND_VAR = "DIFFUSERS_NVFP4_GEMM_BACKEND"
+GEMM_BACKENDS = ("flashinfer", "triton", "emulated")
+
+
+class BackendUnavailableError(RuntimeError):
+    """``DIFFUSERS_NVFP4_GEMM_BACKEND`` names a backend that cannot run here; the message says why."""
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device; cached because every NVFP4 call asks (docs/performance.md, host cost)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def call_op(op: Callable, impl: Callable, *args):
+    """Run custom op ``op`` whose eager implementation is ``impl``: the op while compiling, ``impl`` otherwise.
+
+    Both run the same code, so the bytes are the same; the eager shortcut saves the dispatcher's microseconds.
+    """
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return impl(*args)
+
+
+def triton_runs_on(x: torch.Tensor) -> bool:
+    """True where the Triton kernels run for ``x``: a CUDA tensor on SM80 or newer, with Triton installed."""
+    return x.is_cuda and kernels is not None and cuda_capability(x.device) >= (8, 0)
+
+
+@functools.cache
+def flashinfer() -> ModuleType | None:
+    """The ``flashinfer`` module, or None where it is not installed."""
+    try:
+        import flashinfer as module
+    except ImportError:
+        return None
+    return module
+
+
+def forced_gemm_backend() -> str | None:
+    """The backend ``DIFFUSERS_NVFP4_GEMM_BACKEND`` names, or None when it is unset."""
+    forced = os.environ.get(GEMM_BACKEND_VAR, "").strip().lower()
+    if not forced:
+        return None
+    if forced not in GEMM_BACKENDS:
+        raise ValueError(f"{GEMM_BACKEND_VAR}={forced!r}: expected one of {', '.join(GEMM_BACKENDS)}")
+    return forced
+
+
+def _why_not(backend: str, device: torch.device) -> str | None:
+    """Why ``backend`` cannot run on ``device``, or None where it can."""
+    if backend == "emulated":
+        return None
+    if device.type != "cuda":
+        return f"the tensors are on {device.type}, and {backend} runs on CUDA GPUs only"
+    major, minor = cuda_capability(device)
+    if backend == "flashinfer":
+        if major < 10:
+            return f"FlashInfer's FP4 GEMM needs SM100 or newer, this GPU is SM{major}{minor}"
+        if flashinfer() is None:
+            return "FlashInfer is not installed (pip install 'diffusers-nvfp4-fast[blackwell]')"
+        return None
+    if kernels is None:
+        return "Triton is not installed (pip install triton)"
+    if not 8 <= major < 10:
+        return f"the Triton GEMM runs on SM80-SM90, this GPU is SM{major}{minor}"
+    return None
+
+
+def gemm_backend(device: torch.device) -> str:
+    """The GEMM backend for tensors on ``device``: 'flashinfer' (SM100+), 'triton' (SM80-SM90) or 'emulated' (torch).
+
+    ``DIFFUSERS_NVFP4_GEMM_BACKEND`` forces one; a forced backend that cannot run here raises
+    ``BackendUnavailableError`` naming the variable, the backend and the reason.
+    """
+    forced = forced_gemm_backend()
+    if forced is not None:
+        reason = _why_not(forced, device)
+        if reason is not None:
+            raise BackendUnavailableError(f"{GEMM_BACKEND_VAR}={forced} cannot run here: {reason}")
+        return forced
+    for backend in ("flashinfer", "triton"):
+        if _why_not(backend, device) is None:
+            return backend
+    return "emulated"

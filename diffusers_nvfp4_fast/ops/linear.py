@@ -1,0 +1,70 @@
+"""NVFP4 linear: ``bf16(fp4_gemm(x, w) * alpha)``, then ``bf16(+ bias)`` (docs/design.md §3, §7).
+
+Reference: ``linear_reference`` (exact W4A4 emulation in torch). Kernels: FlashInfer ``mm_fp4`` on SM100+,
+``kernels.nvfp4_gemm`` (Triton / Gluon) on SM80-SM90; ``dispatch.gemm_backend`` picks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import format as nvfp4
+from .dispatch import call_op, flashinfer, gemm_backend, kernels
+
+
+def emulated_gemm(
+    x_packed: torch.Tensor, x_scales: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, w_swizzled: bool = True,
+) -> torch.Tensor:
+    """Exact W4A4 emulation: both operands decoded (exact in FP32), FP32 matmul. ``[M, K/2]``, ``[N, K/2]`` -> FP32
+    ``[M, N]``."""
+    x = nvfp4.decode_nvfp4(x_packed, x_scales, scale_layout="128x4", dtype=torch.float32)
+    w = nvfp4.decode_nvfp4(w_packed, w_scales, scale_layout="128x4" if w_swizzled else "linear", dtype=torch.float32)
+    return x @ w.t()
+
+
+def linear_reference(
+    x_packed: torch.Tensor, x_scales: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool = True,
+) -> torch.Tensor:
+    """The torch reference of ``nvfp4_linear``."""
+    out = (emulated_gemm(x_packed, x_scales, w_packed, w_scales, w_swizzled) * alpha).to(out_dtype)
+    return out if bias is None else out + bias
+
+
+def _linear_impl(
+    x_packed: torch.Tensor, x_scales: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool,
+) -> torch.Tensor:
+    backend = gemm_backend(x_packed.device)
+    if backend == "emulated":
+        return linear_reference(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
+    if not w_swizzled:
+        raise RuntimeError(
+            "NVFP4Linear holds linear-layout weight scales; the FP4 GEMM needs 128x4. Call "
+            "module.swizzle_weight_scales_() or enable_fast_paths(...) first."
+        )
+    if backend == "flashinfer":
+        out = flashinfer().mm_fp4(
+            x_packed, w_packed.t(), x_scales.view(torch.float8_e4m3fn), w_scales.view(torch.float8_e4m3fn).t(),
+            alpha, out_dtype, backend="cutlass",
+        )
+    else:
+        out = kernels.nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype)
+    return out if bias is None else out + bias
+
+
+_linear_op = torch.library.custom_op("nvfp4_fast::linear", mutates_args=())(_linear_impl)
+
+
+@_linear_op.register_fake
+def _(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled):
+    return x_packed.new_empty((x_packed.shape[0], w_packed.shape[0]), dtype=out_dtype)
+
+
+def nvfp4_linear(
+    x_packed: torch.Tensor, x_scales: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool = True,
+) -> torch.Tensor:
+    """x_packed uint8 ``[M, K/2]`` + 128x4 scales, w_packed uint8 ``[N, K/2]`` + scales, alpha FP32 one-element ->
+    ``[M, N]`` in ``out_dtype``: ``bf16(gemm * alpha)`` then ``+ bias``."""
+    return call_op(_linear_op, _linear_impl, x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)

@@ -1,0 +1,37 @@
+"""NVFP4 activation quantize, the unfused path: BF16/FP16 ``[M, K]`` -> packed ``[M, K/2]`` + 128x4 scales.
+
+Reference: ``format.quantize_nvfp4`` (docs/design.md §3). Kernel: ``kernels.quantize_nvfp4_triton``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import format as nvfp4
+from .dispatch import call_op, kernels, triton_runs_on
+
+
+def quantize_reference(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference: ``format.quantize_nvfp4`` with 128x4 scales."""
+    return nvfp4.quantize_nvfp4(x, global_scale, fast_math=fast_math)
+
+
+def _quantize_impl(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if triton_runs_on(x):
+        return kernels.quantize_nvfp4_triton(x, global_scale, fast_math=fast_math)
+    return quantize_reference(x, global_scale, fast_math)
+
+
+_quantize_op = torch.library.custom_op("nvfp4_fast::quantize", mutates_args=())(_quantize_impl)
+
+
+@_quantize_op.register_fake
+def _(x, global_scale, fast_math):
+    rows, k = x.shape
+    return x.new_empty((rows, k // 2), dtype=torch.uint8), x.new_empty(nvfp4.padded_scale_shape(rows, k), dtype=torch.uint8)
+
+
+def quantize(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x ``[M, K]`` BF16/FP16, global_scale FP32 one-element -> (packed uint8 ``[M, K/2]``, 128x4 scales uint8
+    ``[round_up(M,128), round_up(K/16,4)]``)."""
+    return call_op(_quantize_op, _quantize_impl, x.contiguous(), global_scale, fast_math)

@@ -1,0 +1,156 @@
+"""First-use byte verification of fused ops, and the counters ``fast_path_report`` shows (docs/design.md §8).
+
+A fused call goes through ``run_checked``: at the first call for a (site kind, shape class) it also runs the
+unfused reference and compares every output byte; on a mismatch the site kind falls back for the rest of the
+process, with a warning naming what differed. Gates (in ``patches/``) decide whether a site runs fused at all and
+record their reasons here with ``record_fallback``.
+
+The check runs inside a custom op, so it happens at run time even under ``torch.compile``; during CUDA graph
+capture nothing can be compared, so an unverified site records the unfused path into the graph instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+VerifyMode = Literal["first", "always", "off"]
+_VERIFY_MODES = ("first", "always", "off")
+
+
+@dataclass
+class FastPathStats:
+    """Counters of one model's fast paths; ``fast_path_report`` returns them as a dict."""
+
+    sites: Counter = field(default_factory=Counter)
+    fused_calls: Counter = field(default_factory=Counter)
+    fallbacks: Counter = field(default_factory=Counter)
+    verified: Counter = field(default_factory=Counter)
+    verify_failed: Counter = field(default_factory=Counter)
+    verify_mode: VerifyMode = "first"
+
+    def as_dict(self) -> dict:
+        return {
+            "verify": self.verify_mode,
+            "sites": dict(self.sites),
+            "fused_calls": dict(self.fused_calls),
+            "fallbacks": dict(self.fallbacks),
+            "verifications": {"passed": sum(self.verified.values()), "failed": sum(self.verify_failed.values()),
+                              "passed_by_kind": dict(self.verified), "failed_by_kind": dict(self.verify_failed)},
+        }
+
+
+_lock = threading.Lock()
+_STATS: dict[int, FastPathStats] = {}
+_NEXT_ID = itertools.count(1)  # never reused: a stale id must not count into another model's stats
+_VERDICTS: dict[str, bool] = {}  # verification key -> passed (process-wide)
+_FAILED_KINDS: dict[str, str] = {}  # site kind -> what mismatched
+
+
+def new_stats(verify: VerifyMode) -> tuple[int, FastPathStats]:
+    if verify not in _VERIFY_MODES:
+        raise ValueError(f"verify must be one of {_VERIFY_MODES}, got {verify!r}")
+    stats = FastPathStats(verify_mode=verify)
+    with _lock:
+        stats_id = next(_NEXT_ID)
+        _STATS[stats_id] = stats
+    return stats_id, stats
+
+
+def drop_stats(stats_id: int) -> None:
+    with _lock:
+        _STATS.pop(stats_id, None)
+
+
+def stats_for(stats_id: int) -> FastPathStats | None:
+    return _STATS.get(stats_id)
+
+
+def record_fallback(stats: FastPathStats, kind: str, reason: str) -> None:
+    """Called from gates in eager Python; under torch.compile it counts once per trace, not per call."""
+    stats.fallbacks[f"{kind}: {reason}"] += 1
+
+
+def failed_kind_reason(kind: str) -> str | None:
+    """Non-None once a verification of ``kind`` has failed in this process."""
+    return _FAILED_KINDS.get(kind)
+
+
+def reset_verification() -> None:
+    """Forget verdicts (tests; after upgrading torch in-process)."""
+    with _lock:
+        _VERDICTS.clear()
+        _FAILED_KINDS.clear()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bytes (NaN payloads and -0.0 included)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_as_bytes(a), _as_bytes(b))
+
+
+def _describe_mismatch(names: tuple[str, ...], fused: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> str:
+    parts = []
+    for name, a, b in zip(names, fused, ref):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            parts.append(f"{name}: {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}")
+        elif not bytes_equal(a, b):
+            n = int((_as_bytes(a) != _as_bytes(b)).sum())
+            parts.append(f"{name}: {n} of {a.numel() * a.element_size()} bytes differ")
+    return "; ".join(parts)
+
+
+def run_checked(
+    stats_id: int,
+    kind: str,
+    shape_class: str,
+    output_names: tuple[str, ...],
+    fused: Callable[[], tuple[torch.Tensor, ...]],
+    reference: Callable[[], tuple[torch.Tensor, ...]],
+) -> tuple[torch.Tensor, ...]:
+    """Run the fused implementation, verifying it against ``reference`` when the mode asks for it.
+
+    Runs inside the eager implementation of a custom op (see ops/dispatch.py), i.e. at run time in every mode.
+    """
+    stats = _STATS.get(stats_id) or FastPathStats()
+    if kind in _FAILED_KINDS:
+        stats.fallbacks[f"{kind}: verification failed earlier in this process"] += 1
+        return reference()
+    key = f"{kind}|{shape_class}"
+    mode = stats.verify_mode
+    if mode == "off" or (mode == "first" and _VERDICTS.get(key)):
+        stats.fused_calls[kind] += 1
+        return fused()
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        stats.fallbacks[f"{kind}: not yet verified when captured into a CUDA graph"] += 1
+        return reference()
+    out, ref = fused(), reference()
+    if all(bytes_equal(a, b) for a, b in zip(out, ref)):
+        with _lock:
+            _VERDICTS[key] = True
+        stats.verified[kind] += 1
+        stats.fused_calls[kind] += 1
+        return out
+    what = _describe_mismatch(output_names, out, ref)
+    with _lock:
+        _VERDICTS[key] = False
+        _FAILED_KINDS[kind] = what
+    stats.verify_failed[kind] += 1
+    warnings.warn(
+        f"diffusers-nvfp4-fast: the fused {kind} path differs from the unfused path for {shape_class} ({what}); "
+        f"{kind} falls back to the unfused path for the rest of this process. Please report this with your torch, "
+        "triton and GPU versions.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return ref

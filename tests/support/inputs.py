@@ -1,0 +1,46 @@
+"""Input generators shared by the kernel tests."""
+
+import torch
+
+
+def make_input(kind: str, rows: int, cols: int, device="cuda", seed: int = 0) -> torch.Tensor:
+    """bf16 [rows, cols]: randn, large/small magnitudes, exact E2M1 ties, zeros, NaN (both signs)/Inf rows."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(rows, cols, device=device, generator=gen)
+    if kind == "large":
+        x = x * 3e4
+    elif kind == "small":
+        x = x * 1e-6
+    elif kind == "mixed_scale":
+        exps = torch.randint(-30, 20, (rows, cols // 16, 1), device=device, generator=gen).float()
+        x = (x.reshape(rows, cols // 16, 16) * torch.exp2(exps)).reshape(rows, cols)
+    elif kind == "ties":
+        # Block max 6 * 2^e makes the scale a power of two, so these values land exactly on E2M1 midpoints.
+        ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 0.0, 6.0],
+                            device=device)
+        x = ties.repeat(rows, cols // 16)
+    elif kind == "zeros":
+        x = torch.zeros(rows, cols, device=device)
+        if rows > 1:
+            x[1::3, :16] = -0.0
+    elif kind == "nan_inf":
+        x[:: max(rows // 7, 1), 3] = float("nan")
+        x[1 :: max(rows // 5, 1), 17 % cols] = float("inf")
+        x[2 :: max(rows // 5, 1), 5] = float("-inf")
+        if rows > 3:
+            x[3, :16] = float("nan")
+    x = x.to(torch.bfloat16)
+    if kind == "nan_inf":
+        # NaNs with the sign bit set (0xFFC0; assigning -nan to a bf16 tensor would store the positive 0x7FC0): the
+        # kernels take the E2M1 sign from the scaled product, which a GPU multiply returns as the positive NaN.
+        x.view(torch.int16)[max(rows // 3, 1) - 1 :: max(rows // 4, 1), 9 % cols] = -64
+    return x
+
+
+INPUT_KINDS = ("randn", "large", "small", "mixed_scale", "ties", "zeros", "nan_inf")
+
+
+def global_scale_for(x: torch.Tensor) -> torch.Tensor:
+    """The activation global scale ``448 * 6 / amax`` of ``x`` (NaN/Inf ignored), FP32 one-element on x's device."""
+    amax = x.float().abs().nan_to_num(0.0, 0.0, 0.0).max().clamp(min=1e-12)
+    return (448.0 * 6.0 / amax).reshape(1).to(torch.float32)

@@ -1,0 +1,498 @@
+"""``enable_fast_paths`` on whole models and pipelines: same PNG bytes on and off, exact restore, the report,
+diffusers hooks, ``torch.compile`` and CUDA graphs. CPU tests run the torch-reference ops; ``gpu`` tests run the
+kernels on full-size blocks and the tiny pipelines, eager, compiled and graphed."""
+
+import warnings
+
+import pytest
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+from torch import nn
+
+from diffusers_nvfp4_fast import (
+    disable_fast_paths,
+    enable_fast_paths,
+    fast_path_report,
+    fast_paths,
+    load_nvfp4_transformer,
+)
+from diffusers_nvfp4_fast.ops import linear as linear_op
+from diffusers_nvfp4_fast.ops import quantize as quantize_op
+from diffusers_nvfp4_fast.ops import token_cat_quantize as token_cat_op
+from diffusers_nvfp4_fast.ops import verify
+from diffusers_nvfp4_fast.ops.verify import new_stats
+from diffusers_nvfp4_fast.patches.flux2 import patch_flux2
+from diffusers_nvfp4_fast.patches.qwenimage import patch_qwenimage
+from diffusers_nvfp4_fast.testing import export, tiny
+from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+
+KIND = {"flux2": "flux2_token_cat", "klein": "flux2_token_cat", "qwen": "qwen_resnorm"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts():
+    verify.reset_verification()
+    yield
+    verify.reset_verification()
+
+
+def _pipeline(which, modelopt_exports):
+    pipe, kwargs = tiny.TINY_PIPELINES[which](load_nvfp4_transformer(modelopt_exports(which)))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, kwargs
+
+
+def _sha(pipe, kwargs):
+    return png_sha256(run_pipeline(pipe, kwargs))
+
+
+def _originals(model):
+    blocks = [*getattr(model, "single_transformer_blocks", []), *getattr(model, "transformer_blocks", [])]
+    procs = [b.attn.processor for b in blocks]
+    forwards = [b.__dict__.get("forward") for b in getattr(model, "transformer_blocks", [])]
+    return procs, forwards
+
+
+@pytest.mark.parametrize("which", ["flux2", "klein", "qwen"])
+def test_png_identical_on_off_and_restored(which, modelopt_exports):
+    pipe, kwargs = _pipeline(which, modelopt_exports)
+    model = pipe.transformer
+    off = _sha(pipe, kwargs)
+    procs, forwards = _originals(model)
+    report = enable_fast_paths(pipe)
+    entry = report[type(model).__name__]
+    assert entry["enabled"] and sum(entry["sites"].values()) == 2  # 2 single blocks / 2 NVFP4 Qwen blocks
+    on = _sha(pipe, kwargs)
+    entry = fast_path_report(pipe)[type(model).__name__]
+    disable_fast_paths(pipe)
+    assert on == off
+    calls_per_step = {"flux2": 2, "klein": 4, "qwen": 4}[which]  # klein runs CFG: two transformer calls per step
+    assert entry["fused_calls"] == {KIND[which]: 3 * calls_per_step}
+    assert entry["verifications"]["passed"] == 1 and entry["verifications"]["failed"] == 0
+    assert entry["fallbacks"] == {}
+    new_procs, new_forwards = _originals(model)
+    assert all(a is b for a, b in zip(procs, new_procs)) and new_forwards == forwards
+    assert not hasattr(model, "_nvfp4_fast_paths") and fast_path_report(pipe)[type(model).__name__]["enabled"] is False
+    assert _sha(pipe, kwargs) == off
+
+
+def test_patched_objects_are_replaced_per_instance(modelopt_exports):
+    from diffusers.models.transformers.transformer_flux2 import Flux2ParallelSelfAttnProcessor
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    flux = load_nvfp4_transformer(modelopt_exports("flux2"))
+    qwen = load_nvfp4_transformer(modelopt_exports("qwen"))
+    class_forward = QwenImageTransformerBlock.forward
+    with fast_paths(flux), fast_paths(qwen):
+        assert all(type(b.attn.processor) is not Flux2ParallelSelfAttnProcessor for b in flux.single_transformer_blocks)
+        patched = [i for i, b in enumerate(qwen.transformer_blocks) if "forward" in b.__dict__]
+        assert patched == [2, 3]  # blocks 0, 1, 4, 5 are BF16 in the checkpoint and stay untouched
+        assert QwenImageTransformerBlock.forward is class_forward
+    assert all(type(b.attn.processor) is Flux2ParallelSelfAttnProcessor for b in flux.single_transformer_blocks)
+    assert not any("forward" in b.__dict__ for b in qwen.transformer_blocks)
+
+
+class _CountingHook(ModelHook):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.calls += 1
+        return args, kwargs
+
+
+@pytest.mark.parametrize("hooks_first", [True, False])
+def test_composes_with_diffusers_hooks(hooks_first, modelopt_exports):
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    model = pipe.transformer
+    block = model.transformer_blocks[2]
+    off = _sha(pipe, kwargs)
+    hook = _CountingHook()
+    if hooks_first:
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, "count")
+    enable_fast_paths(pipe)
+    if not hooks_first:
+        HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, "count")
+    on = _sha(pipe, kwargs)
+    report = fast_path_report(pipe)["QwenImageTransformer2DModel"]
+    assert on == off and hook.calls == 3 and report["fused_calls"]["qwen_resnorm"] == 12
+    block._diffusers_hook.remove_hook("count")
+    assert _sha(pipe, kwargs) == off and fast_path_report(pipe)["QwenImageTransformer2DModel"]["fused_calls"]["qwen_resnorm"] == 24
+    disable_fast_paths(pipe)
+    assert "forward" not in block.__dict__ or block.__dict__["forward"].__func__ is type(block).forward
+    assert _sha(pipe, kwargs) == off
+
+
+def test_verification_mismatch_falls_back_with_a_warning(modelopt_exports, monkeypatch):
+    pipe, kwargs = _pipeline("flux2", modelopt_exports)
+    off = _sha(pipe, kwargs)
+
+    def broken(attn, mlp, g, fast_math):
+        cat = torch.cat([attn, mlp], -1)
+        packed, scales = quantize_op.quantize(cat.reshape(-1, cat.shape[-1]), g, fast_math)
+        packed = packed.clone()
+        packed[0, 0] ^= 0x11
+        return packed, scales
+
+    monkeypatch.setattr(token_cat_op, "_token_cat_impl", broken)
+    enable_fast_paths(pipe)
+    with pytest.warns(RuntimeWarning, match=r"flux2_token_cat .*\(packed: 1 of \d+ bytes differ"):
+        on = _sha(pipe, kwargs)
+    report = fast_path_report(pipe)["Flux2Transformer2DModel"]
+    disable_fast_paths(pipe)
+    assert on == off
+    assert report["verifications"]["failed"] == 1 and "fused_calls" in report and not report["fused_calls"]
+    assert sum(report["fallbacks"].values()) == 5  # every later call of the 6 takes the unfused path
+
+
+def test_verify_always_and_off(modelopt_exports):
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    off = _sha(pipe, kwargs)
+    enable_fast_paths(pipe, verify="always")
+    assert _sha(pipe, kwargs) == off
+    assert fast_path_report(pipe)["QwenImageTransformer2DModel"]["verifications"]["passed"] == 12
+    enable_fast_paths(pipe, verify="off")  # enabling again only changes the mode
+    assert _sha(pipe, kwargs) == off
+    assert fast_path_report(pipe)["QwenImageTransformer2DModel"]["verifications"]["passed"] == 12
+    disable_fast_paths(pipe)
+    with pytest.raises(ValueError, match="verify"):
+        enable_fast_paths(pipe, verify="sometimes")
+
+
+def test_gate_reasons_are_counted(modelopt_exports):
+    model = load_nvfp4_transformer(modelopt_exports("qwen"))
+    model.transformer_blocks[3].txt_mlp.net[0].proj.dynamic_input_scale = True
+    pipe, kwargs = tiny.TINY_PIPELINES["qwen"](model)
+    pipe.set_progress_bar_config(disable=True)
+    enable_fast_paths(pipe)
+    run_pipeline(pipe, kwargs)
+    report = fast_path_report(pipe)["QwenImageTransformer2DModel"]
+    disable_fast_paths(pipe)
+    assert report["fallbacks"] == {"qwen_resnorm: FC1 uses a dynamic input scale": 3}
+    assert report["fused_calls"]["qwen_resnorm"] == 9
+
+
+def test_no_nvfp4_layers_warns_and_changes_nothing():
+    model = tiny.tiny_flux2_transformer(True)
+    procs = [b.attn.processor for b in model.single_transformer_blocks]
+    with pytest.warns(UserWarning, match="no NVFP4 layers"):
+        enable_fast_paths(model)
+    assert [b.attn.processor for b in model.single_transformer_blocks] == procs
+    assert not hasattr(model, "_nvfp4_fast_paths")
+
+
+@pytest.mark.parametrize("which", ["flux2", "qwen"])
+def test_torch_compile_fullgraph_keeps_fast_paths(which, modelopt_exports):
+    """aot_eager keeps eager numerics: compiled-on must equal eager-off. The fused ops run inside the graph."""
+    pipe, kwargs = _pipeline(which, modelopt_exports)
+    model = pipe.transformer
+    off = _sha(pipe, kwargs)
+    enable_fast_paths(model)
+    torch._dynamo.reset()
+    pipe.transformer = torch.compile(model, fullgraph=True, backend="aot_eager")
+    on = _sha(pipe, kwargs)
+    report = fast_path_report(model)[type(model).__name__]
+    pipe.transformer = model
+    disable_fast_paths(model)
+    assert on == off
+    assert sum(report["fused_calls"].values()) == {"flux2": 6, "qwen": 12}[which] and not report["fallbacks"]
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_on_equals_off(modelopt_exports):
+    """Inductor changes the numerics of the unfused BF16 ops by itself; with precision-cast emulation the compiled
+    model gives the same bytes with fast paths on and off."""
+    import torch._inductor.config as inductor_config
+
+    pipe, kwargs = _pipeline("flux2", modelopt_exports)
+    model = pipe.transformer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inductor_config.emulate_precision_casts = True
+        try:
+            torch._dynamo.reset()
+            pipe.transformer = torch.compile(model, fullgraph=True)
+            off = _sha(pipe, kwargs)
+            enable_fast_paths(model)
+            torch._dynamo.reset()
+            pipe.transformer = torch.compile(model, fullgraph=True)
+            on = _sha(pipe, kwargs)
+        finally:
+            inductor_config.emulate_precision_casts = False
+            pipe.transformer = model
+            disable_fast_paths(model)
+    assert on == off
+
+
+def test_kv_cache_processor_variant_is_patched_too(modelopt_exports):
+    from diffusers.models.transformers.transformer_flux2 import Flux2KVParallelSelfAttnProcessor
+
+    from diffusers_nvfp4_fast.patches.flux2 import Flux2FusedKVParallelSelfAttnProcessor
+
+    pipe, kwargs = _pipeline("klein", modelopt_exports)
+    originals = []
+    for block in pipe.transformer.single_transformer_blocks:
+        block.attn.set_processor(Flux2KVParallelSelfAttnProcessor())
+        originals.append(block.attn.processor)
+    off = _sha(pipe, kwargs)
+    enable_fast_paths(pipe)
+    assert all(type(b.attn.processor) is Flux2FusedKVParallelSelfAttnProcessor for b in pipe.transformer.single_transformer_blocks)
+    on = _sha(pipe, kwargs)
+    disable_fast_paths(pipe)
+    assert on == off
+    assert all(b.attn.processor is p for b, p in zip(pipe.transformer.single_transformer_blocks, originals))
+
+
+def test_custom_ops_are_opaque_in_compiled_graphs_and_skipped_in_eager(monkeypatch):
+    """Traced code calls the custom ops (one opaque node each, with their fake implementations); eager code calls
+    their implementations directly (the dispatcher's per-call host cost adds up over thousands of calls a step)."""
+    from diffusers_nvfp4_fast.linear import NVFP4Linear
+
+    torch.manual_seed(0)
+    layer = NVFP4Linear.from_weight(torch.randn(32, 64), torch.randn(32).bfloat16(), 0.01)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    eager = layer(x)
+
+    targets = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = torch.compile(layer, backend=record, fullgraph=True)(x)
+    assert any("nvfp4_fast.quantize" in t for t in targets), targets
+    assert any("nvfp4_fast.linear" in t for t in targets), targets
+    assert torch.equal(compiled.view(torch.int16), eager.view(torch.int16))
+
+    calls = []
+    for module, name in ((quantize_op, "_quantize_op"), (linear_op, "_linear_op")):
+        op = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
+    assert torch.equal(layer(x).view(torch.int16), eager.view(torch.int16))
+    assert calls == []
+
+
+def test_qwen_attention_bias_moves_into_the_kernel(modelopt_exports, monkeypatch):
+    """NVFP4 output projections with a bias skip it and the fused kernel adds it: PNG bytes unchanged, the kernel
+    gets the bias, training-mode dropout keeps the bias in the projection, and disable restores the processor."""
+    from diffusers_nvfp4_fast.linear import NVFP4Linear
+    from diffusers_nvfp4_fast.patches import qwenimage
+
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    model = pipe.transformer
+    off = _sha(pipe, kwargs)
+    blocks = [model.transformer_blocks[i] for i in (2, 3)]
+    assert all(isinstance(b.attn.to_out[0], NVFP4Linear) and b.attn.to_out[0].bias is not None for b in blocks)
+    originals = [b.attn.processor for b in blocks]
+    seen_bias = []
+    checked = qwenimage.qwen_resnorm_quantize_checked
+    monkeypatch.setattr(qwenimage, "qwen_resnorm_quantize_checked",
+                        lambda inputs, *rest: seen_bias.append(inputs.bias is not None) or checked(inputs, *rest))
+    enable_fast_paths(pipe)
+    assert all(isinstance(b.attn.processor, qwenimage.QwenDeferredBiasAttnProcessor) for b in blocks)
+    assert all(qwenimage.defers_bias(b.attn) for b in blocks)
+    assert _sha(pipe, kwargs) == off
+    assert seen_bias and all(seen_bias)
+
+    # Dropout in training mode: the projections keep their bias and the kernel gets none.
+    for b in blocks:
+        b.attn.to_out[1].train()
+        b.attn.to_out[1].p = 0.5
+    assert not any(qwenimage.defers_bias(b.attn) for b in blocks)
+    for b in blocks:
+        b.attn.to_out[1].eval()
+        b.attn.to_out[1].p = 0.0
+
+    disable_fast_paths(pipe)
+    assert all(b.attn.processor is p for b, p in zip(blocks, originals))
+    assert _sha(pipe, kwargs) == off
+
+
+def test_processor_choices_made_while_enabled_are_kept(modelopt_exports):
+    """set_attention_backend reaches the processor the wrapper runs, and a processor the user installs while the
+    fast paths are on is neither overwritten on disable nor fed an unbiased output."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    from diffusers_nvfp4_fast.patches import qwenimage
+
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    model = pipe.transformer
+    off = _sha(pipe, kwargs)
+    enable_fast_paths(pipe)
+    wrapper = model.transformer_blocks[2].attn.processor
+    model.set_attention_backend("native")
+    assert wrapper.processor._attention_backend == wrapper._attention_backend
+    assert getattr(wrapper.processor._attention_backend, "value", None) == "native"
+    user = QwenDoubleStreamAttnProcessor2_0()
+    model.transformer_blocks[3].attn.processor = user
+    assert not qwenimage.defers_bias(model.transformer_blocks[3].attn)
+    assert _sha(pipe, kwargs) == off
+    disable_fast_paths(pipe)
+    assert model.transformer_blocks[3].attn.processor is user
+    assert model.transformer_blocks[2].attn.processor is wrapper.processor
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: full-size blocks and the tiny pipelines with the kernels, eager, compiled and graphed.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _Holder(nn.Module):
+    """Gives a lone block the attribute the model patchers walk."""
+
+    def __init__(self, name: str, block: nn.Module):
+        super().__init__()
+        setattr(self, name, nn.ModuleList([block]))
+
+
+def _patched(holder, patcher):
+    stats_id, stats = new_stats("always")
+    restore = []
+    assert patcher(holder, stats_id, restore) == 1
+    return stats, restore
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_gpu_full_size_flux2_dev_single_block_identical():
+    from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransformerBlock
+
+    torch.manual_seed(0)
+    dim, rows_img, rows_txt = 6144, 4096, 512
+    block = Flux2SingleTransformerBlock(dim=dim, num_attention_heads=48, attention_head_dim=128, mlp_ratio=3.0)
+    block = block.to("cuda", torch.bfloat16)
+    holder = _Holder("single_transformer_blocks", block)
+    assert export.quantize_model_inplace(holder, (), 12.0) == 2
+    for batch in (1, 2):
+        h = torch.randn(batch, rows_img + rows_txt, dim, device="cuda", dtype=torch.bfloat16)
+        temb = torch.randn(batch, 3 * dim, device="cuda", dtype=torch.bfloat16) * 0.1
+        off = block(h, None, temb)
+        stats, restore = _patched(holder, patch_flux2)
+        on = block(h, None, temb)
+        for undo in restore:
+            undo()
+        assert stats.fused_calls["flux2_token_cat"] == 1 and stats.verified["flux2_token_cat"] == 1
+        assert torch.equal(on, off)
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_gpu_full_size_qwen_block_identical():
+    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+    torch.manual_seed(0)
+    dim = 3072
+    block = QwenImageTransformerBlock(dim=dim, num_attention_heads=24, attention_head_dim=128).to("cuda", torch.bfloat16)
+    holder = _Holder("transformer_blocks", block)
+    export.quantize_model_inplace(holder, (), 16.0)
+    for batch in (1, 2):
+        img = torch.randn(batch, 4096, dim, device="cuda", dtype=torch.bfloat16)
+        txt = torch.randn(batch, 512, dim, device="cuda", dtype=torch.bfloat16)
+        temb = torch.randn(batch, dim, device="cuda", dtype=torch.bfloat16)
+        off = block(img, txt, None, temb)
+        stats, restore = _patched(holder, patch_qwenimage)
+        on = block(img, txt, None, temb)
+        for undo in restore:
+            undo()
+        assert stats.fused_calls["qwen_resnorm"] == 2, fast_path_report
+        assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["flux2", "klein", "qwen"])
+def test_gpu_tiny_pipeline_png_identical_on_gpu(which, modelopt_exports):
+    model = load_nvfp4_transformer(modelopt_exports(which), device="cuda")
+    pipe, kwargs = tiny.TINY_PIPELINES[which](model)
+    pipe.to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+    off = png_sha256(run_pipeline(pipe, kwargs))
+    report = enable_fast_paths(pipe)
+    on = png_sha256(run_pipeline(pipe, kwargs))
+    report = fast_path_report(pipe)
+    disable_fast_paths(pipe)
+    assert on == off
+    entry = next(iter(report.values()))
+    assert sum(entry["fused_calls"].values()) > 0 and entry["verifications"]["failed"] == 0, report
+
+
+def _transformer_inputs(which, model):
+    gen = torch.Generator("cuda").manual_seed(0)
+    c = model.config
+    if which == "qwen":
+        return dict(hidden_states=torch.randn(1, 64, c.in_channels, device="cuda", generator=gen).bfloat16(),
+                    encoder_hidden_states=torch.randn(1, 20, c.joint_attention_dim, device="cuda", generator=gen).bfloat16(),
+                    encoder_hidden_states_mask=torch.ones(1, 20, dtype=torch.int64, device="cuda"),
+                    timestep=torch.full((1,), 0.5, device="cuda").bfloat16(), img_shapes=[[(1, 8, 8)]], return_dict=False)
+    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(8.0), torch.arange(8.0), torch.zeros(1), indexing="ij"), -1)
+    inputs = dict(hidden_states=torch.randn(1, 64, c.in_channels, device="cuda", generator=gen).bfloat16(),
+                  encoder_hidden_states=torch.randn(1, 20, c.joint_attention_dim, device="cuda", generator=gen).bfloat16(),
+                  timestep=torch.full((1,), 0.5, device="cuda").bfloat16(), img_ids=ids.reshape(-1, 4).cuda(),
+                  txt_ids=torch.zeros(20, 4, device="cuda"), return_dict=False)
+    if c.guidance_embeds:
+        inputs["guidance"] = torch.full((1,), 4.0, device="cuda")
+    return inputs
+
+
+def _qwen_block_call(model, inputs):
+    """Block 2 (NVFP4) of the Qwen model with inputs prepared outside: diffusers' Qwen forward copies host tensors
+    (RoPE frequencies) on every call, which CUDA graph capture forbids with or without fast paths."""
+    block = model.transformer_blocks[2]
+    gen = torch.Generator("cuda").manual_seed(1)
+    dim = block.dim
+    img = torch.randn(1, 64, dim, device="cuda", generator=gen).bfloat16()
+    txt = torch.randn(1, 20, dim, device="cuda", generator=gen).bfloat16()
+    temb = torch.randn(1, dim, device="cuda", generator=gen).bfloat16()
+    rope = model.pos_embed(inputs["img_shapes"], max_txt_seq_len=20, device=img.device)
+    return lambda: block(img, txt, None, temb, rope)[1]
+
+
+def _graph_replay(call):
+    for _ in range(2):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return static_out.clone()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["flux2", "qwen"])
+def test_gpu_compile_fullgraph_and_cuda_graph_identical(which, modelopt_exports):
+    """Fast paths stay active under torch.compile(fullgraph=True) and CUDA graph capture.
+
+    aot_eager keeps eager numerics, so compiled-on must equal eager-off; inductor changes the numerics of the
+    unfused parts of the model by itself, so there compiled-on must equal compiled-off. CUDA graphs: the whole
+    FLUX.2 transformer; for Qwen-Image one NVFP4 block (see ``_qwen_block_call``).
+    """
+    import torch._inductor.config as inductor_config
+
+    model = load_nvfp4_transformer(modelopt_exports(which), device="cuda")
+    inputs = _transformer_inputs(which, model)
+    with torch.inference_mode():
+        graph_call = (lambda: model(**inputs)[0]) if which == "flux2" else _qwen_block_call(model, inputs)
+        off = model(**inputs)[0].clone()
+        graph_off = graph_call().clone()
+        inductor_config.emulate_precision_casts = True
+        torch._dynamo.reset()
+        inductor_off = torch.compile(model, fullgraph=True)(**inputs)[0].clone()
+        enable_fast_paths(model)
+        eager_on = model(**inputs)[0].clone()
+        torch._dynamo.reset()
+        aot_on = torch.compile(model, fullgraph=True, backend="aot_eager")(**inputs)[0].clone()
+        torch._dynamo.reset()
+        inductor_on = torch.compile(model, fullgraph=True)(**inputs)[0].clone()
+        inductor_config.emulate_precision_casts = False
+        graphed_on = _graph_replay(graph_call)
+    report = fast_path_report(model)
+    disable_fast_paths(model)
+    assert torch.equal(eager_on, off)
+    assert torch.equal(aot_on, off)
+    assert torch.equal(inductor_on, inductor_off)
+    assert torch.equal(graphed_on, graph_off)
+    entry = next(iter(report.values()))
+    # fused calls were counted at run time from inside the compiled graphs too
+    assert sum(entry["fused_calls"].values()) >= 4 and not entry["fallbacks"], report
