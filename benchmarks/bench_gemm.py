@@ -142,7 +142,8 @@ def bench_shape(model: str, weight, m: int, ref_rows: int, gemm_mod, result: dic
     deq_err = rel_err(dequant()[:r], ref)
     del ref
     times = {"nvfp4_gemm": time_us(ours), "nvfp4_triton_kernel": time_us(portable),
-             "nvfp4_quant_gemm": time_us(quant_gemm), "cublas_bf16": time_us(cublas), "dequant_matmul": time_us(dequant)}
+             "nvfp4_quant_gemm": time_us(quant_gemm), "cublas_bf16": time_us(cublas),
+             "dequant_matmul": time_us(dequant)}
     errs = {"nvfp4_gemm": ours_err, "nvfp4_triton_kernel": ours_err, "nvfp4_quant_gemm": ours_err, "cublas_bf16": None,
             "dequant_matmul": deq_err}
     rows = []
@@ -154,7 +155,8 @@ def bench_shape(model: str, weight, m: int, ref_rows: int, gemm_mod, result: dic
             "exact": exact_epilogue if variant == "nvfp4_gemm" else None,
         })
     if m == GOAL_M:
-        for name, rounds_key, graph, rounds in (("paired", "paired_rounds", False, 5), ("graph", "graph_rounds", True, 3)):
+        for name, rounds_key, graph, rounds in (("paired", "paired_rounds", False, 5),
+                                                ("graph", "graph_rounds", True, 3)):
             ratios = paired_ratio(ours, cublas, rounds=rounds, graph=graph)
             rows[0][f"vs_cublas_bf16_{name}"] = round(statistics.median(ratios), 3)
             rows[0][rounds_key] = [round(r, 3) for r in ratios]
@@ -184,7 +186,8 @@ def sweep_configs(model: str, weight, m: int, gemm_mod) -> list[dict]:
         try:
             us = time_us(lambda cfg=cfg: gemm_mod.nvfp4_gemm(xp, xs, wp, ws, alpha, torch.bfloat16, config=cfg))
         except Exception as e:  # e.g. out of shared memory on a smaller GPU
-            rows.append({"shape": {"model": model, "M": m, "N": n, "K": k}, "config": _config_str(cfg), "error": str(e)[:200]})
+            rows.append({"shape": {"model": model, "M": m, "N": n, "K": k}, "config": _config_str(cfg),
+                         "error": str(e)[:200]})
             continue
         rows.append({"shape": {"model": model, "M": m, "N": n, "K": k}, "config": _config_str(cfg), "us": round(us, 2),
                      "tflops": round(2.0 * m * n * k / (us * 1e-6) / 1e12, 1)})
@@ -218,7 +221,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="M in {17, 4608}, FLUX.2-dev shapes only")
     ap.add_argument("--ref-rows", type=int, default=1024, help="rows checked against the FP32 emulation")
     ap.add_argument("--sweep-configs", action="store_true",
-                    help=f"also time every GEMM config at M={GOAL_M} (and 17) on each shape (for tuning the config list)")
+                    help=f"also time every GEMM config at M={GOAL_M} (and 17) on each shape "
+                         "(for tuning the config list)")
     args = ap.parse_args()
     if args.quick:
         args.m, args.models = [17, GOAL_M], ["flux2-dev"]
@@ -270,8 +274,8 @@ def main() -> None:
     for c in result["cases"]:
         s = c["shape"]
         err = "" if c["rel_err"] is None else f"{c['rel_err']:.1e}"
-        print(f"{s['model']:10s} {s['M']:5d} {s['N']:6d} {s['K']:6d} {c['variant']:17s} {c['us']:10.1f} {c['tflops']:7.1f} "
-              f"{c['vs_cublas_bf16']:9.2f} {err:>9s} {c.get('config', '')}")
+        print(f"{s['model']:10s} {s['M']:5d} {s['N']:6d} {s['K']:6d} {c['variant']:17s} {c['us']:10.1f} "
+              f"{c['tflops']:7.1f} {c['vs_cublas_bf16']:9.2f} {err:>9s} {c.get('config', '')}")
     for r in sweep:
         timing = f"{r['us']:10.1f} us {r['tflops']:7.1f} TF/s" if "us" in r else r["error"]
         print(f"sweep {r['shape']} {r['config']:28s} {timing}")

@@ -93,16 +93,21 @@ def main() -> None:
         }
     figures["decode_nvfp4_rows"] = {"wrapper_us": host_us(lambda: gemm_mod.decode_nvfp4_rows(x_packed, x_scales))}
     if sm90 is not None:
-        figures["nvfp4_gemm_sm90"] = {"wrapper_us": host_us(lambda: sm90.nvfp4_gemm_sm90(x16, w_packed, w_scales, alpha, out))}
-    figures["nvfp4_gemm"] = {"wrapper_us": host_us(lambda: gemm_mod.nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, alpha)),
-                             "kernel": "sm90" if sm90 is not None else "triton"}
+        figures["nvfp4_gemm_sm90"] = {
+            "wrapper_us": host_us(lambda: sm90.nvfp4_gemm_sm90(x16, w_packed, w_scales, alpha, out)),
+        }
+    figures["nvfp4_gemm"] = {
+        "wrapper_us": host_us(lambda: gemm_mod.nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, alpha)),
+        "kernel": "sm90" if sm90 is not None else "triton",
+    }
     figures["torch"] = {
         "empty_us": host_us(lambda: torch.empty((rows, d), dtype=torch.bfloat16, device=dev)),
         "add_us": host_us(lambda: residual + attn),
         "chunk3_us": host_us(lambda: mod.chunk(3, dim=-1)),
     }
     result.update(shape={"rows": rows, "hidden": d}, host_us=figures,
-                  timing="host microseconds per call: best of 3 runs of 2,000 back-to-back calls after 100 warm-up calls")
+                  timing="host microseconds per call: best of 3 runs of 2,000 back-to-back calls "
+                         "after 100 warm-up calls")
     print(figures)
     print("wrote", common.write_result(result))
 

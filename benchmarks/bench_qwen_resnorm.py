@@ -42,7 +42,8 @@ def make_inputs(rows: int, d: int):
     """B=1, L=rows, activation-like residual; shift/scale/gate are views of one mod_params tensor, as in diffusers."""
     gen = torch.Generator(device="cuda").manual_seed(rows)
     residual = torch.randn(1, rows, d, device="cuda", generator=gen)
-    residual = (residual * torch.rand(d, device="cuda", generator=gen) * 10 + torch.randn(d, device="cuda", generator=gen) * 3)
+    residual = (residual * torch.rand(d, device="cuda", generator=gen) * 10
+                + torch.randn(d, device="cuda", generator=gen) * 3)
     attn = torch.randn(1, rows, d, device="cuda", generator=gen) * 0.7
     bias = torch.randn(d, device="cuda", generator=gen) * 0.1
     mod = torch.randn(1, 6 * d, device="cuda", generator=gen) * 0.3
@@ -96,7 +97,8 @@ def main() -> None:
             "fused": time_us(fused),
             "eager": time_us(eager),
             "compiled": time_us(compiled),
-            "eager_chain": time_us(lambda case=case: qwen_residual_chain(ResNormInputs(*case), EPS)),  # context: no quantize
+            # context: no quantize
+            "eager_chain": time_us(lambda case=case: qwen_residual_chain(ResNormInputs(*case), EPS)),
         }
         exact_of = {"fused": exact, "eager": True, "compiled": exact_compiled, "eager_chain": None}
         nbytes = fused_bytes(rows, d)

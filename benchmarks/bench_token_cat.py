@@ -43,7 +43,8 @@ def main() -> None:
         fused = lambda: kernels.token_cat_quantize_triton(a, b, g)  # noqa: E731
         unfused = lambda: kernels.quantize_nvfp4_triton(torch.cat([a, b], -1), g)  # noqa: E731
         exact = all(torch.equal(x, y) for x, y in zip(fused(), unfused()))
-        compiled_exact = all(torch.equal(x, y) for x, y in zip(compiled_ref(a, b), kernels.token_cat_quantize_triton(a, b, g, fast_math=False)))
+        compiled_exact = all(torch.equal(x, y) for x, y in zip(
+            compiled_ref(a, b), kernels.token_cat_quantize_triton(a, b, g, fast_math=False)))
         us = {"fused": time_us(fused), "unfused": time_us(unfused), "compiled": time_us(lambda: compiled_ref(a, b))}
         for variant, t in us.items():
             gbps = nbytes / (t * 1e-6) / 1e9
@@ -61,7 +62,8 @@ def main() -> None:
     ref = torch_quantize(x, g[0], fast_math=False)
     result["cases"].append({"shape": {"rows": 4096, "K": k}, "variant": "standalone_quantize", "us": round(t, 2),
                             "GBps": round(gbps, 1), "bw_fraction": round(gbps / copy, 3), "speedup_vs": {},
-                            "exact": all(torch.equal(p, q) for p, q in zip(kernels.quantize_nvfp4_triton(x, g, fast_math=False), ref))})
+                            "exact": all(torch.equal(p, q)
+                                         for p, q in zip(kernels.quantize_nvfp4_triton(x, g, fast_math=False), ref))})
     path = write_result(result)
     print(f"copy bandwidth {copy:.0f} GB/s -> {path}")
     for c in result["cases"]:

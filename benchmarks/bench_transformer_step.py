@@ -7,15 +7,15 @@ Usage:
 Writes benchmarks/results/transformer_step-<model>-<device>.json (docs/design.md §10) and prints a table.
 
 How the NVFP4 model is built without ever holding the BF16 model: the diffusers model is created on the meta device
-(``accelerate.init_empty_weights(include_buffers=False)``, class defaults = the public FLUX.2-dev / Qwen-Image
-configs). Each Linear that the public NVFP4 checkpoints quantize (exclusion patterns ``FLUX2_EXCLUDE`` /
-``qwen_exclude(60)`` from ``diffusers_nvfp4_fast.testing.tiny``, matched like the loader does with ``loaders.common.is_excluded``,
-and ``in_features % 16 == 0``) gets a random BF16 weight ``randn * 0.02`` on the GPU, quantized at once (precise
-mode, 128x4 scales, ``weight_scale_2 = amax / 2688``) into an ``NVFP4Linear``; the BF16 weight is freed before the
-next layer. ``input_scale`` is fixed to ``8 / 2688`` (activation amax 8: the block inputs are normalized and modulated,
-O(1) with tails of a few units; the value only changes which FP4 codes occur, not the speed). Every other parameter
-(excluded Linears, norms, embeddings) is random BF16 (norm weights 1, norm biases 0). The BF16 reference model is
-built the same way with BF16 Linears, after the NVFP4 model is freed, when it fits in memory.
+(``accelerate.init_empty_weights(include_buffers=False)``, class defaults = the public FLUX.2-dev / Qwen-Image configs).
+Each Linear that the public NVFP4 checkpoints quantize (exclusion patterns ``FLUX2_EXCLUDE`` / ``qwen_exclude(60)`` from
+``diffusers_nvfp4_fast.testing.tiny``, matched like the loader does with ``loaders.common.is_excluded``, and
+``in_features % 16 == 0``) gets a random BF16 weight ``randn * 0.02`` on the GPU, quantized at once (precise mode, 128x4
+scales, ``weight_scale_2 = amax / 2688``) into an ``NVFP4Linear``; the BF16 weight is freed before the next layer.
+``input_scale`` is fixed to ``8 / 2688`` (activation amax 8: the block inputs are normalized and modulated, O(1) with
+tails of a few units; the value only changes which FP4 codes occur, not the speed). Every other parameter (excluded
+Linears, norms, embeddings) is random BF16 (norm weights 1, norm biases 0). The BF16 reference model is built the same
+way with BF16 Linears, after the NVFP4 model is freed, when it fits in memory.
 
 Inputs at H x W: FLUX.2: latent (H/16)*(W/16) tokens of 128 channels (4096 at 1024x1024) + ``--text-tokens`` text
 tokens of 15360 channels, timestep 0.5, guidance 4.0, position ids as Flux2Pipeline builds them. Qwen-Image:
@@ -106,7 +106,8 @@ def materialize(model: nn.Module, model_name: str, device: torch.device, *, nvfp
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, lin in linears:
         quantize = nvfp4 and not is_excluded(name, patterns) and lin.in_features % 16 == 0
-        w = torch.randn(lin.out_features, lin.in_features, device=device, dtype=torch.bfloat16, generator=gen) * WEIGHT_STD
+        w = torch.randn(lin.out_features, lin.in_features, device=device, dtype=torch.bfloat16,
+                        generator=gen) * WEIGHT_STD
         bias = None
         if lin.bias is not None:
             bias = torch.randn(lin.out_features, device=device, dtype=torch.bfloat16, generator=gen) * WEIGHT_STD
@@ -170,9 +171,11 @@ def make_inputs(model_name: str, model: nn.Module, height: int, width: int, text
     timestep = torch.full((1,), 0.5, device=device, dtype=bf16)
     if model_name == "flux2-dev":
         img_ids = torch.cartesian_prod(torch.arange(1), torch.arange(h), torch.arange(w), torch.arange(1)).to(device)
-        txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1), torch.arange(text_tokens)).to(device)
-        return dict(hidden_states=hidden, encoder_hidden_states=text, timestep=timestep, img_ids=img_ids, txt_ids=txt_ids,
-                    guidance=torch.full((1,), 4.0, device=device, dtype=torch.float32), return_dict=False)
+        txt_ids = torch.cartesian_prod(torch.arange(1), torch.arange(1), torch.arange(1),
+                                       torch.arange(text_tokens)).to(device)
+        return dict(hidden_states=hidden, encoder_hidden_states=text, timestep=timestep, img_ids=img_ids,
+                    txt_ids=txt_ids, guidance=torch.full((1,), 4.0, device=device, dtype=torch.float32),
+                    return_dict=False)
     return dict(hidden_states=hidden, encoder_hidden_states=text, encoder_hidden_states_mask=None, timestep=timestep,
                 img_shapes=[[(1, h, w)]], return_dict=False)
 
@@ -317,11 +320,13 @@ def run(args) -> dict:
         result = common.header("transformer_step", common.copy_bandwidth_gbps())
     result["model"] = args.model
     result["tiny"] = args.tiny
-    result["inputs"] = {"height": args.height, "width": args.width, "image_tokens": (args.height // 16) * (args.width // 16),
+    result["inputs"] = {"height": args.height, "width": args.width,
+                        "image_tokens": (args.height // 16) * (args.width // 16),
                         "text_tokens": args.text_tokens, "batch": 1}
     result["timing"] = (f"median of {args.steps_timed} forwards after {args.warmup} warm-up forwards (CUDA events); "
                         "NVFP4 fast paths off and on timed in alternating rounds"
-                        + ("; each variant captured once in a CUDA graph and replayed" if args.cuda_graph else "; eager"))
+                        + ("; each variant captured once in a CUDA graph and replayed" if args.cuda_graph
+                           else "; eager"))
     result["cuda_graph"] = args.cuda_graph
     result["input_scale"] = f"fixed: amax {INPUT_AMAX} -> input_scale = {INPUT_AMAX}/2688"
     shape = {"model": args.model, **result["inputs"]}
@@ -336,8 +341,8 @@ def run(args) -> dict:
     counts = materialize(model, args.model, device, nvfp4=True)
     weight_bytes = tensor_bytes(model)
     backend = gemm_backend(device)
-    log(f"NVFP4 {args.model} built: {counts}, weights {weight_bytes / 1e9:.2f} GB (BF16 would be {bf16_bytes / 1e9:.2f} GB), "
-        f"GEMM backend {backend}")
+    log(f"NVFP4 {args.model} built: {counts}, weights {weight_bytes / 1e9:.2f} GB "
+        f"(BF16 would be {bf16_bytes / 1e9:.2f} GB), GEMM backend {backend}")
     result["gemm_backend"] = backend
     result["layers"] = counts
     inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
@@ -354,16 +359,17 @@ def run(args) -> dict:
     out_off2 = forward(model, inputs)  # fast paths are disabled again here
     repeatable = same_bytes(out_off, out_off2)
     finite = torch.isfinite(out_off.float()).float().mean().item()
-    cases = [{"shape": shape, "variant": "nvfp4_fast_off", "ms_per_step": round(ms_off, 2), "peak_mem_GB": round(peak_off, 2),
-              "weight_GB": round(weight_bytes / 1e9, 3), "weight_bytes": weight_bytes, "exact": repeatable,
+    cases = [{"shape": shape, "variant": "nvfp4_fast_off", "ms_per_step": round(ms_off, 2),
+              "peak_mem_GB": round(peak_off, 2), "weight_GB": round(weight_bytes / 1e9, 3),
+              "weight_bytes": weight_bytes, "exact": repeatable,
               "finite_fraction": round(finite, 6)}]
     if runs is not None:
         on = runs["on"]
         exact = same_bytes(on["out"], out_off) and same_bytes(out_off2, out_off)
         log(f"fast paths on: {on['ms']:.1f} ms/step, peak {on['peak']:.1f} GB, byte-identical to off: {exact}")
         cases.append({"shape": shape, "variant": "nvfp4_fast_on", "ms_per_step": round(on["ms"], 2),
-                      "peak_mem_GB": round(on["peak"], 2), "weight_GB": round(weight_bytes / 1e9, 3), "weight_bytes": weight_bytes,
-                      "exact": exact, "times_ms": [round(t, 2) for t in on["times"]],
+                      "peak_mem_GB": round(on["peak"], 2), "weight_GB": round(weight_bytes / 1e9, 3),
+                      "weight_bytes": weight_bytes, "exact": exact, "times_ms": [round(t, 2) for t in on["times"]],
                       "fast_path_report": _jsonable(on["report"])})
         cases[0]["times_ms"] = [round(t, 2) for t in runs["off"]["times"]]
         runs = on = None
@@ -382,8 +388,9 @@ def run(args) -> dict:
         inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
         ms_bf16, peak_bf16, out_bf16 = time_steps(model, inputs, args.warmup, args.steps_timed, device, args.cuda_graph)
         log(f"BF16: {ms_bf16:.1f} ms/step, peak {peak_bf16:.1f} GB, weights {bf16_weight / 1e9:.2f} GB")
-        cases.append({"shape": shape, "variant": "bf16", "ms_per_step": round(ms_bf16, 2), "peak_mem_GB": round(peak_bf16, 2),
-                      "weight_GB": round(bf16_weight / 1e9, 3), "weight_bytes": bf16_weight, "exact": None})
+        cases.append({"shape": shape, "variant": "bf16", "ms_per_step": round(ms_bf16, 2),
+                      "peak_mem_GB": round(peak_bf16, 2), "weight_GB": round(bf16_weight / 1e9, 3),
+                      "weight_bytes": bf16_weight, "exact": None})
         _free(model, inputs, out_bf16)
     else:
         log(f"BF16 model skipped ({'--skip-bf16' if args.skip_bf16 else f'needs {bf16_bytes / 1e9:.1f} GB'})")
@@ -435,7 +442,8 @@ def main() -> None:
     ap.add_argument("--steps-timed", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2, help="untimed forwards first (Triton compile + GEMM autotune)")
     ap.add_argument("--skip-bf16", action="store_true", help="do not build/time the BF16 model")
-    ap.add_argument("--tiny", action="store_true", help="tiny config on CPU (emulated GEMM): checks the logic, no timing value")
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny config on CPU (emulated GEMM): checks the logic, no timing value")
     ap.add_argument("--cuda-graph", action="store_true", help="replay each variant's step from a CUDA graph (GPU only)")
     args = ap.parse_args()
     if args.cuda_graph and args.tiny:
@@ -454,12 +462,13 @@ def main() -> None:
     else:
         import common
 
-        path = common.write_result(result, name=f"transformer_step-{args.model}" + ("-graph" if args.cuda_graph else ""))
+        path = common.write_result(result,
+                                   name=f"transformer_step-{args.model}" + ("-graph" if args.cuda_graph else ""))
         print(f"-> {path}")
     print(f"{'variant':16s} {'ms/step':>10s} {'peak GB':>8s} {'weight GB':>9s} {'exact':>6s}  speedup_vs")
     for c in result["cases"]:
-        print(f"{c['variant']:16s} {c['ms_per_step']:10.1f} {c['peak_mem_GB']:8.2f} {c['weight_GB']:9.3f} {str(c['exact']):>6s}  "
-              f"{c['speedup_vs']}")
+        print(f"{c['variant']:16s} {c['ms_per_step']:10.1f} {c['peak_mem_GB']:8.2f} {c['weight_GB']:9.3f} "
+              f"{str(c['exact']):>6s}  {c['speedup_vs']}")
     print(f"goals: {result['goals']}")
     print(f"wall {result['wall_s']} s")
 

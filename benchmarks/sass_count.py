@@ -32,8 +32,9 @@ SIGNATURES = {
                                           "M": "i32", "K": "i32", "row_stride": "i32", "padded_cols": "i32",
                                           "col_tiles": "i32"}),
     "token_cat": (_token_cat_quantize_kernel, {"a_ptr": "*i64", "b_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64",
-                                               "scales_ptr": "*u8", "M": "i32", "A": "i32", "B": "i32", "stride_a": "i32",
-                                               "stride_b": "i32", "padded_cols": "i32", "col_tiles": "i32"}),
+                                               "scales_ptr": "*u8", "M": "i32", "A": "i32", "B": "i32",
+                                               "stride_a": "i32", "stride_b": "i32", "padded_cols": "i32",
+                                               "col_tiles": "i32"}),
 }
 
 
@@ -43,7 +44,8 @@ def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, bl
     fn, sig = SIGNATURES[kernel]
     consts = {"BLOCK_R": block_r, "BLOCK_C": block_c, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": arch >= 100}
     return triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
-                          target=GPUTarget("cuda", arch, 32), options={"enable_fp_fusion": False, "num_warps": num_warps})
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"enable_fp_fusion": False, "num_warps": num_warps})
 
 
 def compile_gemm_sm90(stages: int = 4, even_k: bool = True):
@@ -179,8 +181,9 @@ def main() -> None:
                                         args.num_warps))
     elements = args.block_r * args.block_c * 16 / (32 * args.num_warps)
     total = sum(ops.values())
-    print(f"{args.kernel} sm_{args.arch} {'precise' if args.precise else 'fast-math'} tile {args.block_r}x{args.block_c * 16}: "
-          f"{total} SASS instructions, {elements:g} elements per thread, {total / elements:.1f} per element")
+    print(f"{args.kernel} sm_{args.arch} {'precise' if args.precise else 'fast-math'} "
+          f"tile {args.block_r}x{args.block_c * 16}: {total} SASS instructions, {elements:g} elements per thread, "
+          f"{total / elements:.1f} per element")
     print(", ".join(f"{op} {n}" for op, n in ops.most_common(20)))
 
 

@@ -7,9 +7,14 @@ import logging
 import warnings
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from .linear import NVFP4Linear
+from .loaders.common import record_checkpoint_config
+from .loaders.diffusers_native import SOURCE as BFL_SOURCE
+from .loaders.diffusers_native import convert_diffusers_native
+from .lora import register_lora_support
 from .ops.dispatch import gemm_backend
 from .ops.verify import VerifyMode, drop_stats, new_stats, stats_for
 from .patches.flux2 import patch_flux2
@@ -22,6 +27,12 @@ _PATCHERS = {
     "Flux2Transformer2DModel": patch_flux2,
     "QwenImageTransformer2DModel": patch_qwenimage,
 }
+MODELOPT_SOURCE = "ModelOpt (in memory)"
+BFL_NUMERICS = (
+    "layers loaded by diffusers' BFLQuantizationConfig compute the checkpoint's W4A4 recipe with its input_scale "
+    "(what diffusers computes on SM100+ with FlashInfer); below SM100 diffusers itself dequantizes them to W4A16, "
+    "so there the outputs differ from diffusers' own unconverted ones"
+)
 
 
 def _transformers(pipe_or_model) -> list[nn.Module]:
@@ -35,23 +46,36 @@ def _transformers(pipe_or_model) -> list[nn.Module]:
             if model is not None:
                 found.append(model)
     if not found:
-        raise TypeError(f"expected a diffusers pipeline with a transformer or an nn.Module, got {type(pipe_or_model).__name__}")
+        raise TypeError(f"expected a diffusers pipeline with a transformer or an nn.Module, "
+                        f"got {type(pipe_or_model).__name__}")
     return [getattr(m, "_orig_mod", m) for m in found]
 
 
-def _convert_in_memory_modelopt(model: nn.Module) -> None:
+def _convert(model: nn.Module, restore: list) -> dict[str, int]:
+    """Convert NVFP4 layers that diffusers or ModelOpt built to ``NVFP4Linear``; returns {source: count}."""
     from .loaders.modelopt_memory import convert_modelopt_model, has_modelopt_modules
 
+    converted = convert_diffusers_native(model, restore)
     if has_modelopt_modules(model):
+        before = sum(isinstance(m, NVFP4Linear) for m in model.modules())
         convert_modelopt_model(model)
+        converted[MODELOPT_SOURCE] = sum(isinstance(m, NVFP4Linear) for m in model.modules()) - before
+    return converted
+
+
+def _restore_config(model: nn.Module, restore: list) -> None:
+    previous = getattr(model, "_internal_dict", None)
+    if previous is not None:
+        restore.append(lambda: setattr(model, "_internal_dict", previous))
 
 
 def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> dict:
     """Make an NVFP4 FLUX.2 / Qwen-Image pipeline (or transformer) faster without changing any output byte.
 
-    Converts in-memory ModelOpt modules to ``NVFP4Linear``, puts every NVFP4 layer's block scales in the 128x4
-    layout (once), and installs the fused paths per instance. Enabling twice is harmless; a model without NVFP4
-    layers gets a warning and is left alone.
+    Converts NVFP4 layers that diffusers' ``BFLQuantizationConfig`` or an in-memory ModelOpt quantization built to
+    ``NVFP4Linear``, puts every NVFP4 layer's block scales in the 128x4 layout (once), and installs the fused paths
+    per instance. Enabling twice is harmless; a model without NVFP4 layers gets a warning and is left alone. Call it
+    before enabling sequential CPU offload or group offloading.
 
     Args:
         verify: "first" compares each fused site kind with the unfused path byte for byte at its first call per
@@ -65,34 +89,39 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
         if state is not None:
             stats_for(state["stats_id"]).verify_mode = verify
             continue
-        _convert_in_memory_modelopt(model)
+        restore: list = []
+        _restore_config(model, restore)
+        converted = _convert(model, restore)
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
         if not linears:
             warnings.warn(
-                f"enable_fast_paths: {type(model).__name__} has no NVFP4 layers (load it with load_nvfp4_transformer); "
-                "nothing was changed.",
+                f"enable_fast_paths: {type(model).__name__} has no NVFP4 layers (load it with load_nvfp4_transformer "
+                "or diffusers' BFLQuantizationConfig); nothing was changed.",
                 stacklevel=2,
             )
             continue
+        register_lora_support()
         swizzled = sum(m.swizzle_weight_scales_() for m in linears)
+        record_checkpoint_config(model)
         stats_id, stats = new_stats(verify)
-        restore: list = []
         patcher = _PATCHERS.get(type(model).__name__)
         if patcher is not None:
             stats.sites[patcher.__name__.removeprefix("patch_")] = patcher(model, stats_id, restore)
-        setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore})
+        setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore, "converted": converted})
         logger.info(
-            "fast paths on for %s: %d NVFP4 linears (%d scale tensors swizzled now), fused sites %s, GEMM backend %s",
-            type(model).__name__, len(linears), swizzled, dict(stats.sites), gemm_backend(linears[0].weight.device),
+            "fast paths on for %s: %d NVFP4 linears (converted now: %s; %d scale tensors swizzled now), fused sites "
+            "%s, GEMM backend %s", type(model).__name__, len(linears), converted or "none", swizzled,
+            dict(stats.sites), gemm_backend(execution_device(model, linears[0])),
         )
     return fast_path_report(pipe_or_transformer)
 
 
 def disable_fast_paths(pipe_or_transformer) -> None:
-    """Undo ``enable_fast_paths``: every replaced processor and forward is put back (the same objects).
+    """Undo ``enable_fast_paths``: every replaced processor, forward and converted layer is put back (the same
+    objects).
 
-    Block scales stay in the 128x4 layout: that conversion is a property of the loaded weights, not a fast path,
-    and both layouts give the same outputs.
+    Block scales of layers that were already ``NVFP4Linear`` stay in the 128x4 layout: that conversion is a property
+    of the loaded weights, not a fast path, and both layouts give the same outputs.
     """
     for model in _transformers(pipe_or_transformer):
         state = getattr(model, _STATE_ATTR, None)
@@ -116,8 +145,28 @@ def fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> Iterator
             disable_fast_paths(pipe_or_transformer)
 
 
+def _hook_device(module: nn.Module) -> torch.device | None:
+    """Where an offloading hook on ``module`` runs it: accelerate's execution device, diffusers' onload device."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.hooks.get("group_offloading") if registry is not None else None
+    return torch.device(hook.group.onload_device) if hook is not None else None
+
+
+def execution_device(model: nn.Module, layer: nn.Module) -> torch.device:
+    """The device ``layer`` computes on: where offloading hooks bring it, else where its weight is."""
+    for module in (layer, model, *model.modules()):
+        device = _hook_device(module)
+        if device is not None:
+            return device
+    return layer.weight.device
+
+
 def fast_path_report(pipe_or_transformer) -> dict:
-    """Per transformer: fused sites, fused calls, fallbacks by reason, verifications, NVFP4 layers, GEMM backend.
+    """Per transformer: fused sites, fused calls, fallbacks by reason, verifications, NVFP4 layers (and how many were
+    converted from which source), the numerics note for converted layers, the GEMM backend that runs.
 
     Counts come from the ops at run time (also under torch.compile); calls replayed from a CUDA graph run no
     Python and are not counted.
@@ -129,7 +178,11 @@ def fast_path_report(pipe_or_transformer) -> dict:
         stats = stats_for(state["stats_id"]) if state else None
         entry = {"enabled": state is not None, "nvfp4_linears": len(linears)}
         if linears:
-            entry["gemm_backend"] = gemm_backend(linears[0].weight.device)
+            entry["gemm_backend"] = gemm_backend(execution_device(model, linears[0]))
+        if state is not None:
+            entry["converted"] = dict(state["converted"])
+            if BFL_SOURCE in state["converted"]:
+                entry["numerics"] = BFL_NUMERICS
         if stats is not None:
             entry.update(stats.as_dict())
         report[type(model).__name__] = entry

@@ -86,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         entry = next(iter(summary["report"].values()))
         load = summary["load"]
         print(f"tiny {args.model} pipeline on {args.device}: {load['nvfp4_linears']} NVFP4 linears, "
-              f"{load['bf16_linears']} BF16 linears ({summary['seconds']['build_quantize_load']} s to build, quantize, load)")
+              f"{load['bf16_linears']} BF16 linears "
+              f"({summary['seconds']['build_quantize_load']} s to build, quantize, load)")
         print(f"GEMM backend: {entry.get('gemm_backend')}; fused sites: {entry.get('sites')}")
         print(f"fused calls: {entry.get('fused_calls')}; fallbacks: {entry.get('fallbacks') or 'none'}; "
               f"verifications: {entry.get('verifications', {}).get('passed')} passed, "

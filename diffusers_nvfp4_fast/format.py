@@ -248,7 +248,9 @@ def decode_nvfp4(
     else:
         sf = scales.view(torch.uint8)
         if tuple(sf.shape) != (m, k // BLOCK_SIZE):
-            raise ValueError(f"linear scales for packed {tuple(packed.shape)} must be {(m, k // 16)}, got {tuple(sf.shape)}")
+            raise ValueError(
+                f"linear scales for packed {tuple(packed.shape)} must be {(m, k // 16)}, got {tuple(sf.shape)}"
+            )
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
     values = lut[unpack_nibbles(packed.view(torch.uint8)).long()].reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
     return (values * e4m3_value(sf).unsqueeze(-1)).reshape(m, k).to(dtype)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -10,18 +12,40 @@ from .ops.linear import nvfp4_linear
 from .ops.quantize import quantize
 
 
+class QuantizedActivation(NamedTuple):
+    """An activation a fused kernel already quantized for an ``NVFP4Linear``: packed uint8 ``[M, K/2]``, 128x4 scales
+    ``[round_up(M,128), round_up(K/16,4)]`` and the dtype of the output. Passing it through the module's call (not a
+    side method) lets every hook on the layer run, such as offloading hooks that bring its weights to the GPU."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
+def _frozen(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+def _keeps_identity(t: torch.Tensor) -> bool:
+    # An inference-mode tensor cannot be updated in place outside inference mode: such a buffer is replaced instead.
+    return not t.is_inference() or torch.is_inference_mode_enabled()
+
+
 class NVFP4Linear(nn.Module):
     """``y = bf16(fp4_gemm(quantize(x, 1/input_scale), W) * alpha) (+ bias)``, docs/design.md §3.
 
     Deliberately not an ``nn.Linear`` subclass: nothing may call ``F.linear`` on packed bytes.
 
-    Buffers (so ``.to()``, ``state_dict`` and offloading work):
+    Parameters (frozen, so offloading hooks move and offload them like any weight):
         weight: uint8 ``[N, K/2]``, low nibble first.
         weight_scale: uint8 E4M3 bytes, ``[round_up(N,128), round_up(K/16,4)]`` (128x4) or ``[N, K/16]`` (linear);
             ``scale_layout`` says which, and only ``swizzle_weight_scales_`` changes it (once).
-        weight_scale_2, input_scale: FP32 0-d.
+    Buffers:
+        weight_scale_2, input_scale: FP32 0-d (they stay FP32 through ``model.to(dtype)``).
         bias: ``[N]`` in the model dtype, or absent.
         alpha (= input_scale * weight_scale_2), input_scale_inv (= 1 / input_scale): derived, not saved.
+
+    ``compute_dtype`` is the model dtype; LoRA adapters on this layer run in it.
 
     ``dynamic_input_scale`` (attribute, default False): when True, ``forward`` ignores ``input_scale`` and uses
     ``amax(|x|) / (448 * 6)`` of each call's whole input instead. That is NOT the checkpoint's recipe (the result
@@ -29,6 +53,8 @@ class NVFP4Linear(nn.Module):
     only ever switched on by an explicit user choice (``load_nvfp4_transformer(..., dynamic_input_scale=True)``).
     Such a layer refuses pre-quantized input: a fused path must check the flag in its gate.
     """
+
+    _FP32_BUFFERS = ("weight_scale_2", "input_scale", "alpha", "input_scale_inv")
 
     def __init__(
         self,
@@ -46,25 +72,30 @@ class NVFP4Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.scale_layout = scale_layout
+        self.compute_dtype = dtype
         if scale_layout == "128x4":
             scale_shape = padded_scale_shape(out_features, in_features)
         else:
             scale_shape = (out_features, in_features // BLOCK_SIZE)
-        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("weight_scale", torch.zeros(scale_shape, dtype=torch.uint8, device=device))
+        self.weight = _frozen(torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.weight_scale = _frozen(torch.zeros(scale_shape, dtype=torch.uint8, device=device))
         self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("input_scale", torch.ones((), dtype=torch.float32, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
         self.register_buffer("alpha", torch.ones((), dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("input_scale_inv", torch.ones((), dtype=torch.float32, device=device), persistent=False)
-        self.register_load_state_dict_post_hook(lambda module, _: module.refresh_derived_scales_())
+        self.register_load_state_dict_post_hook(NVFP4Linear._after_load_state_dict)
         self.dynamic_input_scale = False
 
-    _FP32_BUFFERS = ("weight_scale_2", "input_scale", "alpha", "input_scale_inv")
+    @staticmethod
+    def _after_load_state_dict(module: NVFP4Linear, incompatible_keys) -> None:
+        # torch asserts that these hooks return nothing.
+        module.refresh_derived_scales_()
 
     def _apply(self, fn, recurse=True):
         # `model.to(torch.bfloat16)` casts every floating buffer; the per-tensor scales must stay FP32 (rounding
-        # them to BF16 would change every output), so they only follow the device.
+        # them to BF16 would change every output), so they only follow the device. They keep their tensor objects,
+        # as parameters do, because offloading hooks hold on to them.
         saved = {name: self._buffers[name] for name in self._FP32_BUFFERS}
         for name in saved:
             self._buffers[name] = None
@@ -73,7 +104,12 @@ class NVFP4Linear(nn.Module):
         finally:
             device = self.weight.device
             for name, tensor in saved.items():
-                self._buffers[name] = tensor.to(device=device, dtype=torch.float32)
+                if tensor.device != device:
+                    if _keeps_identity(tensor):
+                        tensor.data = tensor.data.to(device)
+                    else:
+                        tensor = tensor.to(device)
+                self._buffers[name] = tensor
         return self
 
     @classmethod
@@ -103,19 +139,27 @@ class NVFP4Linear(nn.Module):
     ) -> NVFP4Linear:
         """Take checkpoint tensors (shapes already checked by the caller) and record their scale layout."""
         device = self.weight.device
-        self.weight = weight.view(torch.uint8).to(device).contiguous()
-        self.weight_scale = weight_scale.view(torch.uint8).to(device).contiguous()
+        self.weight = _frozen(weight.view(torch.uint8).to(device).contiguous())
+        self.weight_scale = _frozen(weight_scale.view(torch.uint8).to(device).contiguous())
         self.scale_layout = scale_layout
         self.weight_scale_2 = weight_scale_2.reshape(()).to(device=device, dtype=torch.float32)
         self.input_scale = input_scale.reshape(()).to(device=device, dtype=torch.float32)
         if bias is not None:
             self.bias = bias.to(device=device, dtype=self.bias.dtype if self.bias is not None else bias.dtype)
+        self.alpha = torch.empty((), dtype=torch.float32, device=device)
+        self.input_scale_inv = torch.empty((), dtype=torch.float32, device=device)
         return self.refresh_derived_scales_()
 
     @torch.no_grad()
     def refresh_derived_scales_(self) -> NVFP4Linear:
-        self.alpha = self.input_scale * self.weight_scale_2
-        self.input_scale_inv = 1.0 / self.input_scale
+        """Recompute ``alpha`` and ``input_scale_inv`` in place (their tensor objects stay, for offloading hooks)."""
+        derived = {"alpha": self.input_scale * self.weight_scale_2, "input_scale_inv": 1.0 / self.input_scale}
+        for name, value in derived.items():
+            current = self._buffers[name]
+            if current.device == value.device and _keeps_identity(current):
+                current.copy_(value)
+            else:
+                self._buffers[name] = value
         return self
 
     @torch.no_grad()
@@ -123,12 +167,14 @@ class NVFP4Linear(nn.Module):
         """Convert linear block scales to the 128x4 layout. Returns False (and does nothing) if already 128x4."""
         if self.scale_layout == "128x4":
             return False
-        self.weight_scale = swizzle_scales(self.weight_scale)
+        self.weight_scale = _frozen(swizzle_scales(self.weight_scale.data))
         self.scale_layout = "128x4"
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[..., K]`` BF16/FP16 -> ``[..., N]`` in x's dtype."""
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        """x: ``[..., K]`` BF16/FP16 -> ``[..., N]`` in x's dtype; a ``QuantizedActivation`` of M rows -> ``[M, N]``."""
+        if isinstance(x, QuantizedActivation):
+            return self.forward_prequantized(*x)
         return self._forward(x, self.bias)
 
     def forward_without_bias(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,7 +192,7 @@ class NVFP4Linear(nn.Module):
             return self._forward_dynamic(x, bias)
         x_packed, x_scales = quantize(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math_from_env())
         y = nvfp4_linear(x_packed, x_scales, self.weight, self.weight_scale, self.alpha, bias, x.dtype,
-                             self.scale_layout == "128x4")
+                         self.scale_layout == "128x4")
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _forward_dynamic(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -165,11 +211,14 @@ class NVFP4Linear(nn.Module):
     def forward_prequantized(
         self, x_packed: torch.Tensor, x_scales: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16
     ) -> torch.Tensor:
-        """x_packed: uint8 ``[M, K/2]``; x_scales: uint8 128x4 ``[round_up(M,128), round_up(K/16,4)]`` -> ``[M, N]``."""
+        """x_packed: uint8 ``[M, K/2]``; x_scales: uint8 128x4 ``[round_up(M,128), round_up(K/16,4)]`` -> ``[M, N]``.
+
+        Fused paths call the module with a ``QuantizedActivation`` instead, so that hooks on the layer run."""
         if self.dynamic_input_scale:
             raise RuntimeError(
-                "this NVFP4Linear uses dynamic_input_scale (no checkpoint input_scale), so input quantized with its static "
-                "input_scale_inv would be wrong; fused paths must fall back for it (check `dynamic_input_scale` in the gate)"
+                "this NVFP4Linear uses dynamic_input_scale (no checkpoint input_scale), so input quantized with its "
+                "static input_scale_inv would be wrong; fused paths must fall back for it (check `dynamic_input_scale` "
+                "in the gate)"
             )
         return nvfp4_linear(
             x_packed, x_scales, self.weight, self.weight_scale, self.alpha, self.bias, out_dtype,

@@ -71,7 +71,8 @@ def hardware_e2m1(device: torch.device) -> bool:
 
 def launch_options(device: torch.device, fast_math: bool, num_warps: int = 4) -> dict:
     # No FMA contraction: every rounding step must happen exactly where the spec puts it.
-    return {"FAST_MATH": bool(fast_math), "HW_E2M1": hardware_e2m1(device), "enable_fp_fusion": False, "num_warps": num_warps}
+    return {"FAST_MATH": bool(fast_math), "HW_E2M1": hardware_e2m1(device), "enable_fp_fusion": False,
+            "num_warps": num_warps}
 
 
 _COMPILED: dict = {}

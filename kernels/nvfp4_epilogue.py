@@ -62,8 +62,8 @@ def e4m3_value(byte):
 
 @triton.jit
 def _e2m1_parts(v):
-    """FP32 ``v`` -> (``u``, ``s``) uint32: the low nibble of ``u`` is the E2M1 magnitude code of ``v`` (nearest, ties to
-    the even code, saturating at 6; NaN -> 7) and bits 3..21 of ``u`` are zero; the top bit of ``s`` is the sign.
+    """FP32 ``v`` -> (``u``, ``s``) uint32: the low nibble of ``u`` is the E2M1 magnitude code of ``v`` (nearest, ties
+    to the even code, saturating at 6; NaN -> 7) and bits 3..21 of ``u`` are zero; the top bit of ``s`` is the sign.
     ``v`` must be the result of an FP32 multiply (the scaled value): on the GPU a NaN ``v`` then has its sign clear.
 
     The E2M1 grid has spacing 0.5 below 2, 1 in [2, 4) and 2 in [4, 6]. Adding ``c = 1.5 * 2^(22 + e)``, whose ulp is

@@ -22,8 +22,8 @@ Shape of the work:
   On SM90 this GEMM is ``nvfp4_gemm_sm90`` (Gluon, warp-specialized), which overlaps the weight decode with
   asynchronous wgmma: 668-760 TFLOP/s = 0.96-1.14x cuBLAS BF16 on the FLUX.2-dev shapes at M=4608, decode of X included
   (H200, benchmarks/results/gemm-h200.json).
-  The Triton kernel below serves SM80/SM89, K % 32 != 0 and misaligned operands, with identical output bytes: its decoded
-  tile is either the MMA's register A operand of ``W @ X^T`` (``W_IN_REGS``, 256 tokens per tile) or the
+  The Triton kernel below serves SM80/SM89, K % 32 != 0 and misaligned operands, with identical output bytes: its
+  decoded tile is either the MMA's register A operand of ``W @ X^T`` (``W_IN_REGS``, 256 tokens per tile) or the
   shared-memory B operand of ``X @ W^T``; in both, Triton (3.6, SM90 SASS) waits for each wgmma before the next
   tile is decoded, so decode and MMA do not overlap (0.5-0.7x cuBLAS BF16 on an H200).
 * Small M (``M <= PREDECODE_MAX_M``): X is decoded in the kernel too, and the kernel computes the transposed tile
@@ -298,7 +298,8 @@ def _scale_words(scales: torch.Tensor) -> torch.Tensor:
 
 def _check_scales(scales: torch.Tensor, rows: int, k: int, name: str) -> None:
     want = (cdiv(rows, 128) * 128, cdiv(k // 16, 4) * 4)
-    if scales.dtype not in (torch.uint8, torch.float8_e4m3fn) or tuple(scales.shape) != want or not scales.is_contiguous():
+    if (scales.dtype not in (torch.uint8, torch.float8_e4m3fn) or tuple(scales.shape) != want
+            or not scales.is_contiguous()):
         raise ValueError(f"{name}: expected contiguous uint8/e4m3 128x4 scales of shape {want}, "
                          f"got {scales.dtype} {tuple(scales.shape)}")
 

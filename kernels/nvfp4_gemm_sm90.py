@@ -258,7 +258,8 @@ def _weight_descriptors(w_packed: torch.Tensor, w_scales: torch.Tensor) -> tuple
     if entry is not None and entry[0] == where:
         return entry[1], entry[2]
     flat = _smem_layouts()[1]
-    w_desc = TensorDescriptor.from_tensor(_words(w_packed).reshape(w_packed.shape[0], -1), [BLOCK_N, BLOCK_K // 8], flat)
+    w_desc = TensorDescriptor.from_tensor(_words(w_packed).reshape(w_packed.shape[0], -1), [BLOCK_N, BLOCK_K // 8],
+                                          flat)
     # 128 consecutive scale words = one 128-row block x 4 scale columns = one k-step of 64 for one weight tile.
     s_desc = TensorDescriptor.from_tensor(_words(w_scales).reshape(-1, 128), [1, 128], flat)
     if entry is None:
@@ -287,7 +288,8 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
         w_scales: uint8 (or E4M3) 128x4-swizzled scales ``[round_up(N, 128), round_up(K/16, 4)]``, contiguous.
         alpha: FP32 with one element (0-d or ``[1]``) on the same device, read in the kernel.
         out: ``[M, N]`` BF16/FP16/FP32 with unit column stride; written and returned.
-        stages: TMA pipeline depth (3-5; 3-4 with FP32 output); group_n: tile order (see ``SM90_GROUP_N``). The bytes depend on neither.
+        stages: TMA pipeline depth (3-5; 3-4 with FP32 output); group_n: tile order (see ``SM90_GROUP_N``). The bytes
+            depend on neither.
     """
     max_stages = 4 if out.element_size() == 4 else 5  # shared memory: 36.5 KB per stage + the epilogue's transpose
     if not 3 <= stages <= max_stages:

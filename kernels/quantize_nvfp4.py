@@ -43,6 +43,7 @@ def quantize_nvfp4_triton(
     launch(
         _quantize_nvfp4_kernel, grid,
         blocks, global_scale, packed.view(torch.int64), scales, m, k, row_stride, scales.shape[1], col_tiles,
-        BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16, **launch_options(x.device, fast_math, num_warps),
+        BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
+        **launch_options(x.device, fast_math, num_warps),
     )
     return packed, scales

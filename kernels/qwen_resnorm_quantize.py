@@ -8,8 +8,8 @@ Between the attention output and FC1 a ``QwenImageTransformerBlock`` runs, op by
     m = bf16(bf16(n * bf16(1 + scale)) + shift) # _modulate
     packed, scales = quantize(m, g)             # FC1's input quantization
 
-``qwen_resnorm_quantize_triton`` does all of it in one pass and never writes ``m``. Byte identity with the eager ops needs
-two things:
+``qwen_resnorm_quantize_triton`` does all of it in one pass and never writes ``m``. Byte identity with the eager ops
+needs two things:
 
 * every BF16 rounding happens exactly where torch rounds (explicit FP32 -> BF16 -> FP32, no FMA contraction:
   launched with ``enable_fp_fusion=False``). For BF16 operands FP32-then-BF16 equals the correctly rounded BF16
@@ -123,7 +123,8 @@ def _bf16(x, SOFT_BF16: tl.constexpr):
 def _rsqrt(x, APPROX_RSQRT: tl.constexpr):
     if APPROX_RSQRT:
         # c10::cuda::compat::rsqrt -> rsqrtf -> rsqrt.approx.f32 (torch is built without -ftz): the same instruction.
-        return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
     else:
         # Interpreter stand-in: correctly rounded 1/sqrt (FP64, then one rounding to FP32). Not always equal to the
         # approximate instruction in the last bit; see the module docstring.
@@ -211,7 +212,8 @@ def _shuffle_down_combine(m, s, lane, OFFSET: tl.constexpr, COUNT: tl.constexpr,
 @triton.jit
 def _pack2(hi, lo):
     """Two FP32 tensors -> one int64 per position (bits only)."""
-    return (hi.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
+    return ((hi.to(tl.int32, bitcast=True).to(tl.int64) << 32)
+            | (lo.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF))
 
 
 @triton.jit
@@ -453,7 +455,8 @@ def unsupported_hidden_size(d: int) -> str | None:
     for _ in range(7):  # 5 shuffle levels + 2 inter-warp levels, each merging two equal counts
         half = count * (np.float32(1.0) / (count + count))
         if half != np.float32(0.5):
-            return f"hidden size {d}: torch's combine weight is {half!r}, not 0.5 (FMA contraction of the mean unverified)"
+            return (f"hidden size {d}: torch's combine weight is {half!r}, not 0.5 "
+                    "(FMA contraction of the mean unverified)")
         count = count + count
     return None
 
@@ -469,12 +472,14 @@ def _row_strides(t: torch.Tensor, name: str, b: int, l_len: int, d: int) -> tupl
     if t.dtype != torch.bfloat16:
         raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
     if t.shape[-1] != d or t.stride(-1) != 1:
-        raise ValueError(f"{name}: last dim must be {d} and contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+        raise ValueError(f"{name}: last dim must be {d} and contiguous, got shape {tuple(t.shape)} "
+                         f"strides {t.stride()}")
     if t.dim() == 2 and t.shape[0] == b:
         return t.stride(0), 0
     if t.dim() == 3 and t.shape[0] == b and t.shape[1] in (1, l_len):
         return t.stride(0), (t.stride(1) if t.shape[1] == l_len and l_len > 1 else 0)
-    raise ValueError(f"{name} must be [B, D], [B, 1, D] or [B, L, D] with B={b}, L={l_len}, D={d}; got {tuple(t.shape)}")
+    raise ValueError(f"{name} must be [B, D], [B, 1, D] or [B, L, D] with B={b}, L={l_len}, D={d}; "
+                     f"got {tuple(t.shape)}")
 
 
 def qwen_resnorm_quantize_triton(
@@ -517,8 +522,10 @@ def qwen_resnorm_quantize_triton(
     if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (d,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous bfloat16 [{d}] tensor, got {tuple(bias.shape)} {bias.dtype}")
     if global_scale.numel() != 1 or global_scale.dtype != torch.float32:
-        raise ValueError(f"global_scale must be a 1-element float32 tensor, got {tuple(global_scale.shape)} {global_scale.dtype}")
-    strides = [s for p, name in ((gate, "gate"), (scale, "scale"), (shift, "shift")) for s in _row_strides(p, name, b, l_len, d)]
+        raise ValueError(f"global_scale must be a 1-element float32 tensor, got {tuple(global_scale.shape)} "
+                         f"{global_scale.dtype}")
+    strides = [s for p, name in ((gate, "gate"), (scale, "scale"), (shift, "shift"))
+               for s in _row_strides(p, name, b, l_len, d)]
     m = b * l_len
     out = torch.empty((b, l_len, d), dtype=torch.bfloat16, device=residual.device)
     packed = torch.empty((m, d // 2), dtype=torch.uint8, device=residual.device)

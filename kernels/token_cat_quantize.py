@@ -46,7 +46,8 @@ def token_cat_quantize_triton(
     (m, width_a), (mb, width_b) = a.shape, b.shape
     if m != mb or width_a % 16 or width_b % 16:
         raise ValueError(
-            f"token_cat_quantize_triton: attn {tuple(attn.shape)} and mlp {tuple(mlp.shape)} need equal rows and widths % 16 == 0"
+            f"token_cat_quantize_triton: attn {tuple(attn.shape)} and mlp {tuple(mlp.shape)} need equal rows and "
+            "widths % 16 == 0"
         )
     (a_blocks, stride_a), (b_blocks, stride_b) = as_block_rows(a), as_block_rows(b)
     k = width_a + width_b
@@ -57,6 +58,7 @@ def token_cat_quantize_triton(
         _token_cat_quantize_kernel, grid,
         a_blocks, b_blocks, global_scale, packed.view(torch.int64), scales, m, width_a, width_b, stride_a, stride_b,
         scales.shape[1], col_tiles,
-        BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=a.dtype == torch.bfloat16, **launch_options(a.device, fast_math, num_warps),
+        BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=a.dtype == torch.bfloat16,
+        **launch_options(a.device, fast_math, num_warps),
     )
     return packed, scales

@@ -10,7 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="GPU test (marked gpu) not run: no CUDA device here; it runs on the GPU machine with `pytest -m gpu`")
+    skip = pytest.mark.skip(reason="GPU test (marked gpu) not run: no CUDA device here; "
+                                   "it runs on the GPU machine with `pytest -m gpu`")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

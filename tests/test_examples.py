@@ -16,7 +16,8 @@ def test_notebook_executes_on_tiny_model(notebook, tmp_path):
 
     nb = nbformat.read(ROOT / "examples" / notebook, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
-    outputs = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", []))
+    outputs = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                      for o in cell.get("outputs", []))
     off = next(line for line in outputs.splitlines() if line.startswith("PNG SHA256 fast paths off:")).split()[-1]
     on = next(line for line in outputs.splitlines() if line.startswith("PNG SHA256 fast paths on:")).split()[-1]
     assert len(off) == 64 and off == on

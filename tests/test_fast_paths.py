@@ -118,7 +118,8 @@ def test_composes_with_diffusers_hooks(hooks_first, modelopt_exports):
     report = fast_path_report(pipe)["QwenImageTransformer2DModel"]
     assert on == off and hook.calls == 3 and report["fused_calls"]["qwen_resnorm"] == 12
     block._diffusers_hook.remove_hook("count")
-    assert _sha(pipe, kwargs) == off and fast_path_report(pipe)["QwenImageTransformer2DModel"]["fused_calls"]["qwen_resnorm"] == 24
+    assert _sha(pipe, kwargs) == off
+    assert fast_path_report(pipe)["QwenImageTransformer2DModel"]["fused_calls"]["qwen_resnorm"] == 24
     disable_fast_paths(pipe)
     assert "forward" not in block.__dict__ or block.__dict__["forward"].__func__ is type(block).forward
     assert _sha(pipe, kwargs) == off
@@ -237,7 +238,8 @@ def test_kv_cache_processor_variant_is_patched_too(modelopt_exports):
         originals.append(block.attn.processor)
     off = _sha(pipe, kwargs)
     enable_fast_paths(pipe)
-    assert all(type(b.attn.processor) is Flux2FusedKVParallelSelfAttnProcessor for b in pipe.transformer.single_transformer_blocks)
+    blocks = pipe.transformer.single_transformer_blocks
+    assert all(type(b.attn.processor) is Flux2FusedKVParallelSelfAttnProcessor for b in blocks)
     on = _sha(pipe, kwargs)
     disable_fast_paths(pipe)
     assert on == off
@@ -383,7 +385,8 @@ def test_gpu_full_size_qwen_block_identical():
 
     torch.manual_seed(0)
     dim = 3072
-    block = QwenImageTransformerBlock(dim=dim, num_attention_heads=24, attention_head_dim=128).to("cuda", torch.bfloat16)
+    block = QwenImageTransformerBlock(dim=dim, num_attention_heads=24, attention_head_dim=128)
+    block = block.to("cuda", torch.bfloat16)
     holder = _Holder("transformer_blocks", block)
     export.quantize_model_inplace(holder, (), 16.0)
     for batch in (1, 2):
@@ -419,15 +422,19 @@ def test_gpu_tiny_pipeline_png_identical_on_gpu(which, modelopt_exports):
 def _transformer_inputs(which, model):
     gen = torch.Generator("cuda").manual_seed(0)
     c = model.config
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).bfloat16()
+
+    timestep = torch.full((1,), 0.5, device="cuda").bfloat16()
     if which == "qwen":
-        return dict(hidden_states=torch.randn(1, 64, c.in_channels, device="cuda", generator=gen).bfloat16(),
-                    encoder_hidden_states=torch.randn(1, 20, c.joint_attention_dim, device="cuda", generator=gen).bfloat16(),
+        return dict(hidden_states=randn(1, 64, c.in_channels),
+                    encoder_hidden_states=randn(1, 20, c.joint_attention_dim),
                     encoder_hidden_states_mask=torch.ones(1, 20, dtype=torch.int64, device="cuda"),
-                    timestep=torch.full((1,), 0.5, device="cuda").bfloat16(), img_shapes=[[(1, 8, 8)]], return_dict=False)
-    ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(8.0), torch.arange(8.0), torch.zeros(1), indexing="ij"), -1)
-    inputs = dict(hidden_states=torch.randn(1, 64, c.in_channels, device="cuda", generator=gen).bfloat16(),
-                  encoder_hidden_states=torch.randn(1, 20, c.joint_attention_dim, device="cuda", generator=gen).bfloat16(),
-                  timestep=torch.full((1,), 0.5, device="cuda").bfloat16(), img_ids=ids.reshape(-1, 4).cuda(),
+                    timestep=timestep, img_shapes=[[(1, 8, 8)]], return_dict=False)
+    grid = torch.meshgrid(torch.zeros(1), torch.arange(8.0), torch.arange(8.0), torch.zeros(1), indexing="ij")
+    inputs = dict(hidden_states=randn(1, 64, c.in_channels), encoder_hidden_states=randn(1, 20, c.joint_attention_dim),
+                  timestep=timestep, img_ids=torch.stack(grid, -1).reshape(-1, 4).cuda(),
                   txt_ids=torch.zeros(20, 4, device="cuda"), return_dict=False)
     if c.guidance_embeds:
         inputs["guidance"] = torch.full((1,), 4.0, device="cuda")

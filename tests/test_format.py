@@ -65,7 +65,8 @@ def test_fast_math_env(monkeypatch):
     for var in ("FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH", "TRTLLM_DISABLE_FP4_QUANT_FAST_MATH"):
         monkeypatch.delenv(var, raising=False)
     assert nvfp4.fast_math_from_env() is True
-    for value, fast in (("1", False), ("true", False), ("ON", False), ("0", True), ("off", True), ("", True), ("no", True)):
+    for value, fast in (("1", False), ("true", False), ("ON", False), ("0", True), ("off", True), ("", True),
+                        ("no", True)):
         monkeypatch.setenv("TRTLLM_DISABLE_FP4_QUANT_FAST_MATH", value)
         assert nvfp4.fast_math_from_env() is fast, value
 
@@ -160,7 +161,8 @@ def test_modelopt_weight_quantizer_agrees_except_documented_differences(tmp_path
     assert len(layers) == 16
     for layer in layers:
         ws2 = sd[f"{layer}.weight_scale_2"]
-        packed, scales = quantize_nvfp4(base[f"{layer}.weight"], 1.0 / ws2.float(), scale_layout="linear", fast_math=False)
+        packed, scales = quantize_nvfp4(base[f"{layer}.weight"], 1.0 / ws2.float(), scale_layout="linear",
+                                        fast_math=False)
         theirs = sd[f"{layer}.weight_scale"].view(torch.uint8)
         if layer != name:
             assert torch.equal(packed, sd[f"{layer}.weight"]), layer

@@ -93,7 +93,8 @@ def interpreted_gemm() -> list[dict]:
         ops = operands(m, 136, 176, 7)
         outs = [g.nvfp4_gemm(*ops, torch.float32, x_decode="in_kernel" if packed else "predecode", config=c)
                 for c in g.gemm_configs(packed)]
-        results.append({"name": f"configs identical (x_packed={packed})", "equal": all(torch.equal(o, outs[0]) for o in outs)})
+        results.append({"name": f"configs identical (x_packed={packed})",
+                        "equal": all(torch.equal(o, outs[0]) for o in outs)})
 
     # Garbage (including NaN bytes) in the padding of the 128x4 scale matrices does not change a byte.
     xp, xs, wp, ws, alpha = operands(17, 200, 176, 8)
@@ -245,7 +246,8 @@ def test_sm90_weight_descriptors_are_reused_rebuilt_and_freed():
     assert sm90._weight_descriptors(w, s)[0] is first[0], "a second call for the same weight reuses its descriptors"
     assert torch.equal(first[0].base.reshape(-1).view(torch.uint8), w.reshape(-1))
     assert torch.equal(first[1].base.reshape(-1).view(torch.uint8), s.reshape(-1))
-    w.set_(torch.randint(0, 256, (256, 64), dtype=torch.uint8).untyped_storage(), 0, (256, 64))  # same object, new storage
+    # same object, new storage
+    w.set_(torch.randint(0, 256, (256, 64), dtype=torch.uint8).untyped_storage(), 0, (256, 64))
     rebuilt = sm90._weight_descriptors(w, s)
     assert rebuilt[0] is not first[0] and rebuilt[0].base.data_ptr() == w.data_ptr()
     weight_ref = weakref.ref(w)
@@ -514,7 +516,8 @@ def test_gpu_large_m_int64_offsets():
     _skip_unless_sm80_to_sm90()
     m, n, k = 70_000, 36_864, 64
     if torch.cuda.get_device_properties(0).total_memory < 24 << 30:
-        pytest.skip("large-M GEMM test not run: needs ~6 GB of free GPU memory for the output; runs on an H200-class GPU")
+        pytest.skip("large-M GEMM test not run: needs ~6 GB of free GPU memory for the output; "
+                    "runs on an H200-class GPU")
     gen = torch.Generator(device=DEV).manual_seed(6)
     x = torch.randn(m, k, device=DEV, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, device=DEV, generator=gen).to(torch.bfloat16)

@@ -1,8 +1,8 @@
 """BFL / ComfyUI FLUX.2 NVFP4 single files: loaded byte-identically to the ModelOpt export they were written from.
 
-The files are produced from a real ModelOpt export of the tiny FLUX.2 transformer by ``support.bfl_files.write_bfl_file``
-(BFL names, fused qkv, 128x4-swizzled scales, high-nibble-first packing, markers / header metadata, BFL's
-[shift, scale] ``norm_out`` order, BF16 ``txt_attn.qkv``).
+The files are produced from a real ModelOpt export of the tiny FLUX.2 transformer by
+``support.bfl_files.write_bfl_file`` (BFL names, fused qkv, 128x4-swizzled scales, high-nibble-first packing, markers /
+header metadata, BFL's [shift, scale] ``norm_out`` order, BF16 ``txt_attn.qkv``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def everything(model) -> dict[str, torch.Tensor]:
 def assert_same_model(a, b) -> None:
     ta, tb = everything(a), everything(b)
     assert sorted(ta) == sorted(tb)
-    differ = [k for k in ta if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape or not torch.equal(ta[k], tb[k])]
+    differ = [k for k in ta
+              if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape or not torch.equal(ta[k], tb[k])]
     assert not differ, f"tensors differ: {differ}"
     kinds = lambda m: {n: (type(x).__name__, getattr(x, "scale_layout", None), getattr(x, "dynamic_input_scale", None))  # noqa: E731
                        for n, x in m.named_modules()}
@@ -127,7 +128,8 @@ def test_pipeline_png_sha256_matches_the_modelopt_export(bfl_file, reference):
         ("header only", dict(markers=False), {}),
         ("ComfyUI key prefix", dict(prefix="model.diffusion_model."), {}),
         ("lo-first + linear, per-layer flags", dict(nibble_order="lo_first", swizzle=False,
-                                                   layer_flags={"nibble_order": "lo_first", "scale_layout": "linear"}), {}),
+                                                   layer_flags={"nibble_order": "lo_first", "scale_layout": "linear"}),
+         {}),
         ("lo-first + linear, file-wide flags", dict(nibble_order="lo_first", swizzle=False, markers=False,
                                                     file_flags={"hi_first": False, "swizzled": False}), {}),
         ("hi-first flag as a boolean", dict(layer_flags={"hi_first": True, "swizzled": True, "group_size": 16}), {}),
@@ -216,7 +218,8 @@ def _unexpected(t, m):
     "edit, needles",
     [
         (_drop("single_blocks.1.linear2.weight_scale"), ["missing key single_blocks.1.linear2.weight_scale"]),
-        (_drop("double_blocks.0.txt_attn.qkv.weight"), ["missing: no tensor", "transformer_blocks.0.attn.add_q_proj.weight"]),
+        (_drop("double_blocks.0.txt_attn.qkv.weight"),
+         ["missing: no tensor", "transformer_blocks.0.attn.add_q_proj.weight"]),
         (_as_dtype("double_blocks.0.img_mlp.0.weight_scale_2", torch.bfloat16),
          ["double_blocks.0.img_mlp.0.weight_scale_2: dtype BF16", "expected an F32 scalar"]),
         (_as_dtype("single_blocks.0.linear1.weight_scale", torch.bfloat16),
@@ -252,7 +255,8 @@ def test_nibble_order_flag_conflicting_between_marker_and_header(export_dir, tmp
     write_bfl_file(export_dir, path, file_flags={"nibble_order": "lo_first"}, layer_flags={"nibble_order": "hi_first"})
     expect_error(path, "conflicting nibble_order for layer")
     write_bfl_file(export_dir, path, layer_flags={"nibble_order": "hi_first"})
-    expect_error(path, "nibble_order='lo_first' was passed, but the file's metadata says 'hi_first'", nibble_order="lo_first")
+    expect_error(path, "nibble_order='lo_first' was passed, but the file's metadata says 'hi_first'",
+                 nibble_order="lo_first")
 
 
 def test_double_swizzled_scales_are_detected(export_dir, tmp_path):
@@ -268,7 +272,8 @@ def test_double_swizzled_scales_are_detected(export_dir, tmp_path):
 def test_linear_scales_taken_as_swizzled_is_an_error(export_dir, tmp_path):
     path = tmp_path / "linear.safetensors"
     write_bfl_file(export_dir, path, swizzle=False)  # no flag: the convention (128x4) does not fit the shapes
-    expect_error(path, "but the scales are taken as 128x4-swizzled (inferred ComfyUI convention)", "scale_layout='linear'")
+    expect_error(path, "but the scales are taken as 128x4-swizzled (inferred ComfyUI convention)",
+                 "scale_layout='linear'")
     write_bfl_file(export_dir, path, layer_flags={"scale_layout": "linear"})  # flag says linear, data is 128x4-padded
     expect_error(path, "but the scales are taken as linear (metadata)", "scale_layout='128x4'")
 
@@ -285,8 +290,8 @@ def test_packed_weight_without_metadata_is_an_error(export_dir, tmp_path):
 
 
 def test_missing_input_scale_is_an_error_naming_layers_and_options(mixed_file):
-    message = expect_error(mixed_file, "5 NVFP4 layer(s) have no input_scale", "input_scales=", "dynamic_input_scale=True",
-                           "calibrate_input_scales", *MIXED_DIFFUSERS)
+    message = expect_error(mixed_file, "5 NVFP4 layer(s) have no input_scale", "input_scales=",
+                           "dynamic_input_scale=True", "calibrate_input_scales", *MIXED_DIFFUSERS)
     assert "transformer_blocks.0.attn.to_out.0" not in message
 
 
@@ -306,7 +311,8 @@ def test_input_scales_mapping_or_side_file_restores_the_export(mixed_file, expor
                  input_scales={k: v for k, v in scales.items() if "single" not in k})
     expect_error(mixed_file, "whose input_scale is in the checkpoint", "transformer_blocks.0.ff.linear_in",
                  input_scales={**scales, "transformer_blocks.0.ff.linear_in": 0.01})
-    expect_error(mixed_file, "not NVFP4 layers of this checkpoint", "proj_out", input_scales={**scales, "proj_out": 0.01})
+    expect_error(mixed_file, "not NVFP4 layers of this checkpoint", "proj_out",
+                 input_scales={**scales, "proj_out": 0.01})
     with pytest.raises(NVFP4CheckpointError, match="not a finite number > 0"):
         load_nvfp4_transformer(mixed_file, input_scales={**scales, MIXED_DIFFUSERS[0]: 0.0})
 
@@ -361,8 +367,9 @@ def test_calibrate_input_scales_writes_a_reusable_side_file(mixed_file, tmp_path
 def test_inspect_prints_header_facts(bfl_file, mixed_file, capsys):
     assert cli_main(["inspect", str(bfl_file)]) == 0
     out = capsys.readouterr().out
-    for needle in ("naming: BFL (double_blocks / single_blocks)", "comfy_quant markers: 11", "_quantization_metadata: True",
-                   "double_blocks.*.img_attn.qkv.weight", "U8", "[96, 16]", "scale layout by shape: {'128x4': 11}",
+    for needle in ("naming: BFL (double_blocks / single_blocks)", "comfy_quant markers: 11",
+                   "_quantization_metadata: True", "double_blocks.*.img_attn.qkv.weight", "U8", "[96, 16]",
+                   "scale layout by shape: {'128x4': 11}",
                    "hi_first (inferred ComfyUI convention)", "cannot be detected from the bytes",
                    "layers without input_scale: 0", "problems: 0", '"num_layers": 1'):
         assert needle in out, needle
@@ -379,7 +386,8 @@ def test_inspect_reports_problems_and_directories(export_dir, tmp_path, capsys):
     assert cli_main(["inspect", str(path)]) == 1
     assert "missing key single_blocks.1.linear2.weight_scale" in capsys.readouterr().out
     write_bfl_file(export_dir, path, edit=lambda t, m: t.__setitem__(
-        "single_blocks.0.linear2.weight_scale", cublas_swizzle(t["single_blocks.0.linear2.weight_scale"].view(torch.uint8))))
+        "single_blocks.0.linear2.weight_scale",
+        cublas_swizzle(t["single_blocks.0.linear2.weight_scale"].view(torch.uint8))))
     cli_main(["inspect", str(path), "--check-scales"])
     assert "nonzero padding after one unswizzle (swizzled twice?)" in capsys.readouterr().out
     assert cli_main(["inspect", str(export_dir), "--json"]) == 0

@@ -41,7 +41,8 @@ def assert_same_tensors(a, b) -> None:
     ta = {**a.state_dict(), **dict(a.named_buffers())}
     tb = {**b.state_dict(), **dict(b.named_buffers())}
     assert sorted(ta) == sorted(tb)
-    differ = [k for k in ta if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape or not torch.equal(ta[k], tb[k])]
+    differ = [k for k in ta
+              if ta[k].dtype != tb[k].dtype or ta[k].shape != tb[k].shape or not torch.equal(ta[k], tb[k])]
     assert not differ, f"tensors differ: {differ}"
     kinds = lambda m: {n: (type(x).__name__, getattr(x, "scale_layout", None)) for n, x in m.named_modules()  # noqa: E731
                        if isinstance(x, (torch.nn.Linear, NVFP4Linear))}
@@ -66,7 +67,8 @@ def test_fake_quant_model_converts_to_the_export_bytes(fake_quant_export, compre
     # Compressed and fake-quant exports agree except where the QKV fusion re-rounds k/v block scales of packed weights.
     a, b = load_nvfp4_transformer(fake_quant_export), load_nvfp4_transformer(compressed_export)
     assert torch.equal(a.transformer_blocks[0].attn.to_q.weight, b.transformer_blocks[0].attn.to_q.weight)
-    assert not torch.equal(a.transformer_blocks[0].attn.to_k.weight_scale, b.transformer_blocks[0].attn.to_k.weight_scale)
+    assert not torch.equal(a.transformer_blocks[0].attn.to_k.weight_scale,
+                           b.transformer_blocks[0].attn.to_k.weight_scale)
 
 
 def test_tensorrt_llm_swizzled_block_scales(compressed_export):
@@ -84,7 +86,8 @@ def test_uncalibrated_input_is_an_error_unless_dynamic():
 
     model = _compressed()
     mtq.disable_quantizer(model, lambda n: n == "single_transformer_blocks.0.attn.to_out.input_quantizer")
-    with pytest.raises(NVFP4CheckpointError, match=r"single_transformer_blocks\.0\.attn\.to_out: .*dynamic_input_scale=True"):
+    with pytest.raises(NVFP4CheckpointError,
+                       match=r"single_transformer_blocks\.0\.attn\.to_out: .*dynamic_input_scale=True"):
         convert_modelopt_model(model)
     assert has_modelopt_modules(model)  # nothing was changed
     convert_modelopt_model(model, dynamic_input_scale=True)

@@ -442,7 +442,8 @@ def assert_identical(got, ref):
         assert a.shape == b.shape and a.dtype == b.dtype, f"{name}: {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
         if not torch.equal(bits(a), bits(b)):
             diff = bits(a) != bits(b)
-            raise AssertionError(f"{name}: {int(diff.sum())} of {a.numel()} differ, first at {diff.nonzero()[:4].tolist()}")
+            raise AssertionError(f"{name}: {int(diff.sum())} of {a.numel()} differ, "
+                                 f"first at {diff.nonzero()[:4].tolist()}")
 
 
 def check(case, fast_math):
@@ -571,7 +572,8 @@ def test_gpu_layer_norm_subnormal_means():
 
     def mismatches(variant):
         y, mean, rstd = qmod.layer_norm_torch_exact(x, EPS, return_stats=True, mean_fma=variant)
-        return (int((bits(y) != bits(ref)).sum()), int((mean.view(torch.int32) != ref_mean.reshape(-1).view(torch.int32)).sum()),
+        return (int((bits(y) != bits(ref)).sum()),
+                int((mean.view(torch.int32) != ref_mean.reshape(-1).view(torch.int32)).sum()),
                 int((rstd.view(torch.int32) != ref_rstd.reshape(-1).view(torch.int32)).sum()))
 
     used = mismatches(qmod.TORCH_MEAN_FMA)

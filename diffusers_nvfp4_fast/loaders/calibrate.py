@@ -15,6 +15,7 @@ from torch import nn
 from ..format import decode_nvfp4
 from ..linear import NVFP4Linear
 from .bfl.input_scales import INPUT_SCALE_DIVISOR, INPUT_SCALES_FORMAT
+from .common import record_checkpoint_config
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
 
@@ -108,5 +109,6 @@ def calibrate_input_scales(
                 m.refresh_derived_scales_()
                 m.dynamic_input_scale = False
                 m.input_scale_source = "calibrated"
+        record_checkpoint_config(model)
     logger.info("Calibrated input_scale for %d layer(s)%s", len(scales), f", wrote {out_path}" if out_path else "")
     return scales

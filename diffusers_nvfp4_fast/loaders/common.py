@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 
 import torch
 from torch import nn
 
-from ..format import BLOCK_SIZE, ScaleLayout, padded_scale_shape
+from ..format import BLOCK_SIZE, padded_scale_shape
 from ..linear import NVFP4Linear
 from .errors import NVFP4CheckpointError
 
@@ -34,13 +35,6 @@ def scale_layout_from_shape(shape: tuple[int, ...], out_features: int, in_featur
     if len(shape) == 1 and shape[0] == swizzled[0] * swizzled[1]:
         return "128x4 (flat)"
     return "neither"
-
-
-def classify_scale_layout(shape: tuple[int, ...], out_features: int, in_features: int) -> ScaleLayout | None:
-    """'linear' or '128x4' from the shape, None if neither fits. Ambiguous shapes read as 'linear' (ModelOpt's
-    default export), so swizzled exports of such shapes must be declared by the caller."""
-    guess = scale_layout_from_shape(shape, out_features, in_features)
-    return {"linear": "linear", "ambiguous": "linear", "128x4": "128x4"}.get(guess)
 
 
 def is_excluded(module_name: str, patterns: list[str]) -> bool:
@@ -76,13 +70,18 @@ def replace_linear(model: nn.Module, name: str, linear: nn.Module, new: nn.Modul
 
 
 def finish_model(model: nn.Module, source, device) -> None:
-    """Refuse a model with tensors the checkpoint did not fill; eval mode; move to ``device``."""
+    """Refuse a model with tensors the checkpoint did not fill; eval mode; move to ``device``; record the checkpoint
+    facts for ``save_pretrained``; let peft put LoRA layers on its NVFP4 layers."""
+    from ..lora import register_lora_support
+
     meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
     if meta:
         raise NVFP4CheckpointError(f"{source}: no data for {meta}")
     model.eval()
     if device is not None:
         model.to(device)
+    record_checkpoint_config(model)
+    register_lora_support()
 
 
 def module_bytes(module: nn.Module) -> int:
@@ -109,3 +108,68 @@ def log_summary(summary: dict, source) -> None:
 
 def scalar(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(()).to(torch.float32)
+
+
+def scale_problems(name: str, weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                   input_scale: torch.Tensor | None) -> list[str]:
+    """What is wrong with one layer's NVFP4 scales (docs/checkpoints.md, "Scales that are refused"), each naming the
+    key and the bad value; empty when they are usable.
+
+    Refused: a NaN or +-Inf ``weight_scale_2``; a negative one; a zero one unless every block scale is zero (an all-zero
+    weight, which is legal); a NaN, +-Inf, zero or negative ``input_scale`` (``None`` skips the check: a layer that
+    computes its scale per call); E4M3 NaN bytes (0x7F, 0xFF) and negative nonzero bytes in ``weight_scale``.
+    """
+    problems = []
+    ws2 = float(weight_scale_2.reshape(()).float())
+    scale_bytes = weight_scale.reshape(-1).view(torch.uint8)
+    if not math.isfinite(ws2) or ws2 < 0:
+        problems.append(f"{name}.weight_scale_2 is {ws2}: it must be a finite number >= 0")
+    elif ws2 == 0 and bool(scale_bytes.any()):
+        problems.append(f"{name}.weight_scale_2 is 0 but some block scales are not: the weight would be wrong")
+    if input_scale is not None:
+        value = float(input_scale.reshape(()).float())
+        if not math.isfinite(value) or value <= 0:
+            problems.append(f"{name}.input_scale is {value}: it must be a finite number > 0")
+    nan_bytes = int(((scale_bytes & 0x7F) == 0x7F).sum())
+    if nan_bytes:
+        problems.append(f"{name}.weight_scale holds {nan_bytes} E4M3 NaN byte(s) (0x7F/0xFF)")
+    negative = int((scale_bytes > 0x80).sum()) - int((scale_bytes == 0xFF).sum())
+    if negative:
+        problems.append(f"{name}.weight_scale holds {negative} negative block scale(s) (sign bit set)")
+    return problems
+
+
+def raise_scale_problems(source, problems: list[str]) -> None:
+    if problems:
+        raise NVFP4CheckpointError(f"{source}: {len(problems)} problem(s) in NVFP4 scales:\n  " + "\n  ".join(problems))
+
+
+PRODUCER = "diffusers-nvfp4-fast"
+
+
+def checkpoint_config(model: nn.Module) -> dict | None:
+    """The ``quantization_config`` that describes ``model``'s NVFP4 layers as ``save_pretrained`` writes them: the
+    ModelOpt keys plus the facts a loader must not guess (block-scale layout, nibble order, layers that compute their
+    activation scale per call). None when the model has no NVFP4 layer or its layers mix scale layouts."""
+    from .. import __version__
+
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    layouts = {m.scale_layout for m in layers.values()}
+    if not layers or len(layouts) != 1:
+        return None
+    group = {"num_bits": 4, "type": "float", "group_size": BLOCK_SIZE}
+    return {
+        "quant_method": PRODUCER, "quant_algo": "NVFP4", "producer": {"name": PRODUCER, "version": __version__},
+        "config_groups": {"group_0": {"weights": group, "input_activations": group, "targets": ["Linear"]}},
+        "ignore": sorted(name for name, m in model.named_modules() if isinstance(m, nn.Linear)),
+        "weight_scale_layout": layouts.pop(), "nibble_order": "lo_first",
+        "dynamic_input_scale": sorted(name for name, m in layers.items() if m.dynamic_input_scale),
+    }
+
+
+def record_checkpoint_config(model: nn.Module) -> None:
+    """Put ``checkpoint_config(model)`` into the diffusers config, so ``model.save_pretrained(dir)`` writes a
+    checkpoint that ``load_nvfp4_transformer(dir)`` reads back byte for byte."""
+    config = checkpoint_config(model)
+    if config is not None and hasattr(model, "register_to_config"):
+        model.register_to_config(quantization_config=config)

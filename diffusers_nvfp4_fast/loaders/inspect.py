@@ -78,8 +78,8 @@ def _dtype_and_family_facts(tensors: dict[str, tuple[Path, Any]], prefix: str) -
     return {
         "dtypes": {d: {"tensors": c, "bytes": b} for d, (c, b) in sorted(by_dtype.items())},
         "families": {
-            f: {"count": v["count"], "dtypes": sorted(v["dtypes"]), "shapes": [list(s) for s in sorted(v["shapes"])[:4]],
-                "more_shapes": max(0, len(v["shapes"]) - 4)}
+            f: {"count": v["count"], "dtypes": sorted(v["dtypes"]),
+                "shapes": [list(s) for s in sorted(v["shapes"])[:4]], "more_shapes": max(0, len(v["shapes"]) - 4)}
             for f, v in sorted(families.items())
         },
     }
@@ -135,7 +135,8 @@ def _layer_facts(path: Path, tensors: dict[str, tuple[Path, Any]], prefix: str, 
             "scale_shape_guess": guess_scale_layout(info.shape, w[1].shape),
             "declared": (declared.flags | {"format": declared.format}) if declared else None,
             "marker": (module + "." + MARKER_SUFFIX) in tensors,
-            "input_scale": (module + ".input_scale") in tensors, "weight_scale_2": (module + ".weight_scale_2") in tensors,
+            "input_scale": (module + ".input_scale") in tensors,
+            "weight_scale_2": (module + ".weight_scale_2") in tensors,
             "nibble_order": nibble, "nibble_order_source": nibble_src,
         }
         if check_scales and w[1].dtype == "U8" and layer["scale_shape_guess"] in ("128x4", "128x4 (flat)", "ambiguous"):
@@ -154,6 +155,24 @@ def _dry_run(header: SafetensorsHeader) -> dict[str, Any]:
     keep = ("variant", "config_source", "config", "nibble_order", "nibble_order_source", "scale_layout",
             "scale_layout_source", "missing_input_scale", "problems")
     return {k: dry[k] for k in keep}
+
+
+def _diffusers_warning(facts: dict[str, Any]) -> str | None:
+    """For a ComfyUI-style FP4 file (markers or ``_quantization_metadata``) laid out high nibble first or with 128x4
+    scales: diffusers 0.42's ``BFLQuantizationConfig`` reads low nibble first and linear scales, without an error."""
+    comfy_style = facts.get("markers") or facts.get("header_quantization_metadata")
+    fp4 = [x for x in facts["nvfp4_layers"] if x.get("weight", [None])[0] == "U8"]
+    dry = facts.get("loader_dry_run") or {}
+    layouts = dry.get("scale_layout") or {}
+    hi_first = any(x.get("nibble_order") == "hi_first" for x in fp4)
+    if not (comfy_style and fp4 and (hi_first or layouts.get("128x4"))):
+        return None
+    return ("diffusers' BFLQuantizationConfig would misread this file: it reads FP4 values low nibble first and block "
+            "scales in the linear [N, K/16] layout, while this file is laid out "
+            f"{'high nibble first' if hi_first else 'low nibble first'} with "
+            f"{'128x4' if layouts.get('128x4') else 'linear'} scales (per its metadata or ComfyUI's convention). "
+            "Where no shape is padded (all of FLUX.2-dev) it loads without an error and computes wrong weights. "
+            "Load it with diffusers_nvfp4_fast.load_nvfp4_transformer, which reads this layout.")
 
 
 def inspect_checkpoint(path: str | Path, *, check_scales: bool = False) -> dict[str, Any]:
@@ -192,6 +211,7 @@ def inspect_checkpoint(path: str | Path, *, check_scales: bool = False) -> dict[
     facts["nibble_note"] = _NIBBLE_NOTE
     if header is not None and naming.startswith("BFL"):
         facts["loader_dry_run"] = _dry_run(header)
+        facts["diffusers_warning"] = _diffusers_warning(facts)
     facts["metadata_problems"] = problems
     return facts
 
@@ -206,24 +226,29 @@ def _padding_check(file: Path, key: str, packed_shape) -> str:
     if padded_scale_shape(n, k) == (n, k // BLOCK_SIZE):
         return "no padding (cannot tell)"
     _, problem = unswizzle_checked(scales, n, k // BLOCK_SIZE, key)
-    return "nonzero padding after one unswizzle (swizzled twice?)" if problem else "padding zero after one unswizzle (ok)"
+    return ("nonzero padding after one unswizzle (swizzled twice?)" if problem
+            else "padding zero after one unswizzle (ok)")
 
 
 def format_report(facts: dict[str, Any]) -> str:
     """Human-readable ``inspect`` output."""
-    lines = [f"{facts['kind']}: {facts['path']}", f"  files: {', '.join(facts['files'])}  ({facts['bytes'] / 1e6:.1f} MB)"]
-    lines.append(f"  tensors: {facts['tensors']}   key prefix: {facts['key_prefix'] or '(none)'}   naming: {facts['naming']}")
+    lines = [f"{facts['kind']}: {facts['path']}",
+             f"  files: {', '.join(facts['files'])}  ({facts['bytes'] / 1e6:.1f} MB)"]
+    lines.append(f"  tensors: {facts['tensors']}   key prefix: {facts['key_prefix'] or '(none)'}   "
+                 f"naming: {facts['naming']}")
     if facts.get("class"):
         lines.append(f"  config.json class: {facts['class']}")
     if facts.get("quantization_config"):
         qc = facts["quantization_config"]
         lines.append(f"  quantization_config: quant_algo={qc.get('quant_algo')} ignore={qc.get('ignore')}")
-    lines.append("  dtypes: " + ", ".join(f"{d} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)" for d, v in facts["dtypes"].items()))
+    lines.append("  dtypes: " + ", ".join(f"{d} x{v['tensors']} ({v['bytes'] / 1e6:.1f} MB)"
+                                          for d, v in facts["dtypes"].items()))
     if facts["header_metadata_keys"]:
         lines.append(f"  header __metadata__ keys: {facts['header_metadata_keys']}")
     if "markers" in facts:
         lines.append(
-            f"  comfy_quant markers: {facts['markers']}   _quantization_metadata: {facts['header_quantization_metadata']}"
+            f"  comfy_quant markers: {facts['markers']}   "
+            f"_quantization_metadata: {facts['header_quantization_metadata']}"
             f"   declared formats: {facts['declared_formats'] or '{}'}   file-wide flags: {facts['file_flags'] or '{}'}"
         )
     lines.append("  key families:")
@@ -232,7 +257,8 @@ def format_report(facts: dict[str, Any]) -> str:
         shapes = " ".join(str(s) for s in v["shapes"]) + (f" (+{v['more_shapes']} more)" if v["more_shapes"] else "")
         lines.append(f"    {fam:<{width}}  x{v['count']:<4} {'/'.join(v['dtypes']):<8} {shapes}")
     layers = facts["nvfp4_layers"]
-    lines.append(f"  NVFP4 layers (weight + weight_scale): {len(layers)}   scale layout by shape: {facts['scale_shape_guesses']}")
+    lines.append(f"  NVFP4 layers (weight + weight_scale): {len(layers)}   "
+                 f"scale layout by shape: {facts['scale_shape_guesses']}")
     nib: dict[str, int] = {}
     for layer in layers:
         label = f"{layer.get('nibble_order')} ({layer.get('nibble_order_source')})"
@@ -244,7 +270,8 @@ def format_report(facts: dict[str, Any]) -> str:
         lines.append(f"  128x4 padding check: {dict((c, checks.count(c)) for c in sorted(set(checks)))}")
     for layer in layers[:6]:
         lines.append(
-            f"    {layer['layer']}: weight {layer.get('weight')} scale {layer.get('scale')} -> {layer['scale_shape_guess']};"
+            f"    {layer['layer']}: weight {layer.get('weight')} scale {layer.get('scale')} "
+            f"-> {layer['scale_shape_guess']};"
             f" declared {layer.get('declared')}; input_scale {'yes' if layer.get('input_scale') else 'MISSING'}"
         )
     if len(layers) > 6:
@@ -262,12 +289,15 @@ def format_report(facts: dict[str, Any]) -> str:
             lines.append(f"    nibble order {dry['nibble_order']} from {dry['nibble_order_source']}; "
                          f"scale layout {dry['scale_layout']} from {dry['scale_layout_source']}")
             if dry["missing_input_scale"]:
-                lines.append(f"    loading needs input_scales= or dynamic_input_scale=True for {len(dry['missing_input_scale'])} "
-                             f"layer(s): {', '.join(dry['missing_input_scale'][:12])}")
+                lines.append(f"    loading needs input_scales= or dynamic_input_scale=True for "
+                             f"{len(dry['missing_input_scale'])} layer(s): "
+                             f"{', '.join(dry['missing_input_scale'][:12])}")
             probs = dry["problems"]
             lines.append(f"    problems: {len(probs)}" + "".join(f"\n      {p}" for p in probs[:30]))
     if facts["metadata_problems"]:
         lines.append("  metadata problems:" + "".join(f"\n    {p}" for p in facts["metadata_problems"]))
+    if facts.get("diffusers_warning"):
+        lines.append(f"  WARNING: {facts['diffusers_warning']}")
     return "\n".join(lines)
 
 

@@ -15,9 +15,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..format import BLOCK_SIZE, ScaleLayout, padded_scale_shape
+from ..format import BLOCK_SIZE, ScaleLayout, padded_scale_shape, swap_nibbles
 from ..linear import NVFP4Linear
-from .common import NVFP4_SUFFIXES, classify_scale_layout, finish_model, is_excluded, load_summary, log_summary, replace_linear
+from .common import (
+    NVFP4_SUFFIXES,
+    finish_model,
+    is_excluded,
+    load_summary,
+    log_summary,
+    raise_scale_problems,
+    replace_linear,
+    scale_layout_from_shape,
+    scale_problems,
+)
 from .errors import NVFP4CheckpointError
 from .safetensors_header import CheckpointIndex
 
@@ -29,12 +39,35 @@ WEIGHTS_INDEX_NAME = "diffusion_pytorch_model.safetensors.index.json"
 
 @dataclass
 class QuantizationInfo:
-    """What the checkpoint says about its quantization."""
+    """What the checkpoint says about its quantization, including the layout facts a loader must not guess.
+
+    ``scale_layout`` / ``nibble_order``: as the checkpoint states them (``save_pretrained`` of this package writes
+    both), else None / "lo_first". ``dynamic_layers``: layers saved without a calibrated input scale.
+    """
 
     quant_algo: str
     group_size: int
     exclude_patterns: list[str] = field(default_factory=list)
     source: str = ""
+    producer: str = ""
+    scale_layout: str | None = None
+    nibble_order: str = "lo_first"
+    dynamic_layers: list[str] = field(default_factory=list)
+
+
+def _layout_facts(info: QuantizationInfo, q: dict) -> QuantizationInfo:
+    producer = q.get("producer")
+    info.producer = str(producer.get("name", "")) if isinstance(producer, dict) else ""
+    info.scale_layout = q.get("weight_scale_layout")
+    info.nibble_order = q.get("nibble_order") or "lo_first"
+    info.dynamic_layers = list(q.get("dynamic_input_scale") or [])
+    if info.scale_layout not in (None, "128x4", "linear"):
+        raise NVFP4CheckpointError(
+            f"{info.source}: weight_scale_layout {info.scale_layout!r} is not '128x4' or 'linear'"
+        )
+    if info.nibble_order not in ("lo_first", "hi_first"):
+        raise NVFP4CheckpointError(f"{info.source}: nibble_order {info.nibble_order!r} is not 'lo_first' or 'hi_first'")
+    return info
 
 
 def _group_size(qc: dict) -> int:
@@ -72,7 +105,7 @@ def read_quantization_info(model_dir: Path, config: dict) -> QuantizationInfo:
         raise NVFP4CheckpointError(f"{info.source}: quant_algo is {info.quant_algo!r}, expected 'NVFP4'")
     if info.group_size != BLOCK_SIZE:
         raise NVFP4CheckpointError(f"{info.source}: group_size is {info.group_size}, NVFP4 uses {BLOCK_SIZE}")
-    return info
+    return _layout_facts(info, qc if qc is not None else {**nested, **q})
 
 
 def resolve_dir(path_or_repo_id: str | os.PathLike, subfolder: str | None) -> Path:
@@ -105,7 +138,35 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def _check_nvfp4_layer(name: str, linear: nn.Linear, index: CheckpointIndex, problems: list[str]) -> ScaleLayout | None:
+def _stored_layout(name: str, shape: tuple[int, ...], n: int, k: int, declared: str | None, info: QuantizationInfo,
+                   problems: list[str]) -> ScaleLayout | None:
+    """The layout of one layer's stored block scales: what the checkpoint (or the caller) declares, checked against
+    the shape; else what the shape proves; else ModelOpt's export default (linear) for a ModelOpt export. A shape
+    that fits both layouts in a checkpoint that says nothing is never guessed: it is a problem naming the choice."""
+    guess = scale_layout_from_shape(shape, n, k)
+    where = f"{name}.weight_scale"
+    if guess == "neither" or guess == "128x4 (flat)":
+        problems.append(f"{where}: shape {list(shape)} is neither linear {[n, k // 16]} nor 128x4-swizzled "
+                        f"{list(padded_scale_shape(n, k))}")
+        return None
+    if declared is not None:
+        if guess not in (declared, "ambiguous"):
+            problems.append(f"{where}: shape {list(shape)} is the {guess} shape, but the scales are declared "
+                            f"{declared} ({'argument' if declared != info.scale_layout else info.source})")
+            return None
+        return declared
+    if guess != "ambiguous":
+        return guess
+    if info.producer == "modelopt":
+        return "linear"
+    problems.append(f"{where}: shape {list(shape)} fits both the linear and the 128x4 layout, and {info.source} does "
+                    "not say which one it stores: pass scale_layout='linear' (ModelOpt's export default) or "
+                    "scale_layout='128x4'")
+    return None
+
+
+def _check_nvfp4_layer(name: str, linear: nn.Linear, index: CheckpointIndex, declared: str | None,
+                       info: QuantizationInfo, problems: list[str]) -> ScaleLayout | None:
     """Check one quantized layer's keys, dtypes and shapes; returns the stored scale layout (None on problems)."""
     n, k = linear.out_features, linear.in_features
     missing = [s for s in NVFP4_SUFFIXES if f"{name}.{s}" not in index]
@@ -130,12 +191,7 @@ def _check_nvfp4_layer(name: str, linear: nn.Linear, index: CheckpointIndex, pro
     expect("weight_scale_2", (torch.float32,), [(), (1,)])
     expect("input_scale", (torch.float32,), [(), (1,)])
     scale_shape = expect("weight_scale", (torch.float8_e4m3fn, torch.uint8), None)
-    layout = classify_scale_layout(scale_shape, n, k)
-    if layout is None:
-        problems.append(
-            f"{name}.weight_scale in {index.entries[name + '.weight_scale'][0].name}: shape {list(scale_shape)} is "
-            f"neither linear {[n, k // 16]} nor 128x4-swizzled {list(padded_scale_shape(n, k))}"
-        )
+    layout = _stored_layout(name, scale_shape, n, k, declared, info, problems)
     if linear.bias is not None:
         if f"{name}.bias" in index:
             expect("bias", (torch.bfloat16, torch.float16, torch.float32), [(n,)])
@@ -159,8 +215,14 @@ def _stored_as_nvfp4(name: str, index: CheckpointIndex) -> bool:
     return f"{name}.weight_scale" in index or (weight is not None and weight.dtype == "U8")
 
 
-def _plan_quantized(model: nn.Module, index: CheckpointIndex, qinfo: QuantizationInfo, problems: list[str]) -> dict:
-    """Quantized Linear name -> stored scale layout, checking each; warns where the file and the patterns disagree."""
+def _plan_quantized(model: nn.Module, index: CheckpointIndex, qinfo: QuantizationInfo, scale_layout: str | None,
+                    problems: list[str]) -> dict:
+    """Quantized Linear name -> stored scale layout, checking each; warns where the file and the patterns disagree.
+    ``scale_layout`` is the caller's declaration; contradicting the checkpoint's own is a problem."""
+    if scale_layout is not None and qinfo.scale_layout not in (None, scale_layout):
+        problems.append(f"scale_layout={scale_layout!r} was passed, but {qinfo.source} says the block scales are "
+                        f"{qinfo.scale_layout!r}")
+    declared = scale_layout or qinfo.scale_layout
     quantized: dict[str, ScaleLayout | None] = {}
     disagreements = []
     for name, module in model.named_modules():
@@ -170,11 +232,11 @@ def _plan_quantized(model: nn.Module, index: CheckpointIndex, qinfo: Quantizatio
         if stored_nvfp4 == is_excluded(name, qinfo.exclude_patterns):
             disagreements.append(f"{name} ({'NVFP4' if stored_nvfp4 else 'BF16'} in the file)")
         if stored_nvfp4:
-            quantized[name] = _check_nvfp4_layer(name, module, index, problems)
+            quantized[name] = _check_nvfp4_layer(name, module, index, declared, qinfo, problems)
     if disagreements:
         shown = ", ".join(disagreements[:8]) + (" ..." if len(disagreements) > 8 else "")
-        logger.warning("%d layer(s) are stored differently from what the exclude patterns in %s say; the stored tensors "
-                       "win: %s", len(disagreements), qinfo.source, shown)
+        logger.warning("%d layer(s) are stored differently from what the exclude patterns in %s say; "
+                       "the stored tensors win: %s", len(disagreements), qinfo.source, shown)
     return quantized
 
 
@@ -201,14 +263,20 @@ def _check_plain_keys(model: nn.Module, index: CheckpointIndex, quantized: dict,
 
 
 def _load_nvfp4_layer(model: nn.Module, name: str, index: CheckpointIndex, layout: ScaleLayout,
-                      torch_dtype: torch.dtype) -> bool:
-    """Replace Linear ``name`` by an ``NVFP4Linear`` holding the stored tensors; True if its scales were swizzled."""
+                      qinfo: QuantizationInfo, torch_dtype: torch.dtype, problems: list[str]) -> bool:
+    """Replace Linear ``name`` by an ``NVFP4Linear`` holding the stored tensors; True if its scales were swizzled.
+    Unusable scale values are added to ``problems``."""
     linear = model.get_submodule(name)
     keys = [f"{name}.{s}" for s in NVFP4_SUFFIXES] + ([f"{name}.bias"] if linear.bias is not None else [])
     t = index.load(keys)
+    dynamic = name in qinfo.dynamic_layers
+    problems += scale_problems(name, t[f"{name}.weight_scale"], t[f"{name}.weight_scale_2"],
+                               None if dynamic else t[f"{name}.input_scale"])
+    packed = t[f"{name}.weight"].view(torch.uint8)
     new = NVFP4Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=torch_dtype)
-    new.load_nvfp4(t[f"{name}.weight"], t[f"{name}.weight_scale"], t[f"{name}.weight_scale_2"],
-                   t[f"{name}.input_scale"], t.get(f"{name}.bias"), scale_layout=layout)
+    new.load_nvfp4(swap_nibbles(packed) if qinfo.nibble_order == "hi_first" else packed, t[f"{name}.weight_scale"],
+                   t[f"{name}.weight_scale_2"], t[f"{name}.input_scale"], t.get(f"{name}.bias"), scale_layout=layout)
+    new.dynamic_input_scale = dynamic
     swizzled = new.swizzle_weight_scales_()
     replace_linear(model, name, linear, new)
     return swizzled
@@ -229,7 +297,8 @@ def load_modelopt_export(
         subfolder: e.g. ``"transformer"`` inside a pipeline repo.
         torch_dtype: dtype of unquantized weights and biases.
         device: where to put the model (default: stays on CPU).
-        scale_layout: force how stored block scales are read ("linear" or "128x4") when the shape cannot tell.
+        scale_layout: how the stored block scales are laid out ("linear" or "128x4"), for a checkpoint that does not
+            say it and whose shapes fit both layouts; contradicting what the checkpoint says is an error.
     """
     from accelerate import init_empty_weights
 
@@ -241,7 +310,7 @@ def load_modelopt_export(
         model = cls.from_config({k: v for k, v in config.items() if k != "quantization_config"})
     index = CheckpointIndex(weight_files(model_dir))
     problems: list[str] = []
-    quantized = _plan_quantized(model, index, qinfo, problems)
+    quantized = _plan_quantized(model, index, qinfo, scale_layout, problems)
     plain_keys = _check_plain_keys(model, index, quantized, problems)
     if problems:
         raise NVFP4CheckpointError(
@@ -250,8 +319,9 @@ def load_modelopt_export(
         )
     plain = index.load(plain_keys)
     model.load_state_dict({k: v.to(torch_dtype) for k, v in plain.items()}, strict=False, assign=True)
-    swizzled = sum(_load_nvfp4_layer(model, name, index, scale_layout or stored, torch_dtype)
+    swizzled = sum(_load_nvfp4_layer(model, name, index, stored, qinfo, torch_dtype, problems)
                    for name, stored in quantized.items())
+    raise_scale_problems(model_dir, problems)
     finish_model(model, model_dir, device)
     model._nvfp4_load_summary = load_summary(model, scales_swizzled_on_load=swizzled)
     log_summary(model._nvfp4_load_summary, model_dir)

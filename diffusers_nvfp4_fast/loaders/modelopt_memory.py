@@ -27,7 +27,7 @@ from torch import nn
 
 from ..format import BLOCK_SIZE, padded_scale_shape, unswizzle_scales
 from ..linear import NVFP4Linear
-from .common import copy_tp_annotations
+from .common import copy_tp_annotations, raise_scale_problems, scale_problems
 from .errors import NVFP4CheckpointError
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
@@ -70,7 +70,8 @@ def _quantizer_problem(name: str, module: nn.Module, dynamic_input_scale: bool) 
         return (f"{name}: weight-only NVFP4 (input quantizer disabled), so there is no input_scale "
                 "(pass dynamic_input_scale=True to accept that)")
     if fmt not in (QUANTIZATION_NVFP4, QUANTIZATION_W4A16_NVFP4):
-        return f"{name}: ModelOpt format {fmt!r}; only NVFP4 W4A4 (the diffusers 'nvfp4' preset) converts to NVFP4Linear"
+        return (f"{name}: ModelOpt format {fmt!r}; only NVFP4 W4A4 (the diffusers 'nvfp4' preset) "
+                "converts to NVFP4Linear")
     block_sizes = wq.block_sizes or {}
     if block_sizes.get(-1) != BLOCK_SIZE or block_sizes.get("four_over_six", False):
         return f"{name}: weight block sizes {block_sizes}; only 16-element blocks without 4/6 search are supported"
@@ -82,7 +83,8 @@ def _quantizer_problem(name: str, module: nn.Module, dynamic_input_scale: bool) 
         if dynamic_input_scale:
             return None
         state = "disabled" if not iq.is_enabled else "not calibrated (no amax)"
-        return f"{name}: input quantizer {state}, so there is no input_scale (pass dynamic_input_scale=True to accept that)"
+        return (f"{name}: input quantizer {state}, so there is no input_scale "
+                "(pass dynamic_input_scale=True to accept that)")
     if iq.amax.numel() != 1:
         return f"{name}: per-channel input amax {list(iq.amax.shape)}; NVFP4Linear takes one input_scale"
     if getattr(iq, "pre_quant_scale", None) is not None:
@@ -112,10 +114,14 @@ def _compressed_block_scale(layer: _Layer, n: int, k: int) -> torch.Tensor:
         # Packed by TensorRT-LLM: the cutlass 128x4 layout, which is the 128x4 layout of docs/design.md §3.
         rp, cp = padded_scale_shape(n, k)
         if scale.numel() != rp * cp:
-            raise NVFP4CheckpointError(f"{layer.name}: 1-D block scale of {scale.numel()} bytes, expected {rp}x{cp} (128x4)")
+            raise NVFP4CheckpointError(
+                f"{layer.name}: 1-D block scale of {scale.numel()} bytes, expected {rp}x{cp} (128x4)"
+            )
         scale = unswizzle_scales(scale.view(rp, cp), n, k // BLOCK_SIZE).view(torch.float8_e4m3fn)
     if tuple(scale.shape) != (n, k // BLOCK_SIZE):
-        raise NVFP4CheckpointError(f"{layer.name}: block scale shape {list(scale.shape)}, expected {[n, k // BLOCK_SIZE]}")
+        raise NVFP4CheckpointError(
+            f"{layer.name}: block scale shape {list(scale.shape)}, expected {[n, k // BLOCK_SIZE]}"
+        )
     return scale
 
 
@@ -159,7 +165,8 @@ def _group_scales(layer: _Layer, members: list[_Layer], problems: list[str]):
 
 
 def _packed_weight(layer: _Layer, weight_scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
-    """(packed ``[N, K/2]``, linear E4M3 block scales ``[N, K/16]``, original weight dtype), as the export writes them."""
+    """(packed ``[N, K/2]``, linear E4M3 block scales ``[N, K/16]``, original weight dtype), as the export writes
+    them."""
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
     module = layer.module
@@ -186,7 +193,8 @@ def _packed_weight(layer: _Layer, weight_scale_2: torch.Tensor) -> tuple[torch.T
     return packed, weight_scale, weight.dtype
 
 
-def _convert_layer(model: nn.Module, layer: _Layer, weight_scale_2: torch.Tensor, input_scale: torch.Tensor | None):
+def _build_layer(layer: _Layer, weight_scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> NVFP4Linear:
+    """The ``NVFP4Linear`` that replaces ``layer``: the export's tensors, block scales in the 128x4 layout."""
     module = layer.module
     packed, weight_scale, dtype = _packed_weight(layer, weight_scale_2)
     bias = module.bias.detach() if module.bias is not None else None
@@ -201,7 +209,7 @@ def _convert_layer(model: nn.Module, layer: _Layer, weight_scale_2: torch.Tensor
     new.dynamic_input_scale = input_scale is None
     new.input_scale_source = "dynamic" if input_scale is None else "modelopt"
     copy_tp_annotations(module, new)
-    model.set_submodule(layer.name, new)
+    return new
 
 
 def _restore_plain_linear(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -240,8 +248,14 @@ def convert_modelopt_model(model: nn.Module, *, dynamic_input_scale: bool = Fals
             f"{type(model).__name__}: {len(problems)} ModelOpt layer(s) cannot be converted to NVFP4Linear:\n  "
             + "\n  ".join(problems)
         )
-    for layer, weight_scale_2, input_scale in plans:
-        _convert_layer(model, layer, weight_scale_2, input_scale)
+    built = [(layer, _build_layer(layer, weight_scale_2, input_scale)) for layer, weight_scale_2, input_scale in plans]
+    raise_scale_problems(type(model).__name__, [
+        p for layer, new in built
+        for p in scale_problems(layer.name, new.weight_scale, new.weight_scale_2,
+                                None if new.dynamic_input_scale else new.input_scale)
+    ])
+    for layer, new in built:
+        model.set_submodule(layer.name, new)
     for name, module in plain:
         _restore_plain_linear(model, name, module)
     leftover = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("modelopt.")
@@ -250,6 +264,7 @@ def convert_modelopt_model(model: nn.Module, *, dynamic_input_scale: bool = Fals
         logger.warning("ModelOpt modules with enabled quantizers remain (not Linears, left as they are): %s", leftover)
     logger.info(
         "Converted ModelOpt model %s: %d NVFP4Linear (%d compressed, %d dynamic input scale), %d plain Linear",
-        type(model).__name__, len(plans), sum(p[0].compressed for p in plans), sum(p[2] is None for p in plans), len(plain),
+        type(model).__name__, len(plans), sum(p[0].compressed for p in plans), sum(p[2] is None for p in plans),
+        len(plain),
     )
     return model

@@ -13,7 +13,8 @@ from .dispatch import call_op, flashinfer, gemm_backend, kernels
 
 
 def emulated_gemm(
-    x_packed: torch.Tensor, x_scales: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, w_swizzled: bool = True,
+    x_packed: torch.Tensor, x_scales: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor,
+    w_swizzled: bool = True,
 ) -> torch.Tensor:
     """Exact W4A4 emulation: both operands decoded (exact in FP32), FP32 matmul. ``[M, K/2]``, ``[N, K/2]`` -> FP32
     ``[M, N]``."""

@@ -11,7 +11,9 @@ from .. import format as nvfp4
 from .dispatch import call_op, kernels, triton_runs_on
 
 
-def quantize_reference(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_reference(
+    x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference: ``format.quantize_nvfp4`` with 128x4 scales."""
     return nvfp4.quantize_nvfp4(x, global_scale, fast_math=fast_math)
 
@@ -28,7 +30,8 @@ _quantize_op = torch.library.custom_op("nvfp4_fast::quantize", mutates_args=())(
 @_quantize_op.register_fake
 def _(x, global_scale, fast_math):
     rows, k = x.shape
-    return x.new_empty((rows, k // 2), dtype=torch.uint8), x.new_empty(nvfp4.padded_scale_shape(rows, k), dtype=torch.uint8)
+    scales_shape = nvfp4.padded_scale_shape(rows, k)
+    return x.new_empty((rows, k // 2), dtype=torch.uint8), x.new_empty(scales_shape, dtype=torch.uint8)
 
 
 def quantize(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,8 @@ def _token_cat_impl(
 def _token_cat_fake(attn, mlp, global_scale, fast_math, *_):
     rows = attn.numel() // attn.shape[-1]
     k = attn.shape[-1] + mlp.shape[-1]
-    return attn.new_empty((rows, k // 2), dtype=torch.uint8), attn.new_empty(padded_scale_shape(rows, k), dtype=torch.uint8)
+    scales_shape = padded_scale_shape(rows, k)
+    return attn.new_empty((rows, k // 2), dtype=torch.uint8), attn.new_empty(scales_shape, dtype=torch.uint8)
 
 
 def _token_cat_checked_impl(

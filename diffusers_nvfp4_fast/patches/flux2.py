@@ -1,4 +1,4 @@
-"""FLUX.2 single-stream blocks: ``to_out(cat([attn, mlp]))`` becomes ``to_out.forward_prequantized(token_cat_quantize)``.
+"""FLUX.2 single-stream blocks: ``to_out(cat([attn, mlp]))`` becomes ``to_out(token_cat_quantize(attn, mlp))``.
 
 diffusers builds the concatenation in ``Flux2ParallelSelfAttnProcessor.__call__`` (and its KV-cache twin) only to
 quantize it inside ``to_out``. The processors below are diffusers' code up to that point; they are installed per
@@ -14,26 +14,25 @@ from diffusers.models.transformers import transformer_flux2 as flux2_module
 from torch import nn
 
 from ..format import fast_math_from_env
-from ..linear import NVFP4Linear
+from ..linear import NVFP4Linear, QuantizedActivation
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
 from ..ops.verify import failed_kind_reason, record_fallback, stats_for
+from .hooks import consumer_reason, nvfp4_layer
 from .swap import swap_processor
 
 
 def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> str | None:
     """None when the fused path applies to this call, else the reason it does not."""
-    to_out = attn.to_out
-    if not isinstance(to_out, NVFP4Linear):
-        return "to_out is not an NVFP4Linear"
-    if to_out.dynamic_input_scale:
-        return "to_out uses a dynamic input scale"
+    reason = consumer_reason(attn.to_out, "to_out")
+    if reason is not None:
+        return reason
     if attn_out.dtype not in (torch.bfloat16, torch.float16) or mlp_out.dtype != attn_out.dtype:
         return f"dtype {attn_out.dtype}/{mlp_out.dtype} (bf16/fp16 only)"
     a, b = attn_out.shape[-1], mlp_out.shape[-1]
     if a % 16 or b % 16:
         return f"widths {a}+{b} not multiples of 16"
-    if a + b != to_out.in_features:
-        return f"widths {a}+{b} != to_out.in_features {to_out.in_features} (sharded?)"
+    if a + b != attn.to_out.in_features:
+        return f"widths {a}+{b} != to_out.in_features {attn.to_out.in_features} (sharded?)"
     if attn_out.shape[:-1] != mlp_out.shape[:-1]:
         return "attn and mlp rows differ"
     if failed_kind_reason(KIND) is not None:
@@ -54,11 +53,11 @@ class _FusedOutputMixin:
                 record_fallback(stats, KIND, reason)
             return attn.to_out(torch.cat([attn_out, mlp_out], dim=-1))
         to_out: NVFP4Linear = attn.to_out
-        shape_class = f"A={attn_out.shape[-1]},B={mlp_out.shape[-1]},{attn_out.dtype},{attn_out.device.type}"
+        shape_class = f"A={attn_out.shape[-1]},B={mlp_out.shape[-1]},{attn_out.dtype},{attn_out.device}"
         packed, scales = token_cat_quantize_checked(
             attn_out, mlp_out, to_out.input_scale_inv, fast_math_from_env(), self._stats_id, shape_class
         )
-        out = to_out.forward_prequantized(packed, scales, attn_out.dtype)
+        out = to_out(QuantizedActivation(packed, scales, attn_out.dtype))
         return out.reshape(*attn_out.shape[:-1], to_out.out_features)
 
 
@@ -159,7 +158,7 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> int:
         attn = block.attn
         original = attn.processor
         fused_cls = _REPLACEMENTS.get(type(original))
-        if fused_cls is None or not isinstance(attn.to_out, NVFP4Linear):
+        if fused_cls is None or nvfp4_layer(attn.to_out) is None:
             continue
         fused = fused_cls()
         fused._stats_id = stats_id

@@ -20,10 +20,13 @@ import torch
 from torch import nn
 
 from ..format import fast_math_from_env
-from ..linear import NVFP4Linear
+from ..linear import NVFP4Linear, QuantizedActivation
 from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs, kernel_runs_on, qwen_resnorm_quantize_checked
 from ..ops.verify import failed_kind_reason, record_fallback, stats_for
+from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .swap import swap_forward, swap_processor
+
+BIAS_KIND = "qwen_bias_deferral"  # the attention output projections' bias add moved into the fused kernel
 
 
 def _fc1(ff: nn.Module) -> nn.Module | None:
@@ -84,13 +87,28 @@ class QwenDeferredBiasAttnProcessor:
         )
 
 
+def bias_deferral_reason(attn: nn.Module) -> str | None:
+    """Why ``attn`` must return its projections with their bias (the unfused way), or None when the bias can move
+    into the fused kernel: its processor is the wrapper, both projections are biased ``NVFP4Linear``, no hook
+    observes the attention or its projections (a cache hook would see unbiased outputs), and no training-mode
+    dropout sits between ``to_out[0]`` and its bias. Checked per call, so later changes to the model are safe."""
+    if not isinstance(attn.processor, QwenDeferredBiasAttnProcessor):
+        return "attention processor replaced"
+    to_out = list(attn.to_out)
+    for label, module in (("attention", attn), ("to_out.0", to_out[0]), ("to_add_out", attn.to_add_out)):
+        reason = call_changed_reason(label, module)
+        if reason is not None:
+            return reason
+    if not _bias_can_be_deferred(attn):
+        return "output projections are not both biased NVFP4Linear"
+    if any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in to_out[1:]):
+        return "dropout in training mode"
+    return None
+
+
 def defers_bias(attn: nn.Module) -> bool:
-    """Whether ``attn`` currently returns its projections without bias: its processor is the wrapper and both
-    projections are still biased ``NVFP4Linear`` (checked per call, so replacing a module after enabling is safe).
-    Dropout after ``to_out[0]`` would come before the bias, so training with dropout keeps the bias in place."""
-    if not isinstance(attn.processor, QwenDeferredBiasAttnProcessor) or not _bias_can_be_deferred(attn):
-        return False
-    return not any(isinstance(m, nn.Dropout) and m.training and m.p > 0 for m in list(attn.to_out)[1:])
+    """Whether ``attn`` currently returns its projections without their bias (see ``bias_deferral_reason``)."""
+    return bias_deferral_reason(attn) is None
 
 
 def _bias_can_be_deferred(attn: nn.Module) -> bool:
@@ -100,13 +118,18 @@ def _bias_can_be_deferred(attn: nn.Module) -> bool:
 
 
 def resnorm_gate(
-    fc1: nn.Module | None, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+    ff: nn.Module, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
 ) -> str | None:
-    """None when the fused path applies to this stream's call (``fc1`` = ``_fc1(ff)``), else the reason it does not."""
-    if not isinstance(fc1, NVFP4Linear):
-        return "FC1 is not an NVFP4Linear"
-    if fc1.dynamic_input_scale:
-        return "FC1 uses a dynamic input scale"
+    """None when the fused path applies to this stream's call, else the reason it does not."""
+    fc1 = _fc1(ff)
+    reason = consumer_reason(fc1, "FC1") if fc1 is not None else "FC1 is not an NVFP4Linear"
+    if reason is not None:
+        return reason
+    # The fused path runs norm2, the feed-forward and its GELU module's work itself, so no hook may sit on them.
+    for label, module in (("norm2", norm), ("feed-forward", ff), ("feed-forward GELU", ff.net[0])):
+        reason = call_changed_reason(label, module)
+        if reason is not None:
+            return reason
     if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
         return "norm2 is not an affine-free LayerNorm"
     if residual.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
@@ -120,7 +143,8 @@ def resnorm_gate(
     if residual.is_cuda and not kernel_runs_on(residual):
         return "no Triton kernel for this GPU"
     if residual.is_cuda and residual.shape[-1] % 512:
-        return f"hidden size {residual.shape[-1]} not a multiple of 512 (kernel reproduces torch's LayerNorm there only)"
+        return (f"hidden size {residual.shape[-1]} not a multiple of 512 (the kernel reproduces torch's LayerNorm "
+                "there only)")
     if failed_kind_reason(KIND) is not None:
         return "verification failed earlier in this process"
     return None
@@ -147,8 +171,7 @@ def _mlp_stream(
 ) -> torch.Tensor:
     """``residual + gate1*(attn_out + attn_bias)``, then norm2 + modulate + MLP + gate2 residual, fused where the
     gate allows. ``attn_bias`` is the projection bias the attention deferred (None if ``attn_out`` has it)."""
-    fc1 = _fc1(ff)
-    reason = resnorm_gate(fc1, norm, residual, attn_out, attn_bias)
+    reason = resnorm_gate(ff, norm, residual, attn_out, attn_bias)
     if reason is not None:
         stats = stats_for(block._nvfp4_stats_id)
         if stats is not None:
@@ -159,17 +182,29 @@ def _mlp_stream(
         modulated, gate2 = block._modulate(norm(hidden), mod2, index)
         return hidden + gate2 * ff(modulated)
     shift, scale, gate2 = _mod_params(mod2, index)
-    shape_class = f"D={residual.shape[-1]},eps={norm.eps},{residual.device.type}"
+    fc1: NVFP4Linear = _fc1(ff)
+    shape_class = f"D={residual.shape[-1]},eps={norm.eps},{residual.device}"
     # gate1 is _modulate's [B, 1, D] (or per-token [B, L, D]): the kernel takes either as it is.
     inputs = ResNormInputs(residual, attn_out, attn_bias, gate1, scale, shift)
     hidden, packed, scales = qwen_resnorm_quantize_checked(
         inputs, fc1.input_scale_inv, float(norm.eps), fast_math_from_env(), block._nvfp4_stats_id, shape_class,
     )
-    y = fc1.forward_prequantized(packed, scales, residual.dtype).reshape(*residual.shape[:-1], fc1.out_features)
+    y = fc1(QuantizedActivation(packed, scales, residual.dtype)).reshape(*residual.shape[:-1], fc1.out_features)
     y = ff.net[0].gelu(y)
     for module in list(ff.net)[1:]:  # not ff.net[1:] (see _DeferredBiasView.to_out)
         y = module(y)
     return hidden + gate2 * y
+
+
+def _bias_deferred(block: nn.Module) -> bool:
+    """Whether this call's attention returned its projections without bias; a deferral site that could not defer
+    counts the reason."""
+    reason = bias_deferral_reason(block.attn)
+    if reason is not None and block._nvfp4_bias_site:
+        stats = stats_for(block._nvfp4_stats_id)
+        if stats is not None:
+            record_fallback(stats, BIAS_KIND, reason)
+    return reason is None
 
 
 # Adapted from diffusers 0.42.1, models/transformers/transformer_qwenimage.py, QwenImageTransformerBlock.forward:
@@ -198,11 +233,12 @@ def fused_block_forward(
         image_rotary_emb=image_rotary_emb,
         **(joint_attention_kwargs or {}),
     )
-    deferred = defers_bias(self.attn)
+    deferred = _bias_deferred(self)
     img_bias = self.attn.to_out[0].bias if deferred else None
     txt_bias = self.attn.to_add_out.bias if deferred else None
     hidden_states = _mlp_stream(
-        self, self.img_mlp, self.img_norm2, hidden_states, img_attn_output, img_bias, img_gate1, img_mod2, modulate_index
+        self, self.img_mlp, self.img_norm2, hidden_states, img_attn_output, img_bias, img_gate1, img_mod2,
+        modulate_index,
     )
     encoder_hidden_states = _mlp_stream(
         self, self.txt_mlp, self.txt_norm2, encoder_hidden_states, txt_attn_output, txt_bias, txt_gate1, txt_mod2, None
@@ -222,22 +258,23 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> int:
     for block in getattr(model, "transformer_blocks", []):
         if not isinstance(block, QwenImageTransformerBlock):
             continue
-        if not (isinstance(_fc1(block.img_mlp), NVFP4Linear) or isinstance(_fc1(block.txt_mlp), NVFP4Linear)):
+        img_fc1, txt_fc1 = nvfp4_layer(_fc1(block.img_mlp)), nvfp4_layer(_fc1(block.txt_mlp))
+        if img_fc1 is None and txt_fc1 is None:
             continue
         block._nvfp4_stats_id = stats_id
         undo = swap_forward(block, types.MethodType(fused_block_forward, block))
         attn = block.attn
         undo_processor = None
         # Both streams' FC1 must be fused to consume both unbiased outputs without an extra pass.
-        if _bias_can_be_deferred(attn) and isinstance(_fc1(block.img_mlp), NVFP4Linear) \
-                and isinstance(_fc1(block.txt_mlp), NVFP4Linear):
+        if _bias_can_be_deferred(attn) and img_fc1 is not None and txt_fc1 is not None:
             undo_processor = swap_processor(attn, QwenDeferredBiasAttnProcessor(attn.processor, attn))
+        block._nvfp4_bias_site = undo_processor is not None
 
         def restore_block(block=block, undo=undo, undo_processor=undo_processor):
             if undo_processor is not None:
                 undo_processor()
             undo()
-            del block._nvfp4_stats_id
+            del block._nvfp4_stats_id, block._nvfp4_bias_site
 
         restore.append(restore_block)
         count += 1

@@ -1,8 +1,9 @@
 """Per-instance swaps with undo: a module's own ``forward`` (under any diffusers hooks) and an attention's processor.
 
-Forwards: a diffusers ``HookRegistry`` captures the bound ``forward`` it finds when a hook is registered and writes it back
-on removal. Setting ``module.forward`` while hooks are registered would silently bypass them, and a class-level
-patch is invisible once a hook captured the bound method. So the innermost captured forward is swapped instead.
+Forwards: a diffusers ``HookRegistry`` captures the bound ``forward`` it finds when a hook is registered and writes
+it back on removal. Setting ``module.forward`` while hooks are registered would silently bypass them, and a
+class-level patch is invisible once a hook captured the bound method. So the innermost captured forward is swapped
+instead.
 """
 
 from __future__ import annotations

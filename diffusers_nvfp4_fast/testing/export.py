@@ -69,7 +69,7 @@ def export_nvfp4(
         "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 16},
                                       "input_activations": {"num_bits": 4, "type": "float", "group_size": 16},
                                       "targets": ["Linear"]}},
-        "ignore": sorted(exclude),
+        "ignore": sorted(exclude), "weight_scale_layout": "linear", "nibble_order": "lo_first",
     }
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, default=list))
     return out_dir
@@ -103,13 +103,15 @@ def quantize_model_inplace(
         device = linear.weight.device
         if init_std is not None or device.type == "meta":
             device = device if device.type != "meta" else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            weight = torch.randn(linear.out_features, linear.in_features, device=device, dtype=torch.bfloat16) * init_std
+            weight = torch.randn(linear.out_features, linear.in_features, device=device,
+                                 dtype=torch.bfloat16) * init_std
         else:
             weight = linear.weight.to(torch.bfloat16)
         amax = input_amax if isinstance(input_amax, float) else input_amax.get(name, 1.0)
         bias = None
         if linear.bias is not None:
-            bias = linear.bias if linear.bias.device.type != "meta" else torch.randn(linear.out_features, device=device) * 0.02
+            bias = (linear.bias if linear.bias.device.type != "meta"
+                    else torch.randn(linear.out_features, device=device) * 0.02)
         new = NVFP4Linear.from_weight(weight, bias, amax / 2688.0)
         replace_linear(model, name, linear, new)
         del weight

@@ -29,7 +29,8 @@ def flux2_batch(model, gen: torch.Generator, batch: int = 1, img_tokens: int = 6
     """One random calibration batch for ``Flux2Transformer2DModel.forward``."""
     c = model.config
     img_ids = torch.stack(
-        torch.meshgrid(torch.zeros(1), torch.arange(8.0), torch.arange(img_tokens // 8.0), torch.zeros(1), indexing="ij"), -1
+        torch.meshgrid(torch.zeros(1), torch.arange(8.0), torch.arange(img_tokens // 8.0), torch.zeros(1),
+                       indexing="ij"), -1
     ).reshape(-1, 4)
     return dict(
         hidden_states=torch.randn(batch, img_tokens, c.in_channels, generator=gen).to(torch.bfloat16),
@@ -119,10 +120,13 @@ def bfl_modules(n_double: int, n_single: int) -> dict[str, tuple[list[str], bool
         out[f"double_blocks.{i}.img_attn.qkv"] = ([f"transformer_blocks.{i}.attn.to_{x}" for x in "qkv"], False)
         out[f"double_blocks.{i}.txt_attn.qkv"] = ([f"transformer_blocks.{i}.attn.add_{x}_proj" for x in "qkv"], False)
         out.update({f"double_blocks.{i}.{b}": ([f"transformer_blocks.{i}.{d}"], False) for b, d in _DOUBLE.items()})
-        out.update({f"double_blocks.{i}.{b}": ([f"transformer_blocks.{i}.{d}"], True) for b, d in _DOUBLE_NORMS.items()})
+        out.update({f"double_blocks.{i}.{b}": ([f"transformer_blocks.{i}.{d}"], True)
+                    for b, d in _DOUBLE_NORMS.items()})
     for i in range(n_single):
-        out.update({f"single_blocks.{i}.{b}": ([f"single_transformer_blocks.{i}.{d}"], False) for b, d in _SINGLE.items()})
-        out.update({f"single_blocks.{i}.{b}": ([f"single_transformer_blocks.{i}.{d}"], True) for b, d in _SINGLE_NORMS.items()})
+        out.update({f"single_blocks.{i}.{b}": ([f"single_transformer_blocks.{i}.{d}"], False)
+                    for b, d in _SINGLE.items()})
+        out.update({f"single_blocks.{i}.{b}": ([f"single_transformer_blocks.{i}.{d}"], True)
+                    for b, d in _SINGLE_NORMS.items()})
     out.update({b: ([d], False) for b, d in _TOP.items()})
     return out
 
@@ -208,7 +212,8 @@ def write_bfl_file(
     assert not unknown, f"drop_input_scale names non-NVFP4 layers {unknown}"
     metadata = {}
     if header:
-        metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", **(file_flags or {}), "layers": layers})
+        metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", **(file_flags or {}),
+                                                         "layers": layers})
     if edit is not None:
         edit(tensors, metadata)
     out_file.parent.mkdir(parents=True, exist_ok=True)

@@ -16,8 +16,8 @@ def make_input(kind: str, rows: int, cols: int, device="cuda", seed: int = 0) ->
         x = (x.reshape(rows, cols // 16, 16) * torch.exp2(exps)).reshape(rows, cols)
     elif kind == "ties":
         # Block max 6 * 2^e makes the scale a power of two, so these values land exactly on E2M1 midpoints.
-        ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, 0.0, 6.0],
-                            device=device)
+        ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0,
+                             0.0, 6.0], device=device)
         x = ties.repeat(rows, cols // 16)
     elif kind == "zeros":
         x = torch.zeros(rows, cols, device=device)

@@ -29,7 +29,8 @@ def infer_flux2_config(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
     def need(name: str) -> tuple[int, ...]:
         if name not in shapes:
             raise NVFP4CheckpointError(
-                f"cannot infer the FLUX.2 config: no tensor maps to {name}; is this a FLUX.2 transformer? (pass config=)"
+                f"cannot infer the FLUX.2 config: no tensor maps to {name}; is this a FLUX.2 transformer? "
+                "(pass config=)"
             )
         return shapes[name]
 
@@ -41,10 +42,13 @@ def infer_flux2_config(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any]:
 
     inner, in_channels = need("x_embedder.weight")
     num_layers, num_single = count("transformer_blocks"), count("single_transformer_blocks")
-    head_key = "transformer_blocks.0.attn.norm_q.weight" if num_layers else "single_transformer_blocks.0.attn.norm_q.weight"
+    head_key = ("transformer_blocks.0.attn.norm_q.weight" if num_layers
+                else "single_transformer_blocks.0.attn.norm_q.weight")
     (head_dim,) = need(head_key)
     if inner % head_dim:
-        raise NVFP4CheckpointError(f"cannot infer the FLUX.2 config: width {inner} is not a multiple of head dim {head_dim}")
+        raise NVFP4CheckpointError(
+            f"cannot infer the FLUX.2 config: width {inner} is not a multiple of head dim {head_dim}"
+        )
     if num_layers:
         mlp_in = need("transformer_blocks.0.ff.linear_in.weight")[0]
         mlp_hidden = mlp_in // 2  # SwiGLU: linear_in produces gate and value

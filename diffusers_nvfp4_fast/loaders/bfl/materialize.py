@@ -13,7 +13,7 @@ from torch import nn
 
 from ...format import BLOCK_SIZE, ScaleLayout, round_up, swap_nibbles, unswizzle_scales
 from ...linear import NVFP4Linear
-from ..common import finish_model, load_summary, log_summary, replace_linear
+from ..common import finish_model, load_summary, log_summary, replace_linear, scale_problems
 from ..errors import NVFP4CheckpointError
 from ..safetensors_header import SafetensorsHeader
 from .input_scales import missing_input_scale_message, read_input_scales
@@ -101,7 +101,8 @@ def load_bfl_nvfp4_transformer(
     )
     if plan.problems:
         raise NVFP4CheckpointError(
-            f"{file}: {len(plan.problems)} problem(s) loading this BFL-format NVFP4 checkpoint into Flux2Transformer2DModel "
+            f"{file}: {len(plan.problems)} problem(s) loading this BFL-format NVFP4 checkpoint into "
+            f"Flux2Transformer2DModel "
             f"(run `diffusers-nvfp4-fast inspect {file}` to see the file's layout):\n  " + "\n  ".join(plan.problems)
         )
     if plan.missing_input_scale:
@@ -144,7 +145,9 @@ def _stored_layer(source: NVFP4Source, handle) -> tuple[dict[str, torch.Tensor],
     return tensors, problem
 
 
-def _input_scale(tensors: dict[str, torch.Tensor], target: str, user_scales: dict[str, float]) -> tuple[torch.Tensor, str]:
+def _input_scale(
+    tensors: dict[str, torch.Tensor], target: str, user_scales: dict[str, float],
+) -> tuple[torch.Tensor, str]:
     """(input_scale, where it came from): the checkpoint, the user's ``input_scales``, or 'dynamic'."""
     if "input_scale" in tensors:
         return tensors["input_scale"].reshape(()), "checkpoint"
@@ -174,6 +177,8 @@ def _materialize_nvfp4(
         if problem:
             problems.append(problem)
             continue
+        problems += scale_problems(source.keys["weight"].removesuffix(".weight"), tensors["weight_scale"],
+                                   tensors["weight_scale_2"], tensors.get("input_scale"))
         for target, segs in source.targets:
             linear = model.get_submodule(target)
             input_scale, how = _input_scale(tensors, target, user_scales)
@@ -183,11 +188,14 @@ def _materialize_nvfp4(
             sources[how] += 1
             replace_linear(model, target, linear, new)
     if problems:
-        raise NVFP4CheckpointError(f"{plan.file}: {len(problems)} problem(s) in the block scales:\n  " + "\n  ".join(problems))
+        raise NVFP4CheckpointError(
+            f"{plan.file}: {len(problems)} problem(s) in the block scales:\n  " + "\n  ".join(problems)
+        )
     finish_model(model, plan.file, device)
     if sources["dynamic"]:
         logger.warning(
-            "%d NVFP4 layer(s) have no input_scale and use a per-call dynamic activation scale (dynamic_input_scale=True); "
+            "%d NVFP4 layer(s) have no input_scale and use a per-call dynamic activation scale "
+            "(dynamic_input_scale=True); "
             "this is not the checkpoint's recipe", sources["dynamic"],
         )
     facts = plan.facts()

@@ -72,7 +72,8 @@ def _parse_flags(spec: Mapping[str, Any], where: str, problems: list[str]) -> di
     out: dict[str, str] = {}
     _read_flag(spec, where, problems, out, "nibble_order", {"nibble_order": _NIBBLE_ORDERS},
                ("hi_first", "hi_first", "lo_first"), "'hi_first' or 'lo_first'", "nibble-order", False)
-    _read_flag(spec, where, problems, out, "scale_layout", {"scale_layout": _LAYOUT_ALIASES, "block_scale_layout": _LAYOUT_ALIASES},
+    _read_flag(spec, where, problems, out, "scale_layout",
+               {"scale_layout": _LAYOUT_ALIASES, "block_scale_layout": _LAYOUT_ALIASES},
                ("swizzled", "128x4", "linear"), "'128x4', 'swizzled' or 'linear'", "scale-layout", True)
     for k in ("group_size", "block_size"):
         if k in spec and spec[k] != BLOCK_SIZE:
@@ -115,12 +116,14 @@ def read_quant_metadata(header: SafetensorsHeader, prefix: str, problems: list[s
             return
         if known.format != fmt:
             problems.append(
-                f"conflicting formats for layer {layer}: {known.sources[0]} says {known.format!r}, {source} says {fmt!r}"
+                f"conflicting formats for layer {layer}: {known.sources[0]} says {known.format!r}, "
+                f"{source} says {fmt!r}"
             )
         for k, v in flags.items():
             if k in known.flags and known.flags[k] != v:
                 problems.append(
-                    f"conflicting {k} for layer {layer}: {known.sources[0]} says {known.flags[k]!r}, {source} says {v!r}"
+                    f"conflicting {k} for layer {layer}: {known.sources[0]} says {known.flags[k]!r}, "
+                    f"{source} says {v!r}"
                 )
             known.flags.setdefault(k, v)
         known.sources.append(source)

@@ -25,7 +25,9 @@ def diffusers_targets(bfl_key: str) -> tuple[tuple[str, Segments], ...]:
     try:
         from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers as convert
     except ImportError as e:  # pragma: no cover - diffusers without FLUX.2 single-file support
-        raise ImportError("this diffusers has no convert_flux2_transformer_checkpoint_to_diffusers (need >= 0.42)") from e
+        raise ImportError(
+            "this diffusers has no convert_flux2_transformer_checkpoint_to_diffusers (need >= 0.42)"
+        ) from e
     out = convert({bfl_key: torch.arange(_PROBE_ROWS)})
     targets = []
     for key, probe in out.items():

@@ -99,8 +99,9 @@ class BflPlan:
         """A JSON-able summary (also what ``inspect`` prints)."""
         count = self._count
         return {
-            "file": str(self.file), "key_prefix": self.prefix, "variant": self.variant, "config_source": self.config_source,
-            "config": self.config, "nvfp4_layers": len(self.nvfp4), "plain_tensors": len(self.plain),
+            "file": str(self.file), "key_prefix": self.prefix, "variant": self.variant,
+            "config_source": self.config_source, "config": self.config, "nvfp4_layers": len(self.nvfp4),
+            "plain_tensors": len(self.plain),
             "markers": self.metadata.markers, "header_metadata": self.metadata.has_header,
             "nibble_order": count("nibble_order"), "nibble_order_source": count("nibble_source"),
             "scale_layout": count("scale_layout"), "scale_layout_source": count("scale_source"),
@@ -112,7 +113,8 @@ def _resolve_fact(
     fact: str, layer: str, info: LayerQuantInfo | None, file_flags: Mapping[str, str], argument: str | None,
     problems: list[str],
 ) -> tuple[str, str]:
-    """(value, where it came from) for 'nibble_order' or 'scale_layout': argument > layer metadata > file > convention."""
+    """(value, where it came from) for 'nibble_order' or 'scale_layout': argument > layer metadata > file >
+    convention."""
     explicit_layer = info.flags.get(fact) if info else None
     explicit_file = file_flags.get(fact)
     if explicit_layer and explicit_file and explicit_layer != explicit_file:
@@ -123,7 +125,8 @@ def _resolve_fact(
     explicit = explicit_layer or explicit_file
     if argument is not None:
         if explicit and explicit != argument:
-            problems.append(f"{fact}={argument!r} was passed, but the file's metadata says {explicit!r} for layer {layer}")
+            problems.append(f"{fact}={argument!r} was passed, but the file's metadata says {explicit!r} "
+                            f"for layer {layer}")
         return argument, "argument"
     if explicit:
         return explicit, "metadata"
@@ -139,7 +142,8 @@ def _check_scale_shape(source: NVFP4Source, info: TensorInfo, key: str, problems
     if source.scale_layout == "128x4":
         flat_ok = len(shape) == 1 and shape[0] == swizzled[0] * swizzled[1]
         if shape != swizzled and not flat_ok:
-            hint = (" -- that is the linear [N, K/16] shape: if the file stores linear scales, pass scale_layout='linear'"
+            hint = (" -- that is the linear [N, K/16] shape: if the file stores linear scales, "
+                    "pass scale_layout='linear'"
                     if shape == linear else "")
             problems.append(
                 f"{key}: shape {list(shape)}, but the scales are taken as 128x4-swizzled ({source.scale_source}), "
@@ -225,8 +229,10 @@ class _Planner:
         if not targets:
             return
         info = self.meta.layers.get(module)
-        nib, nib_src = _resolve_fact("nibble_order", module, info, self.meta.file_flags, self.nibble_order, self.problems)
-        lay, lay_src = _resolve_fact("scale_layout", module, info, self.meta.file_flags, self.scale_layout, self.problems)
+        nib, nib_src = _resolve_fact("nibble_order", module, info, self.meta.file_flags, self.nibble_order,
+                                     self.problems)
+        lay, lay_src = _resolve_fact("scale_layout", module, info, self.meta.file_flags, self.scale_layout,
+                                     self.problems)
         source = NVFP4Source(module, dict(suffixes), weight.shape[0], weight.shape[1] * 2,
                              [(k.removesuffix(".weight"), segs) for k, segs in targets], nib, nib_src, lay, lay_src)
         for suffix in ("weight_scale", "weight_scale_2"):
@@ -239,7 +245,8 @@ class _Planner:
         for suffix in ("weight_scale_2", "input_scale"):
             t = self.header.tensors.get(suffixes.get(suffix, ""))
             if t is not None and (t.dtype != "F32" or t.shape not in ((), (1,))):
-                self.problems.append(f"{suffixes[suffix]}: dtype {t.dtype} shape {list(t.shape)}, expected an F32 scalar")
+                self.problems.append(f"{suffixes[suffix]}: dtype {t.dtype} shape {list(t.shape)}, "
+                                     "expected an F32 scalar")
         self.nvfp4[module] = source
         for target, segs in source.targets:
             self.logical[f"{target}.weight"] = (segment_rows(source.rows, segs), source.cols)
@@ -248,10 +255,12 @@ class _Planner:
         for suffix, key in suffixes.items():
             t = self.header.tensors[key]
             if suffix not in PLAIN_PARAM_SUFFIXES:
-                self.problems.append(f"unexpected key {key} ({t.dtype}, {list(t.shape)}): {module} is not an NVFP4 layer")
+                self.problems.append(f"unexpected key {key} ({t.dtype}, {list(t.shape)}): "
+                                     f"{module} is not an NVFP4 layer")
                 continue
             if t.dtype not in FLOAT_DTYPES:
-                self.problems.append(f"{key}: dtype {t.dtype}, expected a floating-point dtype ({', '.join(FLOAT_DTYPES)})")
+                self.problems.append(f"{key}: dtype {t.dtype}, expected a floating-point dtype "
+                                     f"({', '.join(FLOAT_DTYPES)})")
                 continue
             for target, segs in self.targets_of(key, f"{module}.{suffix}"):
                 self.plain[target] = (key, segs)
@@ -311,7 +320,8 @@ class _Planner:
         return [] if "input_scale" in source.keys else [target]
 
     def uncovered_scales(self, missing: list[str], input_scales: Mapping[str, float] | None) -> list[str]:
-        """The layers still without an input scale once ``input_scales`` is applied; names it cannot use are problems."""
+        """The layers still without an input scale once ``input_scales`` is applied; names it cannot use are
+        problems."""
         if input_scales is None:
             return missing
         all_fp4 = {t for s in self.nvfp4.values() for t, _ in s.targets}
@@ -319,7 +329,9 @@ class _Planner:
         have = [n for n in extra if n in all_fp4]
         unknown = [n for n in extra if n not in all_fp4]
         if have:
-            self.problems.append(f"input_scales names layers whose input_scale is in the checkpoint (remove them): {have}")
+            self.problems.append(
+                f"input_scales names layers whose input_scale is in the checkpoint (remove them): {have}"
+            )
         if unknown:
             self.problems.append(f"input_scales names layers that are not NVFP4 layers of this checkpoint: {unknown}")
         return [n for n in missing if n not in input_scales]

@@ -1,0 +1,69 @@
+"""Every cache hook diffusers ships (``transformer.enable_cache(...)``) on both tiny pipelines: wherever the hook runs
+with fast paths off, the PNG with fast paths on is the same. A hook that observes a module whose output a fused path
+would change (TaylorSeer and PAB cache attention outputs) makes that part of the fused path fall back, counted with its
+reason."""
+
+from __future__ import annotations
+
+import pytest
+from diffusers import hooks
+
+from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report, load_nvfp4_transformer
+from diffusers_nvfp4_fast.ops import verify
+from diffusers_nvfp4_fast.testing import tiny
+from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+
+STEPS = 6
+
+
+def _always(pipe):
+    return lambda: int(pipe.current_timestep) if pipe.current_timestep is not None else 500
+
+
+CACHES = {
+    "first_block": lambda pipe: hooks.FirstBlockCacheConfig(threshold=0.5),
+    "pyramid_attention_broadcast": lambda pipe: hooks.PyramidAttentionBroadcastConfig(
+        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
+        current_timestep_callback=_always(pipe)),
+    "faster": lambda pipe: hooks.FasterCacheConfig(
+        spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1001),
+        current_timestep_callback=_always(pipe), is_guidance_distilled=True),
+    "mag": lambda pipe: hooks.MagCacheConfig(threshold=1.0, max_skip_steps=2, retention_ratio=0.0,
+                                             num_inference_steps=STEPS, mag_ratios=[1.0] * STEPS),
+    "taylorseer": lambda pipe: hooks.TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1),
+    "taylorseer_default": lambda pipe: hooks.TaylorSeerCacheConfig(),
+    "sea": lambda pipe: hooks.SeaCacheConfig(threshold=1.0),
+    "text_kv": lambda pipe: hooks.TextKVCacheConfig(),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts():
+    verify.reset_verification()
+    yield
+    verify.reset_verification()
+
+
+def _run(pipe, kwargs) -> str:
+    return png_sha256(run_pipeline(pipe, kwargs, steps=STEPS))
+
+
+@pytest.mark.parametrize("cache", sorted(CACHES))
+@pytest.mark.parametrize("which", ["flux2", "qwen"])
+def test_cache_hook_on_equals_off(which, cache, modelopt_exports):
+    pipe, kwargs = tiny.TINY_PIPELINES[which](load_nvfp4_transformer(modelopt_exports(which)))
+    pipe.set_progress_bar_config(disable=True)
+    try:
+        pipe.transformer.enable_cache(CACHES[cache](pipe))
+        off = _run(pipe, kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever the hook itself raises without this package
+        pytest.skip(f"diffusers' {cache} cache does not run on the tiny {which} pipeline with fast paths off either "
+                    f"({type(e).__name__}: {e}), so there is nothing to compare")
+    enable_fast_paths(pipe)
+    on = _run(pipe, kwargs)
+    report = fast_path_report(pipe)
+    disable_fast_paths(pipe)
+    pipe.transformer.disable_cache()
+    assert on == off, report
+    entry = next(iter(report.values()))
+    assert entry["verifications"]["failed"] == 0
