@@ -1,37 +1,35 @@
 #!/usr/bin/env bash
-# GPU tests and benchmarks in groups that each fit one device call, every step under its own time limit; logs and
-# JSON go to $OUT. Usage (repository root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh GROUP...
-#   kernels: token-cat and Qwen kernel tests + their benchmarks, launch tests + host cost per launch, fast-path tests
-#   qwen:    after a change to the fused Qwen kernel: its tests and benchmark, launch tests, Qwen fast-path tests
-#   gemm:    GEMM tests + the GEMM benchmark with a config sweep at M=4608
-#   steps:   full-size FLUX.2-dev and Qwen-Image step benchmarks, eager and as CUDA-graph replays
+# GPU tests and benchmarks in groups that each fit one device call (10 minutes), every step under its own time limit;
+# logs and JSON go to $OUT. Usage (repository root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh GROUP...
+#   kernels:  quantize, token-cat, GEMM and launch tests (gpu-marked)
+#   models:   Qwen kernel, fast-path, offload, LoRA and hygiene tests (gpu-marked)
+#   native:   bench_native.py (diffusers' own NVFP4 modules vs enable_fast_paths) and the step profiles
+#   benches:  token-cat, Qwen kernel, GEMM and launch benchmarks
+#   steps:    full-size FLUX.2-dev and Qwen-Image step benchmarks, eager and as CUDA-graph replays
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-P="python3 -m pytest -q -rf -p no:cacheprovider --tb=short"
+P="python3 -m pytest -q -rfs -p no:cacheprovider --tb=short -m gpu"
 save() { cp benchmarks/results/*.json "$OUT"/ 2>/dev/null; true; }
-step() { local limit=$1 name=$2; shift 2; echo "=== $name (limit ${limit}s)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"; tail -n "${TAIL:-6}" "$OUT/$name.log"; save; }
-# The fused Qwen kernel's tests and benchmark, and the launch tests (shared by the kernels and qwen groups).
-qwen_kernel_steps() {
-  TAIL=8 step 200 t_qwen_kernel $P tests/gpu/test_qwen_resnorm_kernel.py --durations=5
-  TAIL=10 step 90 bench_qwen python3 benchmarks/bench_qwen_resnorm.py
-  step 60 t_launch $P tests/gpu/test_launch.py
-}
+step() { local limit=$1 name=$2; shift 2; echo "=== $name (limit ${limit}s)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"; tail -n "${TAIL:-4}" "$OUT/$name.log"; save; }
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)"
-for group in ${@:-kernels gemm steps}; do
+for group in ${@:-kernels models}; do
   case $group in
     kernels)
-      step 60 t_token_cat $P tests/gpu/test_token_cat_kernel.py
+      step 120 t_quantize $P tests/test_quantize.py tests/test_token_cat_quantize.py tests/test_launch.py
+      step 330 t_gemm $P tests/test_gemm.py --durations=5 ;;
+    models)
+      step 200 t_qwen_kernel $P tests/test_qwen_resnorm_quantize.py --durations=3
+      TAIL=8 step 330 t_models $P tests/test_fast_paths.py tests/test_offload.py tests/test_lora.py tests/test_hygiene.py tests/test_diffusers_native.py tests/test_cache_hooks.py --durations=8 ;;
+    native)
+      TAIL=8 step 300 bench_native python3 benchmarks/bench_native.py
+      TAIL=20 step 120 profile_flux2 python3 benchmarks/profile_step.py --model flux2-dev
+      TAIL=20 step 100 profile_qwen python3 benchmarks/profile_step.py --model qwen-image ;;
+    benches)
       TAIL=14 step 60 bench_token_cat python3 benchmarks/bench_token_cat.py --sweep
-      qwen_kernel_steps
+      TAIL=10 step 90 bench_qwen python3 benchmarks/bench_qwen_resnorm.py
       TAIL=3 step 90 bench_launch python3 benchmarks/bench_launch_overhead.py
-      TAIL=12 step 240 t_fast_paths $P tests/gpu/test_fast_paths_gpu.py --durations=8 ;;
-    qwen)
-      qwen_kernel_steps
-      TAIL=12 step 150 t_fast_paths_qwen $P tests/gpu/test_fast_paths_gpu.py -k qwen --durations=8 ;;
-    gemm)
-      TAIL=8 step 300 t_gemm $P tests/gpu/test_gemm.py --durations=5
       TAIL=40 step 420 bench_gemm python3 benchmarks/bench_gemm.py --sweep-configs ;;
     steps)
       TAIL=12 step 120 step_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024

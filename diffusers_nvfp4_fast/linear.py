@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
 from .format import BLOCK_SIZE, ScaleLayout, fast_math_from_env, padded_scale_shape, swizzle_scales
 from .ops.linear import nvfp4_linear
 from .ops.quantize import quantize
-
-
-class QuantizedActivation(NamedTuple):
-    """An activation a fused kernel already quantized for an ``NVFP4Linear``: packed uint8 ``[M, K/2]``, 128x4 scales
-    ``[round_up(M,128), round_up(K/16,4)]`` and the dtype of the output. Passing it through the module's call (not a
-    side method) lets every hook on the layer run, such as offloading hooks that bring its weights to the GPU."""
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-    dtype: torch.dtype
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -171,11 +159,16 @@ class NVFP4Linear(nn.Module):
         self.scale_layout = "128x4"
         return True
 
-    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        """x: ``[..., K]`` BF16/FP16 -> ``[..., N]`` in x's dtype; a ``QuantizedActivation`` of M rows -> ``[M, N]``."""
-        if isinstance(x, QuantizedActivation):
-            return self.forward_prequantized(*x)
-        return self._forward(x, self.bias)
+    def forward(self, x):
+        """x: ``[..., K]`` BF16/FP16 -> ``[..., N]`` in x's dtype.
+
+        A fused path passes an input object with a ``run_on(layer)`` method instead (``patches/``): it quantizes its
+        activation with this layer's scales and calls ``forward_prequantized``. Reading the layer's tensors only
+        here, after the hooks on the call have run, keeps it right under offloading, where the hooks bring them to
+        the GPU (docs/design.md §5)."""
+        if isinstance(x, torch.Tensor):
+            return self._forward(x, self.bias)
+        return x.run_on(self)
 
     def forward_without_bias(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` without the bias add, for a caller that adds ``self.bias`` itself (a fused kernel).
@@ -213,7 +206,7 @@ class NVFP4Linear(nn.Module):
     ) -> torch.Tensor:
         """x_packed: uint8 ``[M, K/2]``; x_scales: uint8 128x4 ``[round_up(M,128), round_up(K/16,4)]`` -> ``[M, N]``.
 
-        Fused paths call the module with a ``QuantizedActivation`` instead, so that hooks on the layer run."""
+        Fused paths reach it through the module's call (see ``forward``), so that hooks on the layer run."""
         if self.dynamic_input_scale:
             raise RuntimeError(
                 "this NVFP4Linear uses dynamic_input_scale (no checkpoint input_scale), so input quantized with its "

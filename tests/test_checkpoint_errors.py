@@ -13,11 +13,11 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from support.bfl_files import export_modelopt, quantize_tiny_flux2, write_bfl_file
 
 from diffusers_nvfp4_fast import NVFP4CheckpointError, load_nvfp4_transformer
 from diffusers_nvfp4_fast.loaders.inspect import inspect_checkpoint
 from diffusers_nvfp4_fast.ops.dispatch import BackendUnavailableError, gemm_backend
+from support.bfl_files import export_modelopt, quantize_tiny_flux2, write_bfl_file
 
 LAYER = "transformer_blocks.0.attn.to_out.0"
 WEIGHTS = "diffusion_pytorch_model.safetensors"

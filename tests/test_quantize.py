@@ -14,7 +14,7 @@ import triton.language as tl  # noqa: E402
 from diffusers_nvfp4_fast.format import e2m1_round, pack_nibbles  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
 from diffusers_nvfp4_fast.kernels.nvfp4_epilogue import e2m1_words  # noqa: E402
-from support.inputs import INPUT_KINDS, global_scale_for, make_input  # noqa: E402
+from support.inputs import INPUT_KINDS, adversarial, global_scale_for, make_input  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
 
 ROWS = (1, 17, 128, 512, 4096, 4608)
@@ -85,6 +85,20 @@ def interpreted_e2m1_words() -> dict:
     return {"checked": x.numel(), "mismatches": bad.numel(), "first": x.view(-1, 8)[bad[:3]].tolist()}
 
 
+def interpreted_fuzz() -> dict:
+    from diffusers_nvfp4_fast.kernels import quantize_nvfp4_triton
+
+    g = torch.tensor([2688 / 5.0])
+    x = adversarial(96, 1024, device="cpu", seed=1)
+    got, want = quantize_nvfp4_triton(x, g, fast_math=False), reference_quantize(x, g[0], fast_math=False)
+    return {"elements": x.numel(), "equal": torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])}
+
+
+def test_interpreted_fuzz_matches_reference():
+    res = run_interpreted(__name__, "interpreted_fuzz")
+    assert res["equal"], res
+
+
 def test_interpreted_kernel_matches_reference():
     res = run_interpreted(__name__, "interpreted_quantize")
     assert all(res["equal"]), res
@@ -133,3 +147,21 @@ def test_gpu_fast_math_differs_only_where_rcp_approx_does():
     assert torch.equal(got[1].cpu(), cpu[1])
     mismatch = (got[0].cpu() != cpu[0]).float().mean().item()
     assert mismatch < 1e-3, f"{mismatch:.2e} of packed bytes differ from the CPU stand-in"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_math", [False, True], ids=["precise", "fast"])
+def test_gpu_fuzz_50m_adversarial_elements(fast_math):
+    """4096 x 12288 = 50.3M adversarial values per mode against the torch reference (fast-math with the GPU's
+    ``rcp.approx.ftz.f32`` in the reference, so both modes are compared byte for byte)."""
+    from diffusers_nvfp4_fast.kernels import quantize_nvfp4_triton
+    from support.rcp import exact_fast_math_reference
+
+    x = adversarial(4096, 12288, seed=11)
+    g = torch.tensor([2688 / 5.0], device="cuda")
+    with exact_fast_math_reference():
+        want = reference_quantize(x, g, fast_math=fast_math)
+    got = quantize_nvfp4_triton(x, g, fast_math=fast_math)
+    assert x.numel() >= 5e7
+    assert torch.equal(got[0], want[0]), f"packed: {(got[0] != want[0]).sum().item()} bytes differ"
+    assert torch.equal(got[1], want[1]), f"scales: {(got[1] != want[1]).sum().item()} bytes differ"

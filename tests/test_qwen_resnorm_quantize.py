@@ -582,3 +582,31 @@ def test_gpu_layer_norm_subnormal_means():
         matching = [v for v, m in others.items() if m == (0, 0, 0)]
         raise AssertionError(f"TORCH_MEAN_FMA={qmod.TORCH_MEAN_FMA}: (output, mean, rstd) mismatches {used}; "
                              f"all variants {others}; variants matching torch: {matching}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_math", [False, True], ids=["precise", "fast"])
+def test_gpu_fuzz_50m_adversarial_elements(fast_math):
+    """4 x 4608 x 3072 = 56.6M adversarial values per mode (residual, attention output and modulation all
+    adversarial: ties, E4M3 boundaries, saturation, subnormal scales, zeros, -0, NaN of either sign, +-Inf) against
+    diffusers' eager chain + ``format.quantize_nvfp4`` (fast-math with the GPU's ``rcp.approx.ftz.f32``)."""
+    from support.inputs import adversarial
+    from support.rcp import exact_fast_math_reference
+
+    elements = 0
+    for seed in range(4):
+        residual, attn = adversarial(4608, D, seed=20 + seed), adversarial(4608, D, seed=30 + seed)
+        mod = adversarial(1, 3 * D, seed=40 + seed) * 0.01
+        shift, scale, gate = mod.chunk(3, dim=-1)
+        bias = adversarial(1, D, seed=50 + seed)[0] * 0.01
+        case = (residual[None], attn[None], bias, gate, scale, shift)
+        g = torch.tensor([2688 / 5.0], device="cuda")
+        r, m = qwen_residual_chain(ResNormInputs(*case), EPS)
+        with exact_fast_math_reference():
+            packed, scales = reference_quantize(m.reshape(-1, D), g, fast_math=fast_math)
+        got = run_kernel(case, g, fast_math)
+        assert torch.equal(got[0].view(torch.int16), r.view(torch.int16)), f"seed {seed}: residual_out differs"
+        assert torch.equal(got[1], packed), f"seed {seed}: {(got[1] != packed).sum().item()} packed bytes differ"
+        assert torch.equal(got[2], scales), f"seed {seed}: {(got[2] != scales).sum().item()} scale bytes differ"
+        elements += residual.numel()
+    assert elements >= 5e7

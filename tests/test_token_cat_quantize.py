@@ -10,7 +10,7 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed, so the token-cat kernel tests did not run; "
                                                "pip install -e '.[test]' installs it")
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
-from support.inputs import INPUT_KINDS, global_scale_for, make_input  # noqa: E402
+from support.inputs import INPUT_KINDS, adversarial, global_scale_for, make_input  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
 
 WIDTHS = {"dev": (6144, 18432), "klein4b": (3072, 9216), "klein9b": (4096, 12288)}
@@ -34,6 +34,22 @@ def interpreted_token_cat() -> dict:
         ref = reference_quantize(torch.cat([a, b], -1), g[0], fast_math=False)
         equal.append(torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]))
     return {"equal": equal}
+
+
+def interpreted_fuzz() -> dict:
+    from diffusers_nvfp4_fast.kernels import token_cat_quantize_triton
+
+    g = torch.tensor([2688 / 5.0])
+    attn, mlp = adversarial(40, 384, device="cpu", seed=2), adversarial(40, 640, device="cpu", seed=3)
+    got = token_cat_quantize_triton(attn, mlp, g, fast_math=False)
+    want = reference_quantize(torch.cat([attn, mlp], -1), g[0], fast_math=False)
+    equal = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    return {"elements": attn.numel() + mlp.numel(), "equal": equal}
+
+
+def test_interpreted_fuzz_matches_quantize_of_cat():
+    res = run_interpreted(__name__, "interpreted_fuzz")
+    assert res["equal"], res
 
 
 def test_interpreted_kernel_matches_quantize_of_cat():
@@ -85,3 +101,19 @@ def test_gpu_70000_rows_batch2_and_strided():
     view = wide[:, 32:32 + a_width]
     _same(token_cat_quantize_triton(view, mlp[:1000], g, fast_math=False),
           reference_quantize(torch.cat([view, mlp[:1000]], -1), g, fast_math=False))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_math", [False, True], ids=["precise", "fast"])
+def test_gpu_fuzz_50m_adversarial_elements(fast_math):
+    """2048 rows x (6144 + 18432) = 50.3M adversarial values per mode against ``format.quantize_nvfp4`` of the
+    concatenation (fast-math with the GPU's ``rcp.approx.ftz.f32`` in the reference)."""
+    from diffusers_nvfp4_fast.kernels import token_cat_quantize_triton
+    from support.rcp import exact_fast_math_reference
+
+    attn, mlp = adversarial(2048, 6144, seed=12), adversarial(2048, 18432, seed=13)
+    g = torch.tensor([2688 / 5.0], device="cuda")
+    with exact_fast_math_reference():
+        want = reference_quantize(torch.cat([attn, mlp], -1), g, fast_math=fast_math)
+    assert attn.numel() + mlp.numel() >= 5e7
+    _same(token_cat_quantize_triton(attn, mlp, g, fast_math=fast_math), want)

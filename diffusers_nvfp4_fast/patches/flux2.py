@@ -7,6 +7,8 @@ attention instance (processors are looked up at call time, so cache hooks on the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
@@ -14,7 +16,7 @@ from diffusers.models.transformers import transformer_flux2 as flux2_module
 from torch import nn
 
 from ..format import fast_math_from_env
-from ..linear import NVFP4Linear, QuantizedActivation
+from ..linear import NVFP4Linear
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
 from ..ops.verify import failed_kind_reason, record_fallback, stats_for
 from .hooks import consumer_reason, nvfp4_layer
@@ -40,6 +42,22 @@ def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tenso
     return None
 
 
+class TokenCatInput(NamedTuple):
+    """What the fused path hands ``to_out``: the two halves of its input; the layer quantizes them itself (one kernel,
+    with its own ``input_scale_inv``) once its hooks have run."""
+
+    attn: torch.Tensor
+    mlp: torch.Tensor
+    stats_id: int
+    shape_class: str
+
+    def run_on(self, layer: NVFP4Linear) -> torch.Tensor:
+        packed, scales = token_cat_quantize_checked(
+            self.attn, self.mlp, layer.input_scale_inv, fast_math_from_env(), self.stats_id, self.shape_class
+        )
+        return layer.forward_prequantized(packed, scales, self.attn.dtype)
+
+
 class _FusedOutputMixin:
     """The shared tail of both processors: fused token-cat quantize into ``to_out``, or diffusers' own code."""
 
@@ -54,10 +72,7 @@ class _FusedOutputMixin:
             return attn.to_out(torch.cat([attn_out, mlp_out], dim=-1))
         to_out: NVFP4Linear = attn.to_out
         shape_class = f"A={attn_out.shape[-1]},B={mlp_out.shape[-1]},{attn_out.dtype},{attn_out.device}"
-        packed, scales = token_cat_quantize_checked(
-            attn_out, mlp_out, to_out.input_scale_inv, fast_math_from_env(), self._stats_id, shape_class
-        )
-        out = to_out(QuantizedActivation(packed, scales, attn_out.dtype))
+        out = to_out(TokenCatInput(attn_out, mlp_out, self._stats_id, shape_class))
         return out.reshape(*attn_out.shape[:-1], to_out.out_features)
 
 

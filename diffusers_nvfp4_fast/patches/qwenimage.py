@@ -14,13 +14,13 @@ bias add would. Only a block whose forward is the fused one consumes those unbia
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from ..format import fast_math_from_env
-from ..linear import NVFP4Linear, QuantizedActivation
+from ..linear import NVFP4Linear
 from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs, kernel_runs_on, qwen_resnorm_quantize_checked
 from ..ops.verify import failed_kind_reason, record_fallback, stats_for
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
@@ -150,6 +150,22 @@ def resnorm_gate(
     return None
 
 
+class ResNormInput(NamedTuple):
+    """What the fused path hands FC1: the stream's tensors before the residual add. The layer runs the fused kernel
+    with its own ``input_scale_inv`` once its hooks have run, and returns ``(residual_out, FC1 output [rows, N])``."""
+
+    inputs: ResNormInputs
+    eps: float
+    stats_id: int
+    shape_class: str
+
+    def run_on(self, layer: NVFP4Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, packed, scales = qwen_resnorm_quantize_checked(
+            self.inputs, layer.input_scale_inv, self.eps, fast_math_from_env(), self.stats_id, self.shape_class,
+        )
+        return hidden, layer.forward_prequantized(packed, scales, hidden.dtype)
+
+
 def _mod_params(mod: torch.Tensor, index: torch.Tensor | None):
     """(shift, scale, gate2) for the kernel, and gate2 shaped as ``QwenImageTransformerBlock._modulate`` returns it.
 
@@ -186,10 +202,8 @@ def _mlp_stream(
     shape_class = f"D={residual.shape[-1]},eps={norm.eps},{residual.device}"
     # gate1 is _modulate's [B, 1, D] (or per-token [B, L, D]): the kernel takes either as it is.
     inputs = ResNormInputs(residual, attn_out, attn_bias, gate1, scale, shift)
-    hidden, packed, scales = qwen_resnorm_quantize_checked(
-        inputs, fc1.input_scale_inv, float(norm.eps), fast_math_from_env(), block._nvfp4_stats_id, shape_class,
-    )
-    y = fc1(QuantizedActivation(packed, scales, residual.dtype)).reshape(*residual.shape[:-1], fc1.out_features)
+    hidden, y = fc1(ResNormInput(inputs, float(norm.eps), block._nvfp4_stats_id, shape_class))
+    y = y.reshape(*residual.shape[:-1], fc1.out_features)
     y = ff.net[0].gelu(y)
     for module in list(ff.net)[1:]:  # not ff.net[1:] (see _DeferredBiasView.to_out)
         y = module(y)

@@ -44,3 +44,34 @@ def global_scale_for(x: torch.Tensor) -> torch.Tensor:
     """The activation global scale ``448 * 6 / amax`` of ``x`` (NaN/Inf ignored), FP32 one-element on x's device."""
     amax = x.float().abs().nan_to_num(0.0, 0.0, 0.0).max().clamp(min=1e-12)
     return (448.0 * 6.0 / amax).reshape(1).to(torch.float32)
+
+
+def adversarial(rows: int, cols: int, device="cuda", seed: int = 0) -> torch.Tensor:
+    """bf16 ``[rows, cols]`` whose 16-blocks each take one of the patterns that stress NVFP4 rounding: E2M1 ties at
+    every grid point (block max 6 * 2^e makes the scale a power of two), block maxima on E4M3 rounding boundaries,
+    saturation (values far above the global scale's range), subnormal and underflowing block scales, all-zero blocks,
+    -0, NaN with either sign bit, +-Inf, and plain random blocks. ``cols`` must be a multiple of 16."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    blocks = rows * (cols // 16)
+    pattern = torch.randint(0, 9, (blocks,), device=device, generator=gen)
+    x = torch.randn(blocks, 16, device=device, generator=gen)
+    exps = torch.randint(-12, 12, (blocks, 1), device=device, generator=gen).float()
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0,
+                         -6.0], device=device)
+    out = torch.where(pattern[:, None] == 0, ties[torch.randperm(16, device=device, generator=gen)] * exps.exp2(), x)
+    # E4M3 boundaries: block max = 6 * (an E4M3 midpoint) * 2^e, so the block scale rounds exactly halfway.
+    mid = 6.0 * (1.0 + (2 * torch.randint(0, 8, (blocks, 1), device=device, generator=gen) + 1) / 16.0) * exps.exp2()
+    out = torch.where(pattern[:, None] == 1, x / x.abs().amax(1, keepdim=True) * mid, out)
+    out = torch.where(pattern[:, None] == 2, x * 1e6, out)  # saturation
+    out = torch.where(pattern[:, None] == 3, x * 1e-7, out)  # E4M3 subnormal block scales
+    out = torch.where(pattern[:, None] == 4, x * 1e-30, out)  # block scale underflows to 0
+    out = torch.where(pattern[:, None] == 5, torch.zeros_like(x), out)
+    out = torch.where(pattern[:, None] == 6, torch.full_like(x, -0.0), out)
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0], device=device)
+    pick = torch.randint(0, 8, x.shape, device=device, generator=gen)
+    out = torch.where((pattern[:, None] == 7) & (pick < 4), special[pick.clamp(max=3)], out)
+    out = out.reshape(rows, cols).to(torch.bfloat16)
+    # NaNs with the sign bit set (0xFFC0) in pattern 8: assigning -nan to a bf16 tensor would store 0x7FC0.
+    bits = out.view(torch.int16).reshape(blocks, 16)
+    bits[(pattern == 8).nonzero().flatten(), :3] = -64
+    return out

@@ -1,0 +1,150 @@
+"""diffusers' own NVFP4 modules (``BFLQuantizationConfig``) vs the same model after ``enable_fast_paths``, on the GPU.
+
+    python benchmarks/bench_native.py                 # one FLUX.2-dev-sized layer and a full FLUX.2-dev step
+    python benchmarks/bench_native.py --skip-step     # the layer only
+
+Layer: ``BFLNVFP4Linear`` 6144 -> 18432 at 4608 rows (a FLUX.2-dev feed-forward input projection at 1024x1024), random
+packed weights and block scales, against the ``NVFP4Linear`` that ``enable_fast_paths`` converts it to. Step: a
+full-size FLUX.2-dev transformer with random weights, NVFP4 where ``bench_transformer_step.py`` quantizes, written to a
+file in this run's temporary directory in the layout diffusers reads (BFL names, low nibble first, linear scales),
+loaded with ``Flux2Transformer2DModel.from_single_file(..., quantization_config=BFLQuantizationConfig())``, and timed
+with diffusers' modules (below SM100 they dequantize every weight in every forward) and after ``enable_fast_paths``.
+Writes benchmarks/results/native-<device>.json: cases ``{shape, variant, us | ms_per_step, peak_gib, speedup_vs}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+ROWS, IN, OUT = 4608, 6144, 18432
+GOALS = {"step_speedup_vs_diffusers": 2.0, "peak_memory_not_higher": True}
+
+
+def random_nvfp4(n: int, k: int, device, gen) -> dict[str, torch.Tensor]:
+    """Random packed weight (low nibble first), linear E4M3 block scales in [2^-3, 2^0), FP32 global scales."""
+    return {
+        "weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device, generator=gen),
+        "weight_scale": torch.randint(0x28, 0x38, (n, k // 16), dtype=torch.uint8, device=device,
+                                      generator=gen).view(torch.float8_e4m3fn),
+        "weight_scale_2": torch.tensor(1e-3, dtype=torch.float32, device=device),
+        "input_scale": torch.tensor(8.0 / 2688.0, dtype=torch.float32, device=device),
+    }
+
+
+def _peak_gib(fn) -> float:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def layer_cases() -> list[dict]:
+    from common import time_us
+    from diffusers.quantizers.bfl.utils import BFLNVFP4Linear
+
+    from diffusers_nvfp4_fast.loaders.diffusers_native import from_bfl_layer
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    layer = BFLNVFP4Linear(IN, OUT, bias=False, compute_dtype=torch.bfloat16, device="meta")
+    tensors = random_nvfp4(OUT, IN, "cuda", gen)
+    layer.weight = nn.Parameter(tensors["weight"], requires_grad=False)
+    for key in ("weight_scale", "weight_scale_2", "input_scale"):
+        layer.register_buffer(key, tensors[key])
+    ours = from_bfl_layer(layer)
+    x = torch.randn(ROWS, IN, device="cuda", dtype=torch.bfloat16, generator=gen)
+    shape = {"rows": ROWS, "in": IN, "out": OUT}
+    with torch.inference_mode():
+        us = {"diffusers": time_us(lambda: layer(x), graph=False), "fast_paths": time_us(lambda: ours(x), graph=False)}
+        peak = {"diffusers": _peak_gib(lambda: layer(x)), "fast_paths": _peak_gib(lambda: ours(x))}
+    return [{"shape": shape, "variant": v, "us": round(us[v], 1), "peak_gib": round(peak[v], 3),
+             "speedup_vs": {"diffusers": round(us["diffusers"] / us[v], 3)}} for v in us]
+
+
+def write_flux2_dev_file(path: Path) -> dict:
+    """A full-size FLUX.2-dev file in the layout diffusers reads; returns the transformer config."""
+    import bench_transformer_step as step
+
+    from diffusers_nvfp4_fast.loaders.common import is_excluded
+    from diffusers_nvfp4_fast.testing.bfl_writer import write_bfl_file
+
+    model = step.empty_model("flux2-dev", tiny=False)
+    config = dict(model.config)
+    patterns = list(step.exclude_patterns("flux2-dev", config))
+    gen = torch.Generator().manual_seed(0)
+    sd: dict[str, torch.Tensor] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not is_excluded(name, patterns) and module.in_features % 16 == 0:
+            sd.update({f"{name}.{k}": v for k, v in random_nvfp4(module.out_features, module.in_features, "cpu",
+                                                                   gen).items()})
+    for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[0] + ".weight_scale" not in sd:
+            sd[name] = (torch.randn(p.shape, generator=gen) * 0.02).to(torch.bfloat16)
+    write_bfl_file(sd, config["num_layers"], config["num_single_layers"], path, nibble_order="lo_first",
+                   swizzle=False, markers=False, header=False)
+    return config
+
+
+def step_cases(tmp: Path) -> list[dict]:
+    import bench_transformer_step as step
+    from diffusers import BFLQuantizationConfig, Flux2Transformer2DModel
+
+    from diffusers_nvfp4_fast import enable_fast_paths
+
+    t0 = time.perf_counter()
+    config = write_flux2_dev_file(tmp / "flux2-dev-native.safetensors")
+    (tmp / "config").mkdir()
+    Flux2Transformer2DModel.from_config(config).save_config(tmp / "config")
+    t1 = time.perf_counter()
+    model = Flux2Transformer2DModel.from_single_file(
+        str(tmp / "flux2-dev-native.safetensors"), config=str(tmp / "config"),
+        quantization_config=BFLQuantizationConfig(), torch_dtype=torch.bfloat16).to("cuda")
+    t2 = time.perf_counter()
+    inputs = step.make_inputs("flux2-dev", model, 1024, 1024, 512, torch.device("cuda"))
+    cases, ms = [], {}
+    for variant in ("diffusers", "fast_paths"):
+        if variant == "fast_paths":
+            enable_fast_paths(model)
+        ms[variant], peak, _ = step.time_steps(model, inputs, 2, 5, torch.device("cuda"))
+        cases.append({"shape": {"model": "FLUX.2-dev", "height": 1024, "width": 1024, "text_tokens": 512},
+                      "variant": variant, "ms_per_step": round(ms[variant], 2),
+                      "peak_gib": round(peak / 1.073741824, 3)})
+    for case in cases:
+        case["speedup_vs"] = {"diffusers": round(ms["diffusers"] / case["ms_per_step"], 3)}
+    print(f"file written in {t1 - t0:.0f} s, loaded by diffusers in {t2 - t1:.0f} s")
+    return cases
+
+
+def main() -> None:
+    import common
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--skip-step", action="store_true", help="time the layer only")
+    args = ap.parse_args()
+    result = common.header("native", common.copy_bandwidth_gbps())
+    result["timing"] = ("layer: median CUDA-event time of eager calls; step: median of 5 eager forwards after 2 "
+                        "warm-ups; peak_gib: layer: peak allocation above what was allocated before the call; "
+                        "step: peak allocation of the process during the timed steps")
+    result["goals"] = GOALS
+    result["cases"] = layer_cases()
+    if not args.skip_step:
+        with tempfile.TemporaryDirectory() as tmp:
+            result["cases"] += step_cases(Path(tmp))
+    print("wrote", common.write_result(result))
+    for case in result["cases"]:
+        value = f"{case['us']} us" if "us" in case else f"{case['ms_per_step']} ms/step"
+        print(f"{case['variant']:<11} {value:>14}  peak {case['peak_gib']:.2f} GiB  {case['speedup_vs']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Where one denoising step's GPU time goes: a torch-profiler pass over one eager step of the full-size FLUX.2-dev or
+Qwen-Image transformer, NVFP4 with fast paths on (the model is built as ``bench_transformer_step.py`` builds it).
+
+    python benchmarks/profile_step.py --model flux2-dev      # or qwen-image; --tiny: CPU dry run of the logic
+
+Kernels are grouped into classes (NVFP4 GEMM, BF16 GEMM, attention, fused kernels, quantize, activation decode,
+LayerNorm, other elementwise, copies, other); NVFP4 GEMM time is also split by shape (M, N, K), each NVFP4 layer call
+being wrapped in a profiler range for this pass. Host gap = step wall time minus the summed kernel time. Writes
+benchmarks/results/profile_step-<model>-<device>.json and prints the tables that docs/profile.md holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import re
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+CLASSES = (  # first match wins
+    ("fused kernels", r"token_cat|qwen_resnorm|layer_norm_kernel_exact"),
+    ("NVFP4 GEMM", r"nvfp4_gemm|split_reduce"),
+    ("activation decode", r"decode_rows"),
+    ("quantize", r"quantize_nvfp4"),
+    ("attention", r"flash|fmha|attention|sdpa|cudnn"),
+    ("BF16 GEMM", r"gemm|sm90_xmma|cutlass|ampere_|nvjet|gemv"),
+    ("LayerNorm", r"layer_norm|LayerNorm"),
+    ("copies", r"copy|Memcpy|memcpy|cat_"),
+    ("other elementwise", r"elementwise|vectorized|reduce|unrolled|pointwise|triton_"),
+)
+
+
+def kernel_class(name: str) -> str:
+    for label, pattern in CLASSES:
+        if re.search(pattern, name):
+            return label
+    return "other"
+
+
+@contextlib.contextmanager
+def gemm_ranges():
+    """Wrap every ``NVFP4Linear`` GEMM in a profiler range named by its shape, for the per-shape split."""
+    from diffusers_nvfp4_fast.linear import NVFP4Linear
+
+    original = NVFP4Linear.forward_prequantized, NVFP4Linear._forward
+
+    def prequantized(self, x_packed, x_scales, out_dtype=torch.bfloat16):
+        with torch.profiler.record_function(f"gemm M={x_packed.shape[0]} N={self.out_features} K={self.in_features}"):
+            return original[0](self, x_packed, x_scales, out_dtype)
+
+    def plain(self, x, bias):
+        rows = x.numel() // x.shape[-1]
+        with torch.profiler.record_function(f"gemm M={rows} N={self.out_features} K={self.in_features}"):
+            return original[1](self, x, bias)
+
+    NVFP4Linear.forward_prequantized, NVFP4Linear._forward = prequantized, plain
+    try:
+        yield
+    finally:
+        NVFP4Linear.forward_prequantized, NVFP4Linear._forward = original
+
+
+def profile(model, inputs, device) -> dict:
+    from bench_transformer_step import forward
+
+    for _ in range(2):
+        forward(model, inputs)
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with gemm_ranges(), torch.profiler.profile(activities=activities) as prof:
+        start = time.perf_counter()
+        forward(model, inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    kernels: Counter = Counter()
+    shapes: Counter = Counter()
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", 0.0)
+        if event.key.startswith("gemm M="):
+            shapes[event.key] += getattr(event, "device_time_total", 0.0) / 1e3
+        elif device_us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.key] += device_us / 1e3
+    classes: Counter = Counter()
+    for name, ms in kernels.items():
+        classes[kernel_class(name)] += ms
+    kernel_ms = sum(kernels.values())
+    return {
+        "wall_ms": round(wall_ms, 2), "kernel_ms": round(kernel_ms, 2), "host_gap_ms": round(wall_ms - kernel_ms, 2),
+        "classes": {k: round(v, 2) for k, v in classes.most_common()},
+        "top_kernels": [{"name": n[:120], "ms": round(ms, 3), "share": round(ms / max(kernel_ms, 1e-9), 4),
+                         "class": kernel_class(n)} for n, ms in kernels.most_common(15)],
+        "nvfp4_gemm_by_shape": {k: round(v, 3) for k, v in shapes.most_common()},
+    }
+
+
+def main() -> None:
+    import bench_transformer_step as step
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(step.MODELS), default="flux2-dev")
+    ap.add_argument("--height", type=int, default=1024)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--text-tokens", type=int, default=512)
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    from diffusers_nvfp4_fast import enable_fast_paths
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    model = step.empty_model(args.model, args.tiny)
+    step.materialize(model, args.model, device, nvfp4=True)
+    enable_fast_paths(model)
+    inputs = step.make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
+    result = profile(model, inputs, device)
+    if not args.tiny:
+        import common
+
+        out = common.header("profile_step", common.copy_bandwidth_gbps())
+        out.update(model=args.model, inputs=vars(args), mode="eager, fast paths on, one step after two warm-ups",
+                   **result)
+        print("wrote", common.write_result(out, f"profile_step-{args.model}"))
+    print(f"{args.model}: wall {result['wall_ms']} ms, kernels {result['kernel_ms']} ms, host gap "
+          f"{result['host_gap_ms']} ms")
+    for label, ms in result["classes"].items():
+        print(f"  {label:<20} {ms:9.2f} ms")
+    for label, ms in list(result["nvfp4_gemm_by_shape"].items())[:12]:
+        print(f"  {label:<28} {ms:9.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
