@@ -95,11 +95,8 @@ def write_flux2_dev_file(path: Path) -> dict:
     return config
 
 
-def step_cases(tmp: Path) -> list[dict]:
-    import bench_transformer_step as step
+def load_from_file(tmp: Path) -> nn.Module:
     from diffusers import BFLQuantizationConfig, Flux2Transformer2DModel
-
-    from diffusers_nvfp4_fast import enable_fast_paths
 
     t0 = time.perf_counter()
     config = write_flux2_dev_file(tmp / "flux2-dev-native.safetensors")
@@ -109,7 +106,44 @@ def step_cases(tmp: Path) -> list[dict]:
     model = Flux2Transformer2DModel.from_single_file(
         str(tmp / "flux2-dev-native.safetensors"), config=str(tmp / "config"),
         quantization_config=BFLQuantizationConfig(), torch_dtype=torch.bfloat16).to("cuda")
-    t2 = time.perf_counter()
+    print(f"file written in {t1 - t0:.0f} s, loaded by diffusers in {time.perf_counter() - t1:.0f} s")
+    return model
+
+
+def build_in_memory() -> nn.Module:
+    """The modules ``from_single_file`` builds (``BFLNVFP4Linear`` where the file is NVFP4), made directly on the
+    GPU with random tensors: the same classes and forward code, without writing and reading 19 GB."""
+    import bench_transformer_step as step
+    from diffusers.quantizers.bfl.utils import BFLNVFP4Linear
+
+    from diffusers_nvfp4_fast.loaders.common import is_excluded
+
+    model = step.empty_model("flux2-dev", tiny=False)
+    step.materialize(model, "flux2-dev", torch.device("cuda"), nvfp4=False)
+    patterns = list(step.exclude_patterns("flux2-dev", dict(model.config)))
+    gen = torch.Generator("cuda").manual_seed(0)
+    for name, lin in list(model.named_modules()):
+        if not isinstance(lin, nn.Linear) or is_excluded(name, patterns) or lin.in_features % 16:
+            continue
+        layer = BFLNVFP4Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                               compute_dtype=torch.bfloat16, device="meta")
+        tensors = random_nvfp4(lin.out_features, lin.in_features, "cuda", gen)
+        layer.weight = nn.Parameter(tensors.pop("weight"), requires_grad=False)
+        for key, value in tensors.items():
+            layer.register_buffer(key, value)
+        if lin.bias is not None:
+            layer.bias = lin.bias
+        model.set_submodule(name, layer)
+    torch.cuda.empty_cache()
+    return model
+
+
+def step_cases(tmp: Path, source: str) -> list[dict]:
+    import bench_transformer_step as step
+
+    from diffusers_nvfp4_fast import enable_fast_paths
+
+    model = load_from_file(tmp) if source == "file" else build_in_memory()
     inputs = step.make_inputs("flux2-dev", model, 1024, 1024, 512, torch.device("cuda"))
     cases, ms = [], {}
     for variant in ("diffusers", "fast_paths"):
@@ -121,7 +155,7 @@ def step_cases(tmp: Path) -> list[dict]:
                       "peak_gib": round(peak / 1.073741824, 3)})
     for case in cases:
         case["speedup_vs"] = {"diffusers": round(ms["diffusers"] / case["ms_per_step"], 3)}
-    print(f"file written in {t1 - t0:.0f} s, loaded by diffusers in {t2 - t1:.0f} s")
+        case["model_source"] = source
     return cases
 
 
@@ -130,6 +164,9 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--skip-step", action="store_true", help="time the layer only")
+    ap.add_argument("--step-from", choices=("file", "memory"), default="file",
+                    help="file: write a 19 GB file and load it with from_single_file; memory: build the same "
+                         "BFLNVFP4Linear modules on the GPU directly")
     args = ap.parse_args()
     result = common.header("native", common.copy_bandwidth_gbps())
     result["timing"] = ("layer: median CUDA-event time of eager calls; step: median of 5 eager forwards after 2 "
@@ -139,7 +176,7 @@ def main() -> None:
     result["cases"] = layer_cases()
     if not args.skip_step:
         with tempfile.TemporaryDirectory() as tmp:
-            result["cases"] += step_cases(Path(tmp))
+            result["cases"] += step_cases(Path(tmp), args.step_from)
     print("wrote", common.write_result(result))
     for case in result["cases"]:
         value = f"{case['us']} us" if "us" in case else f"{case['ms_per_step']} ms/step"

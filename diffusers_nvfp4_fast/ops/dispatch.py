@@ -65,9 +65,10 @@ def flashinfer() -> ModuleType | None:
 
 def forced_gemm_backend() -> str | None:
     """The backend ``DIFFUSERS_NVFP4_GEMM_BACKEND`` names, or None when it is unset."""
-    forced = os.environ.get(GEMM_BACKEND_VAR, "").strip().lower()
+    forced = os.environ.get(GEMM_BACKEND_VAR)
     if not forced:
         return None
+    forced = forced.strip().lower()
     if forced not in GEMM_BACKENDS:
         raise ValueError(f"{GEMM_BACKEND_VAR}={forced!r}: expected one of {', '.join(GEMM_BACKENDS)}")
     return forced
@@ -93,19 +94,26 @@ def _why_not(backend: str, device: torch.device) -> str | None:
     return None
 
 
-def gemm_backend(device: torch.device) -> str:
-    """The GEMM backend for tensors on ``device``: 'flashinfer' (SM100+), 'triton' (SM80-SM90) or 'emulated' (torch).
-
-    ``DIFFUSERS_NVFP4_GEMM_BACKEND`` forces one; a forced backend that cannot run here raises
-    ``BackendUnavailableError`` naming the variable, the backend and the reason.
-    """
-    forced = forced_gemm_backend()
-    if forced is not None:
-        reason = _why_not(forced, device)
-        if reason is not None:
-            raise BackendUnavailableError(f"{GEMM_BACKEND_VAR}={forced} cannot run here: {reason}")
-        return forced
+@functools.cache
+def _automatic_backend(device_type: str, index: int | None) -> str:
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
     for backend in ("flashinfer", "triton"):
         if _why_not(backend, device) is None:
             return backend
     return "emulated"
+
+
+def gemm_backend(device: torch.device) -> str:
+    """The GEMM backend for tensors on ``device``: 'flashinfer' (SM100+), 'triton' (SM80-SM90) or 'emulated' (torch).
+
+    ``DIFFUSERS_NVFP4_GEMM_BACKEND`` forces one; a forced backend that cannot run here raises
+    ``BackendUnavailableError`` naming the variable, the backend and the reason. The automatic choice is cached per
+    device: every NVFP4 layer call asks.
+    """
+    forced = forced_gemm_backend()
+    if forced is None:
+        return _automatic_backend(device.type, device.index)
+    reason = _why_not(forced, device)
+    if reason is not None:
+        raise BackendUnavailableError(f"{GEMM_BACKEND_VAR}={forced} cannot run here: {reason}")
+    return forced

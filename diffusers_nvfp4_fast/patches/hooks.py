@@ -11,22 +11,25 @@ from ..linear import NVFP4Linear
 
 def hooks_on(module: nn.Module) -> list[str]:
     """Names of the hooks that run when ``module`` is called: diffusers hook names, accelerate's hook class, and
-    'torch forward hook' for hooks registered with ``register_forward_(pre_)hook``."""
+    'torch forward hook' for hooks registered with ``register_forward_(pre_)hook``. Reads the instance dict only:
+    gates call this for every block and step, and a missing attribute through ``nn.Module.__getattr__`` costs a
+    raised exception each time (docs/performance.md, host cost)."""
+    attrs = module.__dict__
     names = []
-    registry = getattr(module, "_diffusers_hook", None)
-    if registry is not None:
+    registry = attrs.get("_diffusers_hook")
+    if registry is not None and registry.hooks:
         names.extend(registry.hooks)
-    accelerate_hook = getattr(module, "_hf_hook", None)
+    accelerate_hook = attrs.get("_hf_hook")
     if accelerate_hook is not None:
         names.append(type(accelerate_hook).__name__)
-    if module._forward_hooks or module._forward_pre_hooks:
+    if attrs["_forward_hooks"] or attrs["_forward_pre_hooks"]:
         names.append("torch forward hook")
     return names
 
 
 def is_lora_layer(module: nn.Module) -> bool:
     """True for a peft tuner layer (a LoRA wrapper around a base layer), without importing peft."""
-    return hasattr(module, "base_layer") and hasattr(module, "active_adapters")
+    return "base_layer" in module.__dict__["_modules"] and hasattr(module, "active_adapters")
 
 
 def nvfp4_layer(module: nn.Module | None) -> NVFP4Linear | None:
