@@ -6,6 +6,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from .loaders.diffusers_native import SOURCE as BFL_SOURCE
 from .loaders.diffusers_native import convert_diffusers_native
 from .lora import register_lora_support
 from .ops.dispatch import gemm_backend
-from .ops.verify import VerifyMode, drop_stats, new_stats, stats_for
+from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats, stats_for
 from .patches.flux2 import patch_flux2
 from .patches.qwenimage import patch_qwenimage
 
@@ -87,7 +88,7 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
     for model in _transformers(pipe_or_transformer):
         state = getattr(model, _STATE_ATTR, None)
         if state is not None:
-            stats_for(state["stats_id"]).verify_mode = verify
+            cast(FastPathStats, stats_for(state["stats_id"])).verify_mode = verify  # registered while state is set
             continue
         restore: list = []
         _restore_config(model, restore)
@@ -161,7 +162,7 @@ def execution_device(model: nn.Module, layer: nn.Module) -> torch.device:
         device = _hook_device(module)
         if device is not None:
             return device
-    return layer.weight.device
+    return cast(torch.Tensor, layer.weight).device
 
 
 def fast_path_report(pipe_or_transformer) -> dict:
@@ -176,7 +177,7 @@ def fast_path_report(pipe_or_transformer) -> dict:
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
         state = getattr(model, _STATE_ATTR, None)
         stats = stats_for(state["stats_id"]) if state else None
-        entry = {"enabled": state is not None, "nvfp4_linears": len(linears)}
+        entry: dict[str, Any] = {"enabled": state is not None, "nvfp4_linears": len(linears)}
         if linears:
             entry["gemm_backend"] = gemm_backend(execution_device(model, linears[0]))
         if state is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -43,6 +45,21 @@ class NVFP4Linear(nn.Module):
     """
 
     _FP32_BUFFERS = ("weight_scale_2", "input_scale", "alpha", "input_scale_inv")
+
+    # Declared for the type checker only (no values): nn.Module's __getattr__ would type them as Tensor | Module.
+    weight: nn.Parameter
+    weight_scale: nn.Parameter
+    weight_scale_2: torch.Tensor
+    input_scale: torch.Tensor
+    bias: torch.Tensor | None
+    alpha: torch.Tensor
+    input_scale_inv: torch.Tensor
+    in_features: int
+    out_features: int
+    scale_layout: ScaleLayout
+    compute_dtype: torch.dtype
+    dynamic_input_scale: bool
+    input_scale_source: str  # set by the loaders ("checkpoint", "modelopt", "dynamic", ...); absent otherwise
 
     def __init__(
         self,
@@ -143,7 +160,7 @@ class NVFP4Linear(nn.Module):
         """Recompute ``alpha`` and ``input_scale_inv`` in place (their tensor objects stay, for offloading hooks)."""
         derived = {"alpha": self.input_scale * self.weight_scale_2, "input_scale_inv": 1.0 / self.input_scale}
         for name, value in derived.items():
-            current = self._buffers[name]
+            current = cast(torch.Tensor, self._buffers[name])  # registered in __init__, never None here
             if current.device == value.device and _keeps_identity(current):
                 current.copy_(value)
             else:

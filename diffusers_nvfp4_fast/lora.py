@@ -61,5 +61,5 @@ def register_lora_support() -> bool:
             return lora_cls(target, adapter_name, config=lora_config, **kwargs)
         return create_new_module(lora_config, adapter_name, target, **kwargs)
 
-    LoraModel._create_new_module = staticmethod(create)
+    LoraModel._create_new_module = staticmethod(create)  # type: ignore[method-assign]  # peft's hook point, on purpose
     return True

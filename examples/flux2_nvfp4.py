@@ -1,8 +1,8 @@
 """FLUX.2 with NVFP4 weights: load, generate with fast paths off and on, compare the PNG bytes.
 
     python examples/flux2_nvfp4.py --tiny                      # offline, embedded tiny model, CPU or GPU
-    python examples/flux2_nvfp4.py --nvfp4 PATH_OR_REPO [--subfolder transformer] [--filename flux2-dev-nvfp4.safetensors] \\
-        --base black-forest-labs/FLUX.2-dev --prompt "a red fox in snow"
+    python examples/flux2_nvfp4.py --nvfp4 PATH_OR_REPO [--subfolder transformer] \\
+        [--filename flux2-dev-nvfp4.safetensors] --base black-forest-labs/FLUX.2-dev --prompt "a red fox in snow"
 """
 
 import argparse

@@ -40,7 +40,7 @@ def main() -> None:
     pipe.to(device)
 
     image_off = run_pipeline(pipe, call, size=size, steps=steps)
-    enable_fast_paths(pipe)                      # scale layout fix, fused residual+LayerNorm+modulate+quantize, FP4 GEMMs
+    enable_fast_paths(pipe)  # scale layout fix, fused residual+LayerNorm+modulate+quantize, FP4 GEMMs
     image_on = run_pipeline(pipe, call, size=size, steps=steps)
     print(fast_path_report(pipe))
     disable_fast_paths(pipe)

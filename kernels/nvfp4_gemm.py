@@ -452,40 +452,8 @@ def split_k_for(m: int, n: int, k: int, sm_count: int) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def nvfp4_gemm(
-    x_packed: torch.Tensor,
-    x_scales: torch.Tensor,
-    w_packed: torch.Tensor,
-    w_scales: torch.Tensor,
-    alpha: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
-    *,
-    x_decode: str = "auto",
-    split_k: int | None = None,
-    config: triton.Config | None = None,
-    kernel: str = "auto",
-) -> torch.Tensor:
-    """NVFP4 W4A4 GEMM: ``out_dtype((decode(x) @ decode(w).T) * alpha)``, with ``decode = e2m1 * e4m3``.
-
-    Args:
-        x_packed: uint8 ``[M, K/2]``, low nibble first (element 2j in the low nibble of byte j); K % 16 == 0.
-        x_scales: uint8 (or float8_e4m3fn) 128x4-swizzled ``[round_up(M,128), round_up(K/16,4)]``.
-        w_packed: uint8 ``[N, K/2]``.
-        w_scales: uint8 (or float8_e4m3fn) 128x4-swizzled ``[round_up(N,128), round_up(K/16,4)]``.
-        alpha: FP32 tensor with one element, read inside the kernel (no host sync; CUDA-graph safe).
-        out_dtype: ``torch.bfloat16`` (default), ``torch.float16`` or ``torch.float32``.
-        x_decode: ``"auto"`` (in the GEMM when ``M <= PREDECODE_MAX_M``, else once into an FP16 scratch),
-            ``"in_kernel"`` or ``"predecode"``.
-        split_k: force the number of K splits of the in-kernel-X variant (tests); default ``split_k_for(...)``.
-        config: run this ``triton.Config`` instead of autotuning (tests; the interpreter always uses one).
-        kernel: ``"auto"`` (the SM90 Gluon kernel for pre-decoded X where it applies, else the Triton kernel),
-            ``"triton"`` (always the Triton kernel) or ``"sm90"`` (the Gluon kernel, or ``ValueError``). Every choice
-            gives the same bytes.
-
-    Returns:
-        ``[M, N]`` in ``out_dtype``: the FP32 sum equals ``ops.emulated_nvfp4_gemm`` up to summation order, then one
-        rounding for alpha and one for ``out_dtype``. Same bytes on every call for the same inputs and device.
-    """
+def _check_gemm_args(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype, x_decode, config, kernel):
+    """Refuse bad operands and options with a message naming them; returns (M, N, K)."""
     if x_packed.dim() != 2 or w_packed.dim() != 2 or x_packed.shape[1] != w_packed.shape[1]:
         raise ValueError(f"nvfp4_gemm: packed operands must be [M, K/2] and [N, K/2], got "
                          f"{tuple(x_packed.shape)} and {tuple(w_packed.shape)}")
@@ -511,28 +479,13 @@ def nvfp4_gemm(
                          f"{alpha.dtype} {tuple(alpha.shape)} on {alpha.device}")
     if not (x_scales.device == w_packed.device == w_scales.device == x_packed.device):
         raise ValueError("nvfp4_gemm: all operands must be on the same device")
-    x_packed = x_packed if x_packed.stride(1) == 1 else x_packed.contiguous()
-    w_packed = w_packed if w_packed.stride(1) == 1 else w_packed.contiguous()
+    return m, n, k
 
-    out = torch.empty((m, n), dtype=out_dtype, device=x_packed.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-    device = x_packed.device
-    cp = w_scales.shape[1]
-    predecode = x_decode == "predecode" or (x_decode == "auto" and m > PREDECODE_MAX_M)
-    if kernel == "sm90" and not predecode:
-        raise ValueError(f"nvfp4_gemm: kernel='sm90' needs the pre-decoded X path (M > {PREDECODE_MAX_M} or "
-                         f"x_decode='predecode'), got M={m}, x_decode={x_decode!r}")
-    sm90 = sm90_kernel_for(m, k, w_packed, w_scales, x_decode, kernel, config)
-    if kernel == "sm90" and sm90 is None:
-        raise ValueError(f"nvfp4_gemm: kernel='sm90' does not take these operands (needs an SM90 GPU, "
-                         f"K % 32 == 0 and 16-byte aligned tensors; got K={k} on {device})")
-    # Exact FP16 values of X, decoded once (memory-bound) instead of once per weight tile.
-    x16 = decode_nvfp4_rows(x_packed, x_scales, torch.float16) if predecode else None
-    if sm90 is not None:
-        return sm90.nvfp4_gemm_sm90(x16, w_packed, w_scales, alpha, out)
+
+def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out, x16, predecode, split_k, config):
+    """The Triton kernel (X decoded in the kernel, or pre-decoded ``x16``), split K where it pays, into ``out``."""
+    (m, half_k), n = x_packed.shape, w_packed.shape[0]
+    k, device, cp = 2 * half_k, x_packed.device, w_scales.shape[1]
     use_asm = _use_asm(x_packed)
     w_words = _scale_words(w_scales)
     if predecode:
@@ -568,3 +521,62 @@ def nvfp4_gemm(
         launch(_split_reduce_kernel, (cdiv(m * n, block),), target, alpha, out, m * n, SPLITS=splits, BLOCK=block,
                num_warps=4)
     return out
+
+
+def nvfp4_gemm(
+    x_packed: torch.Tensor,
+    x_scales: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scales: torch.Tensor,
+    alpha: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    x_decode: str = "auto",
+    split_k: int | None = None,
+    config: triton.Config | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
+    """NVFP4 W4A4 GEMM: ``out_dtype((decode(x) @ decode(w).T) * alpha)``, with ``decode = e2m1 * e4m3``.
+
+    Args:
+        x_packed: uint8 ``[M, K/2]``, low nibble first (element 2j in the low nibble of byte j); K % 16 == 0.
+        x_scales: uint8 (or float8_e4m3fn) 128x4-swizzled ``[round_up(M,128), round_up(K/16,4)]``.
+        w_packed: uint8 ``[N, K/2]``.
+        w_scales: uint8 (or float8_e4m3fn) 128x4-swizzled ``[round_up(N,128), round_up(K/16,4)]``.
+        alpha: FP32 tensor with one element, read inside the kernel (no host sync; CUDA-graph safe).
+        out_dtype: ``torch.bfloat16`` (default), ``torch.float16`` or ``torch.float32``.
+        x_decode: ``"auto"`` (in the GEMM when ``M <= PREDECODE_MAX_M``, else once into an FP16 scratch),
+            ``"in_kernel"`` or ``"predecode"``.
+        split_k: force the number of K splits of the in-kernel-X variant (tests); default ``split_k_for(...)``.
+        config: run this ``triton.Config`` instead of autotuning (tests; the interpreter always uses one).
+        kernel: ``"auto"`` (the SM90 Gluon kernel for pre-decoded X where it applies, else the Triton kernel),
+            ``"triton"`` (always the Triton kernel) or ``"sm90"`` (the Gluon kernel, or ``ValueError``). Every choice
+            gives the same bytes.
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``: the FP32 sum equals ``ops.emulated_nvfp4_gemm`` up to summation order, then one
+        rounding for alpha and one for ``out_dtype``. Same bytes on every call for the same inputs and device.
+    """
+    m, n, k = _check_gemm_args(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype, x_decode, config, kernel)
+    x_packed = x_packed if x_packed.stride(1) == 1 else x_packed.contiguous()
+    w_packed = w_packed if w_packed.stride(1) == 1 else w_packed.contiguous()
+
+    out = torch.empty((m, n), dtype=out_dtype, device=x_packed.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    device = x_packed.device
+    predecode = x_decode == "predecode" or (x_decode == "auto" and m > PREDECODE_MAX_M)
+    if kernel == "sm90" and not predecode:
+        raise ValueError(f"nvfp4_gemm: kernel='sm90' needs the pre-decoded X path (M > {PREDECODE_MAX_M} or "
+                         f"x_decode='predecode'), got M={m}, x_decode={x_decode!r}")
+    sm90 = sm90_kernel_for(m, k, w_packed, w_scales, x_decode, kernel, config)
+    if kernel == "sm90" and sm90 is None:
+        raise ValueError(f"nvfp4_gemm: kernel='sm90' does not take these operands (needs an SM90 GPU, "
+                         f"K % 32 == 0 and 16-byte aligned tensors; got K={k} on {device})")
+    # Exact FP16 values of X, decoded once (memory-bound) instead of once per weight tile.
+    x16 = decode_nvfp4_rows(x_packed, x_scales, torch.float16) if predecode else None
+    if sm90 is not None:
+        return sm90.nvfp4_gemm_sm90(x16, w_packed, w_scales, alpha, out)
+    return _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out, x16, predecode, split_k, config)

@@ -5,6 +5,7 @@ import logging
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,11 +232,8 @@ def test_tiny_pipeline_is_deterministic_in_process_and_across_processes(which, m
     model = load_nvfp4_transformer(path)
     first, second = pipeline_sha(which, model), pipeline_sha(which, model)
     assert first == second
-    code = (f"import sys; sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r});"
-            "from support.modelopt_exports import pipeline_sha; "
-            "from diffusers_nvfp4_fast import load_nvfp4_transformer;"
-            f"print('SHA', pipeline_sha({which!r}, load_nvfp4_transformer({str(path)!r})))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    script = Path(__file__).parent / "support" / "modelopt_exports.py"
+    out = subprocess.run([sys.executable, str(script), which, str(path)], capture_output=True, text=True, timeout=300)
     assert f"SHA {first}" in out.stdout, out.stdout + out.stderr
 
 

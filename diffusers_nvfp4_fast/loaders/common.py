@@ -6,6 +6,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -172,4 +173,4 @@ def record_checkpoint_config(model: nn.Module) -> None:
     checkpoint that ``load_nvfp4_transformer(dir)`` reads back byte for byte."""
     config = checkpoint_config(model)
     if config is not None and hasattr(model, "register_to_config"):
-        model.register_to_config(quantization_config=config)
+        cast(Any, model).register_to_config(quantization_config=config)  # a diffusers ModelMixin

@@ -12,6 +12,8 @@ weight and multiplies BF16 activations (W4A16), so there the converted outputs d
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -38,14 +40,15 @@ def _offload_hooks(module: nn.Module) -> list[str]:
 def from_bfl_layer(layer: nn.Module) -> NVFP4Linear:
     """An ``NVFP4Linear`` computing ``layer``'s checkpoint recipe: same packed weight object, 128x4 scales, same
     ``weight_scale_2`` / ``input_scale`` / bias tensors, on the same device; no BF16 copy of the weight."""
-    device = layer.weight.device
-    dtype = getattr(layer, "compute_dtype", None) or (layer.bias.dtype if layer.bias is not None else torch.bfloat16)
-    new = NVFP4Linear(layer.in_features, layer.out_features, bias=False, dtype=dtype, device="meta")
-    new.weight = layer.weight  # the same (frozen) parameter: its storage and its identity for offloading hooks
-    new.weight_scale = nn.Parameter(swizzle_scales(layer.weight_scale.view(torch.uint8)), requires_grad=False)
-    new._buffers["weight_scale_2"] = layer.weight_scale_2
-    new._buffers["input_scale"] = layer.input_scale
-    new._buffers["bias"] = layer.bias.data if layer.bias is not None else None
+    bfl: Any = layer  # diffusers' BFLNVFP4Linear: its scales are registered buffers, which are not typed
+    device = bfl.weight.device
+    dtype = getattr(layer, "compute_dtype", None) or (bfl.bias.dtype if bfl.bias is not None else torch.bfloat16)
+    new = NVFP4Linear(bfl.in_features, bfl.out_features, bias=False, dtype=dtype, device="meta")
+    new.weight = bfl.weight  # the same (frozen) parameter: its storage and its identity for offloading hooks
+    new.weight_scale = nn.Parameter(swizzle_scales(bfl.weight_scale.view(torch.uint8)), requires_grad=False)
+    new._buffers["weight_scale_2"] = bfl.weight_scale_2
+    new._buffers["input_scale"] = bfl.input_scale
+    new._buffers["bias"] = bfl.bias.data if bfl.bias is not None else None
     new._buffers["alpha"] = torch.empty((), dtype=torch.float32, device=device)
     new._buffers["input_scale_inv"] = torch.empty((), dtype=torch.float32, device=device)
     new.refresh_derived_scales_()
@@ -64,7 +67,7 @@ def convert_diffusers_native(model: nn.Module, restore: list) -> dict[str, int]:
     names = [name for name, module in model.named_modules() if is_bfl_nvfp4(module)]
     if not names:
         return {}
-    originals = {name: model.get_submodule(name) for name in names}
+    originals: dict[str, Any] = {name: model.get_submodule(name) for name in names}  # BFLNVFP4Linear (untyped)
     hooked = {name: hooks for name, m in originals.items() if (hooks := _offload_hooks(m))}
     if hooked:
         first = next(iter(hooked))

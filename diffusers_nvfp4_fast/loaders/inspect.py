@@ -118,7 +118,7 @@ def _layer_facts(path: Path, tensors: dict[str, tuple[Path, Any]], prefix: str, 
     """Per FP4 layer (packed weight + block scale): shapes, layout guess, declared flags, nibble order."""
     from .bfl.metadata import MARKER_SUFFIX
 
-    layers = []
+    layers: list[dict[str, Any]] = []
     for k, (f, info) in tensors.items():
         if not k.endswith(".weight_scale"):
             continue

@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -154,9 +155,9 @@ def _stored_layout(name: str, shape: tuple[int, ...], n: int, k: int, declared: 
             problems.append(f"{where}: shape {list(shape)} is the {guess} shape, but the scales are declared "
                             f"{declared} ({'argument' if declared != info.scale_layout else info.source})")
             return None
-        return declared
+        return cast(ScaleLayout, declared)  # a ScaleLayout argument, or checked by _layout_facts
     if guess != "ambiguous":
-        return guess
+        return cast(ScaleLayout, guess)  # 'neither', '128x4 (flat)' and 'ambiguous' are excluded
     if info.producer == "modelopt":
         return "linear"
     problems.append(f"{where}: shape {list(shape)} fits both the linear and the 128x4 layout, and {info.source} does "
@@ -266,7 +267,7 @@ def _load_nvfp4_layer(model: nn.Module, name: str, index: CheckpointIndex, layou
                       qinfo: QuantizationInfo, torch_dtype: torch.dtype, problems: list[str]) -> bool:
     """Replace Linear ``name`` by an ``NVFP4Linear`` holding the stored tensors; True if its scales were swizzled.
     Unusable scale values are added to ``problems``."""
-    linear = model.get_submodule(name)
+    linear = cast(nn.Linear, model.get_submodule(name))  # _plan_quantized found it as an nn.Linear
     keys = [f"{name}.{s}" for s in NVFP4_SUFFIXES] + ([f"{name}.bias"] if linear.bias is not None else [])
     t = index.load(keys)
     dynamic = name in qinfo.dynamic_layers

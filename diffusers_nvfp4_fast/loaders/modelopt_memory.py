@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -64,6 +65,8 @@ def _quantizer_problem(name: str, module: nn.Module, dynamic_input_scale: bool) 
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
     fmt = get_quantization_format(module)
+    wq: Any  # ModelOpt TensorQuantizers: their attributes are not typed
+    iq: Any
     wq, iq = module.weight_quantizer, module.input_quantizer
     # Weight-only NVFP4 (input quantizer off) has the same weight tensors; it only lacks the activation scale.
     if fmt == QUANTIZATION_W4A16_NVFP4 and not iq.is_enabled and not dynamic_input_scale:
@@ -109,7 +112,7 @@ def _qkv_groups(names: list[str]) -> dict[str, list[str]]:
 
 
 def _compressed_block_scale(layer: _Layer, n: int, k: int) -> torch.Tensor:
-    scale = layer.module.weight_quantizer._scale
+    scale: torch.Tensor = cast(Any, layer.module.weight_quantizer)._scale
     if scale.dtype == torch.uint8 and scale.dim() == 1:
         # Packed by TensorRT-LLM: the cutlass 128x4 layout, which is the 128x4 layout of docs/design.md §3.
         rp, cp = padded_scale_shape(n, k)
@@ -151,13 +154,15 @@ def _group_scales(layer: _Layer, members: list[_Layer], problems: list[str]):
     """(weight_scale_2, input_scale or None) as the export computes them over the layer's q/k/v group."""
     from modelopt.torch.quantization.utils.numeric_utils import E2M1_MAX, fp8_max_for_normalization
 
+    wq: Any  # ModelOpt TensorQuantizers: their attributes are not typed
+    iq: Any
     wq, iq = layer.module.weight_quantizer, layer.module.input_quantizer
     # ModelOpt export: preprocess_linear_fusion -> amax = max over the group; then amax.float() / (6 * 448).
-    weight_amax = torch.max(torch.stack([m.module.weight_quantizer._amax for m in members]))
+    weight_amax = torch.max(torch.stack([cast(Any, m.module.weight_quantizer)._amax for m in members]))
     weight_scale_2 = (weight_amax.float() / (E2M1_MAX * fp8_max_for_normalization(wq))).reshape(())
     if not iq.is_enabled or iq.amax is None:
         return weight_scale_2, None
-    calibrated = [m.module.input_quantizer for m in members]
+    calibrated: list[Any] = [m.module.input_quantizer for m in members]
     input_amax = torch.max(torch.stack([q.amax for q in calibrated if q.is_enabled and q.amax is not None]))
     if not bool(torch.isfinite(input_amax)) or float(input_amax) <= 0:
         problems.append(f"{layer.name}: input amax {float(input_amax)} (calibration never reached this layer?)")
@@ -169,7 +174,7 @@ def _packed_weight(layer: _Layer, weight_scale_2: torch.Tensor) -> tuple[torch.T
     them."""
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
-    module = layer.module
+    module: Any = layer.module  # a ModelOpt QuantLinear: its quantizers and QTensorWrapper weight are not typed
     n, k = module.out_features, module.in_features
     if layer.compressed:
         packed = module.weight.data
@@ -195,7 +200,7 @@ def _packed_weight(layer: _Layer, weight_scale_2: torch.Tensor) -> tuple[torch.T
 
 def _build_layer(layer: _Layer, weight_scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> NVFP4Linear:
     """The ``NVFP4Linear`` that replaces ``layer``: the export's tensors, block scales in the 128x4 layout."""
-    module = layer.module
+    module: Any = layer.module  # a ModelOpt QuantLinear (see _packed_weight)
     packed, weight_scale, dtype = _packed_weight(layer, weight_scale_2)
     bias = module.bias.detach() if module.bias is not None else None
     new = NVFP4Linear(module.in_features, module.out_features, bias=bias is not None,
@@ -212,7 +217,7 @@ def _build_layer(layer: _Layer, weight_scale_2: torch.Tensor, input_scale: torch
     return new
 
 
-def _restore_plain_linear(model: nn.Module, name: str, module: nn.Module) -> None:
+def _restore_plain_linear(model: nn.Module, name: str, module: nn.Linear) -> None:
     # A Linear whose quantizers are all off computes F.linear(x, weight, bias): the same module, minus ModelOpt.
     linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
     linear.weight = module.weight

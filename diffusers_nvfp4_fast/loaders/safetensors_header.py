@@ -12,6 +12,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -69,7 +70,7 @@ def _read_header_json(path: Path) -> tuple[dict, int]:
 def _tensor_info(path: Path, key: str, entry) -> TensorInfo:
     try:
         info = TensorInfo(str(entry["dtype"]), tuple(int(d) for d in entry["shape"]),
-                          tuple(int(o) for o in entry["data_offsets"]))
+                          cast("tuple[int, int]", tuple(int(o) for o in entry["data_offsets"])))  # checked below
     except (KeyError, TypeError, ValueError) as e:
         raise _corrupt(path, f"header entry {key!r} is malformed: {entry!r}") from e
     if len(info.offsets) != 2 or not 0 <= info.offsets[0] <= info.offsets[1]:

@@ -6,6 +6,9 @@ Reference: ``linear_reference`` (exact W4A4 emulation in torch). Kernels: FlashI
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import cast
+
 import torch
 
 from .. import format as nvfp4
@@ -45,12 +48,12 @@ def _linear_impl(
             "module.swizzle_weight_scales_() or enable_fast_paths(...) first."
         )
     if backend == "flashinfer":
-        out = flashinfer().mm_fp4(
+        out = cast(ModuleType, flashinfer()).mm_fp4(  # gemm_backend checked that it is installed
             x_packed, w_packed.t(), x_scales.view(torch.float8_e4m3fn), w_scales.view(torch.float8_e4m3fn).t(),
             alpha, out_dtype, backend="cutlass",
         )
     else:
-        out = kernels.nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype)
+        out = cast(ModuleType, kernels).nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype)
     return out if bias is None else out + bias
 
 

@@ -5,6 +5,9 @@ Reference: ``format.quantize_nvfp4`` (docs/design.md §3). Kernel: ``kernels.qua
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import cast
+
 import torch
 
 from .. import format as nvfp4
@@ -20,7 +23,7 @@ def quantize_reference(
 
 def _quantize_impl(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if triton_runs_on(x):
-        return kernels.quantize_nvfp4_triton(x, global_scale, fast_math=fast_math)
+        return cast(ModuleType, kernels).quantize_nvfp4_triton(x, global_scale, fast_math=fast_math)
     return quantize_reference(x, global_scale, fast_math)
 
 

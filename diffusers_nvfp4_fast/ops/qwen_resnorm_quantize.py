@@ -6,7 +6,7 @@ Reference: ``qwen_resnorm_quantize_reference``, diffusers' eager ops followed by
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -90,11 +90,11 @@ def _checked_impl(
     shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool, stats_id: int, shape_class: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     inputs = ResNormInputs(residual, x, bias, gate, scale, shift)
-    return run_checked(
+    return cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor]", run_checked(
         stats_id, KIND, shape_class, ("residual_out", "packed", "scales"),
         lambda: _impl(*inputs, global_scale, eps, fast_math),
         lambda: qwen_resnorm_quantize_reference(inputs, global_scale, eps, fast_math),
-    )
+    ))
 
 
 def _op_impl(

@@ -5,6 +5,9 @@ Reference: ``token_cat_quantize_reference`` (docs/design.md §6). Kernel: ``kern
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import cast
+
 import torch
 
 from ..format import padded_scale_shape
@@ -28,7 +31,7 @@ def _token_cat_impl(
     attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, fast_math: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if triton_runs_on(attn):
-        return kernels.token_cat_quantize_triton(attn, mlp, global_scale, fast_math=fast_math)
+        return cast(ModuleType, kernels).token_cat_quantize_triton(attn, mlp, global_scale, fast_math=fast_math)
     return token_cat_quantize_reference(attn, mlp, global_scale, fast_math)
 
 
@@ -42,11 +45,11 @@ def _token_cat_fake(attn, mlp, global_scale, fast_math, *_):
 def _token_cat_checked_impl(
     attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return run_checked(
+    return cast("tuple[torch.Tensor, torch.Tensor]", run_checked(
         stats_id, KIND, shape_class, ("packed", "scales"),
         lambda: _token_cat_impl(attn, mlp, global_scale, fast_math),
         lambda: token_cat_quantize_reference(attn, mlp, global_scale, fast_math),
-    )
+    ))
 
 
 _token_cat_op = torch.library.custom_op("nvfp4_fast::token_cat_quantize", mutates_args=())(_token_cat_impl)

@@ -7,7 +7,7 @@ attention instance (processors are looked up at call time, so cache hooks on the
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -25,7 +25,7 @@ from .swap import swap_processor
 
 def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> str | None:
     """None when the fused path applies to this call, else the reason it does not."""
-    reason = consumer_reason(attn.to_out, "to_out")
+    reason = consumer_reason(cast(nn.Module, attn.to_out), "to_out")
     if reason is not None:
         return reason
     if attn_out.dtype not in (torch.bfloat16, torch.float16) or mlp_out.dtype != attn_out.dtype:
@@ -33,8 +33,9 @@ def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tenso
     a, b = attn_out.shape[-1], mlp_out.shape[-1]
     if a % 16 or b % 16:
         return f"widths {a}+{b} not multiples of 16"
-    if a + b != attn.to_out.in_features:
-        return f"widths {a}+{b} != to_out.in_features {attn.to_out.in_features} (sharded?)"
+    to_out_features = cast(NVFP4Linear, attn.to_out).in_features  # an NVFP4Linear: consumer_reason passed
+    if a + b != to_out_features:
+        return f"widths {a}+{b} != to_out.in_features {to_out_features} (sharded?)"
     if attn_out.shape[:-1] != mlp_out.shape[:-1]:
         return "attn and mlp rows differ"
     if failed_kind_reason(KIND) is not None:
@@ -69,8 +70,8 @@ class _FusedOutputMixin:
         if reason is not None:
             if stats is not None:
                 record_fallback(stats, KIND, reason)
-            return attn.to_out(torch.cat([attn_out, mlp_out], dim=-1))
-        to_out: NVFP4Linear = attn.to_out
+            return cast(nn.Module, attn.to_out)(torch.cat([attn_out, mlp_out], dim=-1))
+        to_out = cast(NVFP4Linear, attn.to_out)  # the gate passed: to_out is an NVFP4Linear
         shape_class = f"A={attn_out.shape[-1]},B={mlp_out.shape[-1]},{attn_out.dtype},{attn_out.device}"
         out = to_out(TokenCatInput(attn_out, mlp_out, self._stats_id, shape_class))
         return out.reshape(*attn_out.shape[:-1], to_out.out_features)
@@ -113,7 +114,7 @@ class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
             parallel_config=self._parallel_config,
         )
         out = out.flatten(2, 3).to(query.dtype)
-        return self._project_out(attn, out, attn.mlp_act_fn(mlp))
+        return self._project_out(attn, out, cast(nn.Module, attn.mlp_act_fn)(mlp))
 
 
 class Flux2FusedKVParallelSelfAttnProcessor(_FusedOutputMixin):
@@ -153,10 +154,10 @@ class Flux2FusedKVParallelSelfAttnProcessor(_FusedOutputMixin):
                 parallel_config=self._parallel_config,
             )
         out = out.flatten(2, 3).to(query.dtype)
-        return self._project_out(attn, out, attn.mlp_act_fn(mlp))
+        return self._project_out(attn, out, cast(nn.Module, attn.mlp_act_fn)(mlp))
 
 
-_REPLACEMENTS = {
+_REPLACEMENTS: dict[type, type[Flux2FusedParallelSelfAttnProcessor | Flux2FusedKVParallelSelfAttnProcessor]] = {
     flux2_module.Flux2ParallelSelfAttnProcessor: Flux2FusedParallelSelfAttnProcessor,
     flux2_module.Flux2KVParallelSelfAttnProcessor: Flux2FusedKVParallelSelfAttnProcessor,
 }

@@ -4,6 +4,8 @@ is wrapped by a LoRA (peft) layer. Gates use them: a fused path must not skip a 
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from ..linear import NVFP4Linear
@@ -35,7 +37,7 @@ def is_lora_layer(module: nn.Module) -> bool:
 def nvfp4_layer(module: nn.Module | None) -> NVFP4Linear | None:
     """The ``NVFP4Linear`` that ``module`` is, or that a LoRA layer wraps; None otherwise."""
     if module is not None and is_lora_layer(module):
-        module = module.base_layer
+        module = cast(nn.Module, module.base_layer)
     return module if isinstance(module, NVFP4Linear) else None
 
 

@@ -14,7 +14,7 @@ bias add would. Only a block whose forward is the fused one consumes those unbia
 from __future__ import annotations
 
 import types
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ class _DeferredBiasView:
     @property
     def to_out(self) -> list:
         # list(...)[1:], not to_out[1:]: slicing a ModuleList builds a new ModuleList (an nn.Module) on every access
-        modules = list(self._attn.to_out)
+        modules = list(cast(nn.ModuleList, self._attn.to_out))
         return [modules[0].forward_without_bias, *modules[1:]]
 
     @property
@@ -94,8 +94,10 @@ def bias_deferral_reason(attn: nn.Module) -> str | None:
     dropout sits between ``to_out[0]`` and its bias. Checked per call, so later changes to the model are safe."""
     if not isinstance(attn.processor, QwenDeferredBiasAttnProcessor):
         return "attention processor replaced"
-    to_out = list(attn.to_out)
-    for label, module in (("attention", attn), ("to_out.0", to_out[0]), ("to_add_out", attn.to_add_out)):
+    to_out = list(cast(nn.ModuleList, attn.to_out))
+    for label, module in (
+        ("attention", attn), ("to_out.0", to_out[0]), ("to_add_out", cast(nn.Module, attn.to_add_out)),
+    ):
         reason = call_changed_reason(label, module)
         if reason is not None:
             return reason
@@ -126,7 +128,7 @@ def resnorm_gate(
     if reason is not None:
         return reason
     # The fused path runs norm2, the feed-forward and its GELU module's work itself, so no hook may sit on them.
-    for label, module in (("norm2", norm), ("feed-forward", ff), ("feed-forward GELU", ff.net[0])):
+    for label, module in (("norm2", norm), ("feed-forward", ff), ("feed-forward GELU", cast(nn.ModuleList, ff.net)[0])):
         reason = call_changed_reason(label, module)
         if reason is not None:
             return reason
@@ -189,23 +191,24 @@ def _mlp_stream(
     gate allows. ``attn_bias`` is the projection bias the attention deferred (None if ``attn_out`` has it)."""
     reason = resnorm_gate(ff, norm, residual, attn_out, attn_bias)
     if reason is not None:
-        stats = stats_for(block._nvfp4_stats_id)
+        stats = stats_for(cast(int, block._nvfp4_stats_id))
         if stats is not None:
             record_fallback(stats, KIND, reason)
         if attn_bias is not None:
             attn_out = attn_out + attn_bias  # the projection's own bias add, deferred to here
         hidden = residual + gate1 * attn_out
-        modulated, gate2 = block._modulate(norm(hidden), mod2, index)
+        modulated, gate2 = cast(Any, block)._modulate(norm(hidden), mod2, index)
         return hidden + gate2 * ff(modulated)
     shift, scale, gate2 = _mod_params(mod2, index)
-    fc1: NVFP4Linear = _fc1(ff)
+    fc1 = cast(NVFP4Linear, _fc1(ff))  # the gate passed: FC1 is an NVFP4Linear, norm an nn.LayerNorm
     shape_class = f"D={residual.shape[-1]},eps={norm.eps},{residual.device}"
     # gate1 is _modulate's [B, 1, D] (or per-token [B, L, D]): the kernel takes either as it is.
     inputs = ResNormInputs(residual, attn_out, attn_bias, gate1, scale, shift)
-    hidden, y = fc1(ResNormInput(inputs, float(norm.eps), block._nvfp4_stats_id, shape_class))
+    hidden, y = fc1(ResNormInput(inputs, float(cast(nn.LayerNorm, norm).eps), cast(int, block._nvfp4_stats_id),
+                                 shape_class))
     y = y.reshape(*residual.shape[:-1], fc1.out_features)
-    y = ff.net[0].gelu(y)
-    for module in list(ff.net)[1:]:  # not ff.net[1:] (see _DeferredBiasView.to_out)
+    y = cast(Any, ff.net)[0].gelu(y)
+    for module in list(cast(nn.ModuleList, ff.net))[1:]:  # not ff.net[1:] (see _DeferredBiasView.to_out)
         y = module(y)
     return hidden + gate2 * y
 
@@ -213,9 +216,9 @@ def _mlp_stream(
 def _bias_deferred(block: nn.Module) -> bool:
     """Whether this call's attention returned its projections without bias; a deferral site that could not defer
     counts the reason."""
-    reason = bias_deferral_reason(block.attn)
+    reason = bias_deferral_reason(cast(nn.Module, block.attn))
     if reason is not None and block._nvfp4_bias_site:
-        stats = stats_for(block._nvfp4_stats_id)
+        stats = stats_for(cast(int, block._nvfp4_stats_id))
         if stats is not None:
             record_fallback(stats, BIAS_KIND, reason)
     return reason is None
@@ -231,7 +234,7 @@ def fused_block_forward(
     temb: torch.Tensor,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
-    modulate_index: list[int] | None = None,
+    modulate_index: torch.Tensor | None = None,  # diffusers annotates list[int] but passes a tensor (or None)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
     if self.zero_cond_t:
@@ -275,14 +278,14 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> int:
         img_fc1, txt_fc1 = nvfp4_layer(_fc1(block.img_mlp)), nvfp4_layer(_fc1(block.txt_mlp))
         if img_fc1 is None and txt_fc1 is None:
             continue
-        block._nvfp4_stats_id = stats_id
+        block._nvfp4_stats_id = stats_id  # type: ignore[assignment]  # nn.Module takes any attribute
         undo = swap_forward(block, types.MethodType(fused_block_forward, block))
         attn = block.attn
         undo_processor = None
         # Both streams' FC1 must be fused to consume both unbiased outputs without an extra pass.
         if _bias_can_be_deferred(attn) and img_fc1 is not None and txt_fc1 is not None:
             undo_processor = swap_processor(attn, QwenDeferredBiasAttnProcessor(attn.processor, attn))
-        block._nvfp4_bias_site = undo_processor is not None
+        block._nvfp4_bias_site = undo_processor is not None  # type: ignore[assignment]  # (as above)
 
         def restore_block(block=block, undo=undo, undo_processor=undo_processor):
             if undo_processor is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -62,7 +63,7 @@ def export_nvfp4(
         state[f"{name}.weight_scale_2"] = weight_scale_2
         state[f"{name}.input_scale"] = torch.tensor(a_amax / (448.0 * 6.0), dtype=torch.float32)
     save_file(state, str(out_dir / "diffusion_pytorch_model.safetensors"))
-    config = dict(model.config)
+    config = dict(cast(Any, model).config)  # a diffusers ModelMixin
     config["_class_name"] = type(model).__name__
     config["quantization_config"] = {
         "quant_method": "modelopt", "quant_algo": "NVFP4", "producer": {"name": "diffusers-nvfp4-fast"},
@@ -101,7 +102,10 @@ def quantize_model_inplace(
         if not isinstance(linear, nn.Linear) or is_excluded(name, list(exclude)) or linear.in_features % 16:
             continue
         device = linear.weight.device
-        if init_std is not None or device.type == "meta":
+        if device.type == "meta" and init_std is None:
+            raise ValueError(f"{name} is on the meta device: pass init_std= to draw its weight, there is none to "
+                             "quantize")
+        if init_std is not None:
             device = device if device.type != "meta" else torch.device("cuda" if torch.cuda.is_available() else "cpu")
             weight = torch.randn(linear.out_features, linear.in_features, device=device,
                                  dtype=torch.bfloat16) * init_std

@@ -101,7 +101,7 @@ def tiny_flux2_transformer(guidance_embeds: bool = True, seed: int = 0) -> nn.Mo
     from diffusers import Flux2Transformer2DModel
 
     torch.manual_seed(seed)
-    return Flux2Transformer2DModel(
+    return Flux2Transformer2DModel(  # type: ignore[attr-defined]  # mypy picks diffusers' dummy placeholder class
         patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=_TEXT_LAYERS * _TEXT_HIDDEN, timestep_guidance_channels=256,
         axes_dims_rope=[4, 4, 4, 4], guidance_embeds=guidance_embeds,
@@ -113,7 +113,7 @@ def tiny_qwen_transformer(seed: int = 0) -> nn.Module:
     from diffusers import QwenImageTransformer2DModel
 
     torch.manual_seed(seed)
-    return QwenImageTransformer2DModel(
+    return QwenImageTransformer2DModel(  # type: ignore[attr-defined]  # (as above)
         patch_size=2, in_channels=16, out_channels=4, num_layers=6, attention_head_dim=128, num_attention_heads=4,
         joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
     ).to(torch.bfloat16).eval()
@@ -142,15 +142,17 @@ def tiny_flux2_pipeline(transformer: nn.Module | None = None):
     )
     vision = dict(model_type="pixtral", hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
                   intermediate_size=37, image_size=30, patch_size=6, num_channels=3)
-    config = Mistral3Config(text_config=text, vision_config=vision, bos_token_id=2, eos_token_id=3, pad_token_id=4,
-                            image_seq_length=4, vision_feature_layer=-1, image_token_index=1)
+    config = Mistral3Config(  # type: ignore[call-arg]  # transformers' configs take extra attributes as kwargs
+        text_config=text, vision_config=vision, bos_token_id=2, eos_token_id=3, pad_token_id=4,
+        image_seq_length=4, vision_feature_layer=-1, image_token_index=1,
+    )
     torch.manual_seed(0)
     text_encoder = Mistral3ForConditionalGeneration(config).eval()
     pipe = Flux2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=_tiny_flux2_vae(), text_encoder=text_encoder,
         tokenizer=mistral_tokenizer(), transformer=transformer or tiny_flux2_transformer(True),
     )
-    pipe.to(torch.bfloat16)
+    pipe.to(torch.bfloat16)  # type: ignore[attr-defined]  # diffusers' dummy placeholder (see above)
     kwargs = dict(prompt="a dog is dancing", guidance_scale=4.0, max_sequence_length=256,
                   text_encoder_out_layers=tuple(range(1, _TEXT_LAYERS + 1)))
     return pipe, kwargs
@@ -170,7 +172,7 @@ def tiny_klein_pipeline(transformer: nn.Module | None = None):
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=_tiny_flux2_vae(), text_encoder=text_encoder,
         tokenizer=qwen_tokenizer(), transformer=transformer or tiny_flux2_transformer(False),
     )
-    pipe.to(torch.bfloat16)
+    pipe.to(torch.bfloat16)  # type: ignore[attr-defined]  # diffusers' dummy placeholder (see above)
     kwargs = dict(prompt="a dog is dancing", guidance_scale=4.0, max_sequence_length=64,
                   text_encoder_out_layers=tuple(range(1, _TEXT_LAYERS + 1)))
     return pipe, kwargs
@@ -190,16 +192,18 @@ def tiny_qwen_pipeline(transformer: nn.Module | None = None):
                 rope_theta=1e6)
     vision = dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16)
     # Vision token ids lie outside the byte vocabulary, so text never reaches the vision tower.
-    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, hidden_size=16, vocab_size=272,
-                              vision_start_token_id=265, vision_end_token_id=266, vision_token_id=267,
-                              image_token_id=268, video_token_id=269)
+    config = Qwen2_5_VLConfig(  # type: ignore[call-arg]  # (as above)
+        text_config=text, vision_config=vision, hidden_size=16, vocab_size=272,
+        vision_start_token_id=265, vision_end_token_id=266, vision_token_id=267,
+        image_token_id=268, video_token_id=269,
+    )
     torch.manual_seed(0)
     text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=qwen_tokenizer(),
         transformer=transformer or tiny_qwen_transformer(),
     )
-    pipe.to(torch.bfloat16)
+    pipe.to(torch.bfloat16)  # type: ignore[attr-defined]  # diffusers' dummy placeholder (see above)
     kwargs = dict(prompt="dance monkey", negative_prompt="bad quality", true_cfg_scale=1.0, max_sequence_length=256)
     return pipe, kwargs
 

@@ -78,3 +78,11 @@ def pipeline_sha(which: str, transformer: nn.Module, **kw) -> str:
 def no_grad_forward(model, **inputs):
     with torch.inference_mode():
         return model(**inputs)
+
+
+if __name__ == "__main__":  # python tests/support/modelopt_exports.py WHICH EXPORT_DIR: the PNG SHA256 in a new process
+    import sys
+
+    from diffusers_nvfp4_fast import load_nvfp4_transformer
+
+    print("SHA", pipeline_sha(sys.argv[1], load_nvfp4_transformer(sys.argv[2])))

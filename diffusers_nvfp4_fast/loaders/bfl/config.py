@@ -82,7 +82,7 @@ def flux2_variant(config: Mapping[str, Any]) -> str:
     return FLUX2_VARIANTS.get(key, f"FLUX.2-family (custom: {key[0]} double + {key[1]} single blocks, width {inner})")
 
 
-def init_defaults(cls: type) -> dict[str, Any]:
+def init_defaults(cls: type[Any]) -> dict[str, Any]:
     import inspect
 
     params = inspect.signature(cls.__init__).parameters

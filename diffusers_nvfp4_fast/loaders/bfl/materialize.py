@@ -6,7 +6,7 @@ import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -133,6 +133,7 @@ def _materialize(
 def _stored_layer(source: NVFP4Source, handle) -> tuple[dict[str, torch.Tensor], str | None]:
     """One stored FP4 layer as our layout (low nibble first, linear scales); a problem string for bad scales."""
     k = source.keys
+    tensors: dict[str, torch.Tensor]
     tensors = {s: handle.get_tensor(k[s]) for s in ("weight", "weight_scale", "weight_scale_2", "input_scale", "bias")
                if s in k}
     packed = tensors["weight"].view(torch.uint8)
@@ -180,7 +181,7 @@ def _materialize_nvfp4(
         problems += scale_problems(source.keys["weight"].removesuffix(".weight"), tensors["weight_scale"],
                                    tensors["weight_scale_2"], tensors.get("input_scale"))
         for target, segs in source.targets:
-            linear = model.get_submodule(target)
+            linear = cast(nn.Linear, model.get_submodule(target))  # the plan checked it is a Linear
             input_scale, how = _input_scale(tensors, target, user_scales)
             new = _nvfp4_target(linear, tensors, segs, f"{source.keys['weight']} -> {target}", input_scale, torch_dtype)
             new.dynamic_input_scale = how == "dynamic"
@@ -199,11 +200,11 @@ def _materialize_nvfp4(
             "this is not the checkpoint's recipe", sources["dynamic"],
         )
     facts = plan.facts()
-    model._nvfp4_load_summary = load_summary(
+    model._nvfp4_load_summary = load_summary(  # type: ignore[assignment]  # nn.Module takes any attribute
         model, format="bfl", variant=plan.variant, input_scale_sources=sources, nibble_order=facts["nibble_order"],
         scale_layout=facts["scale_layout"],
     )
-    log_summary(model._nvfp4_load_summary, plan.file)
+    log_summary(cast(dict, model._nvfp4_load_summary), plan.file)
     logger.info("%s (config %s): nibble order %s, scale layout %s; input scales %s", plan.variant, plan.config_source,
                 facts["nibble_order_source"], facts["scale_layout_source"], sources)
     return model

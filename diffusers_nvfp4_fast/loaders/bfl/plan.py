@@ -118,6 +118,7 @@ def _resolve_fact(
     explicit_layer = info.flags.get(fact) if info else None
     explicit_file = file_flags.get(fact)
     if explicit_layer and explicit_file and explicit_layer != explicit_file:
+        assert info is not None  # explicit_layer came from it
         problems.append(
             f"conflicting {fact} for layer {layer}: header {HEADER_METADATA_KEY} says {explicit_file!r} for the file, "
             f"{info.sources[0]} says {explicit_layer!r}"
@@ -218,6 +219,7 @@ class _Planner:
     def add_nvfp4(self, module: str, suffixes: dict[str, str]) -> None:
         weight_key = suffixes["weight"]
         weight = self.header.tensors[weight_key]
+        t: TensorInfo | None  # a header entry here, a .get() result further down
         for suffix, key in suffixes.items():
             if suffix not in NVFP4_LAYER_SUFFIXES:
                 t = self.header.tensors[key]
