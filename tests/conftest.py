@@ -30,3 +30,13 @@ def modelopt_exports(tmp_path_factory):
         return cache[which]
 
     return get
+
+
+@pytest.fixture
+def fresh_verdicts():
+    """Forget the process-wide verification verdicts before and after a test (modules opt in with usefixtures)."""
+    from diffusers_nvfp4_fast.ops import verify
+
+    verify.reset_verification()
+    yield
+    verify.reset_verification()

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 from diffusers import hooks
 
-from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report, load_nvfp4_transformer
-from diffusers_nvfp4_fast.ops import verify
-from diffusers_nvfp4_fast.testing import tiny
+from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report
 from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+from support.modelopt_exports import nvfp4_pipeline
+
+pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
 STEPS = 6
 
@@ -37,13 +38,6 @@ CACHES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _fresh_verdicts():
-    verify.reset_verification()
-    yield
-    verify.reset_verification()
-
-
 def _run(pipe, kwargs) -> str:
     return png_sha256(run_pipeline(pipe, kwargs, steps=STEPS))
 
@@ -51,14 +45,14 @@ def _run(pipe, kwargs) -> str:
 @pytest.mark.parametrize("cache", sorted(CACHES))
 @pytest.mark.parametrize("which", ["flux2", "qwen"])
 def test_cache_hook_on_equals_off(which, cache, modelopt_exports):
-    pipe, kwargs = tiny.TINY_PIPELINES[which](load_nvfp4_transformer(modelopt_exports(which)))
-    pipe.set_progress_bar_config(disable=True)
+    pipe, kwargs = nvfp4_pipeline(which, modelopt_exports(which))
     try:
         pipe.transformer.enable_cache(CACHES[cache](pipe))
         off = _run(pipe, kwargs)
     except Exception as e:  # noqa: BLE001 - whatever the hook itself raises without this package
         pytest.skip(f"diffusers' {cache} cache does not run on the tiny {which} pipeline with fast paths off either "
-                    f"({type(e).__name__}: {e}), so there is nothing to compare")
+                    f"({type(e).__name__}: {e}), so there is nothing to compare; the comparison runs for every "
+                    "hook and model where diffusers' own hook runs")
     enable_fast_paths(pipe)
     on = _run(pipe, kwargs)
     report = fast_path_report(pipe)

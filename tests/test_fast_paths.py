@@ -19,27 +19,20 @@ from diffusers_nvfp4_fast import (
 from diffusers_nvfp4_fast.ops import linear as linear_op
 from diffusers_nvfp4_fast.ops import quantize as quantize_op
 from diffusers_nvfp4_fast.ops import token_cat_quantize as token_cat_op
-from diffusers_nvfp4_fast.ops import verify
 from diffusers_nvfp4_fast.ops.verify import new_stats
 from diffusers_nvfp4_fast.patches.flux2 import patch_flux2
 from diffusers_nvfp4_fast.patches.qwenimage import patch_qwenimage
 from diffusers_nvfp4_fast.testing import export, tiny
 from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+from support.modelopt_exports import nvfp4_pipeline
+
+pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
 KIND = {"flux2": "flux2_token_cat", "klein": "flux2_token_cat", "qwen": "qwen_resnorm"}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_verdicts():
-    verify.reset_verification()
-    yield
-    verify.reset_verification()
-
-
 def _pipeline(which, modelopt_exports):
-    pipe, kwargs = tiny.TINY_PIPELINES[which](load_nvfp4_transformer(modelopt_exports(which)))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe, kwargs
+    return nvfp4_pipeline(which, modelopt_exports(which))
 
 
 def _sha(pipe, kwargs):

@@ -10,17 +10,14 @@ import threading
 import pytest
 import torch
 
-from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, load_nvfp4_transformer
+from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths
 from diffusers_nvfp4_fast.ops import verify
-from diffusers_nvfp4_fast.testing import tiny
 from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+from support.modelopt_exports import nvfp4_pipeline
 
 
 def _pipeline(which, modelopt_exports, device="cpu"):
-    pipe, kwargs = tiny.TINY_PIPELINES[which](load_nvfp4_transformer(modelopt_exports(which), device=device))
-    pipe.to(device)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe, kwargs
+    return nvfp4_pipeline(which, modelopt_exports(which), device=device)
 
 
 def _live_objects() -> int:

@@ -10,11 +10,13 @@ import torch
 
 pytest.importorskip("peft", reason="peft is not installed, so the LoRA tests did not run; pip install -e '.[test]'")
 
-from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report, load_nvfp4_transformer
+from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report
 from diffusers_nvfp4_fast.linear import NVFP4Linear
-from diffusers_nvfp4_fast.ops import verify
 from diffusers_nvfp4_fast.testing import tiny
 from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+from support.modelopt_exports import nvfp4_pipeline
+
+pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
 # peft matches a list by name suffix and a string as a regex of the whole name (FLUX.2's double-stream "to_out" is a
 # ModuleList, its single-stream "to_out" a Linear).
@@ -42,17 +44,8 @@ def lora_state_dict(which: str, targets: list[str] | str, seed: int = 0) -> dict
     return {f"transformer.{k}": v.to(torch.bfloat16) for k, v in get_peft_model_state_dict(model).items()}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_verdicts():
-    verify.reset_verification()
-    yield
-    verify.reset_verification()
-
-
 def _pipeline(which, modelopt_exports):
-    pipe, kwargs = tiny.TINY_PIPELINES[which](load_nvfp4_transformer(modelopt_exports(which)))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe, kwargs
+    return nvfp4_pipeline(which, modelopt_exports(which))
 
 
 def _sha(pipe, kwargs) -> str:

@@ -8,31 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report, load_nvfp4_transformer
-from diffusers_nvfp4_fast.ops import verify
-from diffusers_nvfp4_fast.testing import tiny
+from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report
 from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+from support.modelopt_exports import nvfp4_pipeline
+
+pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
 MODEL_CLASS = {"flux2": "Flux2Transformer2DModel", "qwen": "QwenImageTransformer2DModel"}
 SITE = {"flux2": "flux2_token_cat", "qwen": "qwen_resnorm"}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_verdicts():
-    verify.reset_verification()
-    yield
-    verify.reset_verification()
-
-
 def _pipeline(which, modelopt_exports):
-    pipe, kwargs = tiny.TINY_PIPELINES[which](load_nvfp4_transformer(modelopt_exports(which)))
-    pipe.set_progress_bar_config(disable=True)
-    return pipe, kwargs
-
-
-def _group_offload(pipe, level: str, device: str, use_stream: bool = False) -> None:
-    pipe.transformer.enable_group_offload(torch.device(device), offload_device=torch.device("cpu"),
-                                          offload_type=level, use_stream=use_stream)
+    return nvfp4_pipeline(which, modelopt_exports(which))
 
 
 @pytest.mark.parametrize("level", ["block_level", "leaf_level"])

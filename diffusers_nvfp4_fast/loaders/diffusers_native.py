@@ -19,6 +19,7 @@ from torch import nn
 
 from ..format import swizzle_scales
 from ..linear import NVFP4Linear
+from ..patches.hooks import TORCH_FORWARD_HOOK, hooks_on
 from .common import copy_tp_annotations, raise_scale_problems, scale_problems
 
 SOURCE = "diffusers BFLQuantizationConfig"
@@ -31,9 +32,8 @@ def is_bfl_nvfp4(module: nn.Module) -> bool:
 
 
 def _offload_hooks(module: nn.Module) -> list[str]:
-    registry = getattr(module, "_diffusers_hook", None)
-    names = list(registry.hooks) if registry is not None else []
-    return names + ([type(module._hf_hook).__name__] if hasattr(module, "_hf_hook") else [])
+    """diffusers' and accelerate's hooks on ``module`` (torch forward hooks are not offloading hooks)."""
+    return [name for name in hooks_on(module) if name != TORCH_FORWARD_HOOK]
 
 
 @torch.no_grad()

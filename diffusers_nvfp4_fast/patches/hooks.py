@@ -10,6 +10,8 @@ from torch import nn
 
 from ..linear import NVFP4Linear
 
+TORCH_FORWARD_HOOK = "torch forward hook"
+
 
 def hooks_on(module: nn.Module) -> list[str]:
     """Names of the hooks that run when ``module`` is called: diffusers hook names, accelerate's hook class, and
@@ -25,7 +27,7 @@ def hooks_on(module: nn.Module) -> list[str]:
     if accelerate_hook is not None:
         names.append(type(accelerate_hook).__name__)
     if attrs["_forward_hooks"] or attrs["_forward_pre_hooks"]:
-        names.append("torch forward hook")
+        names.append(TORCH_FORWARD_HOOK)
     return names
 
 

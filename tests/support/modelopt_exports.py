@@ -69,6 +69,18 @@ def base_transformer(which: str) -> nn.Module:
     return tiny.tiny_qwen_transformer() if which == "qwen" else tiny.tiny_flux2_transformer(which == "flux2")
 
 
+def nvfp4_pipeline(which: str, export_dir: Path, device: str | None = None):
+    """The tiny ``which`` pipeline around ``load_nvfp4_transformer(export_dir)``, progress bar off, optionally moved
+    to ``device``. Returns (pipe, call kwargs)."""
+    from diffusers_nvfp4_fast import load_nvfp4_transformer
+
+    pipe, kwargs = tiny.TINY_PIPELINES[which](load_nvfp4_transformer(export_dir, device=device))
+    if device is not None:
+        pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, kwargs
+
+
 def pipeline_sha(which: str, transformer: nn.Module, **kw) -> str:
     pipe, kwargs = tiny.TINY_PIPELINES[which](transformer)
     pipe.set_progress_bar_config(disable=True)
