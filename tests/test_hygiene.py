@@ -45,15 +45,16 @@ def _cycles(pipe, kwargs, cycles: int, every: int, cuda: bool, toggle: bool = Tr
 
 @pytest.mark.parametrize("which", ["flux2", "qwen"])
 def test_200_enable_disable_cycles_leak_nothing(which, modelopt_exports):
-    """diffusers and torch keep a few objects per generation themselves, so the growth with enable/disable cycles is
-    compared with the growth of the same generations without them."""
+    """diffusers and torch keep a few objects per generation themselves (the count moves by one or two either way
+    between runs), so the growth with enable/disable cycles is compared with the growth of the same generations
+    without them: a leak of anything per cycle adds at least 160 objects over 160 cycles, far above that jitter."""
     pipe, kwargs = _pipeline(which, modelopt_exports)
     registry_before = len(verify._STATS)
     plain = _cycles(pipe, kwargs, 200, 20, cuda=False, toggle=False)
     cycled = _cycles(pipe, kwargs, 200, 20, cuda=False)
     assert cycled[40][1] == cycled[200][1] == registry_before
     growth, baseline = cycled[200][0] - cycled[40][0], plain[200][0] - plain[40][0]
-    assert growth <= baseline, f"{growth - baseline} more Python objects after 160 enable/disable cycles"
+    assert growth - baseline < 16, f"{growth - baseline} more Python objects after 160 enable/disable cycles"
 
 
 @pytest.mark.gpu
