@@ -1,0 +1,466 @@
+"""Whole FLUX.2-dev and Qwen-Image pipelines under a GPU memory cap: which offload plan fits, and how fast it is.
+
+    python benchmarks/bench_pipeline_budget.py --model flux2-dev --dtype nvfp4 --budgets 24 32
+    python benchmarks/bench_pipeline_budget.py --model qwen-image --dtype bf16 --budgets 24 32
+    python benchmarks/bench_pipeline_budget.py --model flux2-dev --tiny --out /tmp/x.json   # CPU dry run of the logic
+
+Pipelines: real-size configs of every component, random weights made on the GPU, never downloaded.
+- FLUX.2-dev: ``Flux2Pipeline`` with the FLUX.2-dev transformer (8 double + 48 single blocks), a Mistral Small 3.1
+  text encoder (``Mistral3ForConditionalGeneration``, 24B parameters, untied embeddings) and ``AutoencoderKLFlux2``;
+  28 steps, guidance 4.0, 512 text tokens.
+- Qwen-Image: ``QwenImagePipeline`` with the Qwen-Image transformer (60 blocks), a Qwen2.5-VL-7B text encoder and
+  ``AutoencoderKLQwenImage``; 30 steps, true CFG 4.0 with a negative prompt (two transformer calls per step).
+The transformer is NVFP4 as ``bench_transformer_step.py`` builds it (``--dtype nvfp4``, fast paths on) or BF16 with
+the same random values before quantization (``--dtype bf16``). Weights: ``randn * 0.02`` (norms 1 and 0); VAEs with
+their default initialisation. The tokenizers are the byte-level ones of ``diffusers_nvfp4_fast.testing.tiny`` (no
+download; a prompt is a few more tokens than with the real vocabularies, which changes nothing for FLUX.2, whose
+prompts are padded to 512).
+
+Each case runs in a process of its own (its peak host memory is its high-water mark; the driver process never
+touches CUDA, so the GPU holds nothing else: run nothing else on it): build the pipeline on the GPU,
+apply the plan (``diffusers_nvfp4_fast.budget``: diffusers' model CPU offload or group offloading with CUDA streams),
+cap the PyTorch allocator at the budget minus what the CUDA context already holds
+(``torch.cuda.set_per_process_memory_fraction``), generate one warm-up image with one step (Triton compile, autotune,
+first-use verification), then the timed 1024x1024 image. A plan whose offloaded weights do not fit the machine's free
+host memory is not run and says so. The first case of a run is the uncapped, resident pipeline: its PNG SHA256 is the
+one every capped case must reproduce (``png_equal``). A plan that fitted a smaller budget is not run again for a
+larger one (the cap changes no computation): that case says ``same_run_as_budget_gib``.
+
+Writes benchmarks/results/pipeline_budget-<device>.json (cases of other models/dtypes already there are kept):
+cases ``{model, dtype, budget_gib, plan, estimate_gib, fits, s_per_image, s_text, s_denoise, s_decode,
+peak_gpu_gib, peak_allocated_gib, peak_host_gib, png_sha256, png_equal, error}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+GIB = 2**30
+STEPS = {"flux2-dev": 28, "qwen-image": 30}
+HOST_MARGIN_GIB = 8.0  # host memory left to the OS and this process when a plan offloads weights
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pipelines.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def randomize_(model: nn.Module, device, seed: int) -> nn.Module:
+    """Give every meta parameter a random value on ``device`` (norm weights 1, norm biases 0, the rest
+    ``randn * 0.02``), in BF16; buffers (made for real) follow to ``device``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        norm = "Norm" in type(module).__name__
+        for name, p in list(module.named_parameters(recurse=False)):
+            if not p.is_meta:
+                continue
+            if norm:
+                value = torch.full(p.shape, 1.0 if name == "weight" else 0.0, device=device, dtype=torch.bfloat16)
+            else:
+                value = torch.randn(p.shape, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
+            setattr(module, name, nn.Parameter(value, requires_grad=False))
+    return model.to(device).eval()
+
+
+def mistral_small_31_config():
+    from transformers import Mistral3Config
+
+    # Mistral Small 3.1 (24B; Mistral3Config's own defaults, spelled out: a partial dict would start from the 7B
+    # MistralConfig defaults instead). The vision tower keeps Mistral3Config's (Pixtral) defaults.
+    text = dict(model_type="mistral", hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072,
+                max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e9, sliding_window=None,
+                tie_word_embeddings=False)
+    return Mistral3Config(text_config=text, tie_word_embeddings=False)
+
+
+def qwen25_vl_7b_config():
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                num_key_value_heads=4, vocab_size=152064, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                rope_theta=1e6, tie_word_embeddings=False,
+                rope_scaling={"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"})
+    vision = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                  fullatt_block_indexes=[7, 15, 23, 31], window_size=112, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    return Qwen2_5_VLConfig(  # type: ignore[call-arg]  # transformers' configs take sub-configs as kwargs
+        text_config=text, vision_config=vision, vocab_size=152064, hidden_size=3584, tie_word_embeddings=False,
+        vision_start_token_id=151652, vision_end_token_id=151653, vision_token_id=151654, image_token_id=151655,
+        video_token_id=151656)
+
+
+def text_encoder(model: str, device) -> nn.Module:
+    """The text encoder with random weights on ``device``, or left on the meta device where ``device`` is "meta"."""
+    from accelerate import init_empty_weights
+    from transformers import Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
+
+    with init_empty_weights(include_buffers=False):
+        te = (Mistral3ForConditionalGeneration(mistral_small_31_config()) if model == "flux2-dev"
+              else Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config()))
+    return te.to(torch.bfloat16) if str(device) == "meta" else randomize_(te, device, seed=1)
+
+
+def transformer(model: str, dtype: str, device) -> nn.Module:
+    """The transformer as ``bench_transformer_step.py`` builds it; on the meta device, NVFP4 layers of the same
+    shapes and no values."""
+    import bench_transformer_step as step
+
+    from diffusers_nvfp4_fast import NVFP4Linear
+    from diffusers_nvfp4_fast.loaders.common import is_excluded
+
+    net = step.empty_model(model, tiny=False)
+    if str(device) != "meta":
+        step.materialize(net, model, device, nvfp4=dtype == "nvfp4")
+        return net
+    patterns = list(step.exclude_patterns(model, dict(net.config)))
+    for name, lin in [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]:
+        if dtype == "nvfp4" and not is_excluded(name, patterns) and lin.in_features % 16 == 0:
+            net.set_submodule(name, NVFP4Linear(lin.in_features, lin.out_features, lin.bias is not None,
+                                                device="meta"))
+    return net.to(torch.bfloat16)
+
+
+def full_pipeline(model: str, dtype: str, device):
+    """(pipeline, call kwargs) at real size on ``device`` ("meta": shapes only, for the estimates)."""
+    from diffusers import (
+        AutoencoderKLFlux2,
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2Pipeline,
+        QwenImagePipeline,
+    )
+
+    from diffusers_nvfp4_fast.testing import tiny
+
+    torch.manual_seed(2)
+    with torch.device(device):  # default initialisation, or shapes only on "meta"
+        vae = AutoencoderKLFlux2() if model == "flux2-dev" else AutoencoderKLQwenImage()
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), vae=vae.to(torch.bfloat16),
+                 text_encoder=text_encoder(model, device), transformer=transformer(model, dtype, device))
+    prompt = "a red fox in fresh snow, morning light, a wooden sign reading WINTER"
+    if model == "flux2-dev":
+        return Flux2Pipeline(tokenizer=tiny.mistral_tokenizer(), **parts), dict(prompt=prompt, guidance_scale=4.0)
+    return (QwenImagePipeline(tokenizer=tiny.qwen_tokenizer(), **parts),
+            dict(prompt=prompt, negative_prompt="blurry, low quality", true_cfg_scale=4.0))
+
+
+def tiny_pipeline(model: str, dtype: str):
+    """The embedded tiny pipeline; with ``dtype`` nvfp4 its transformer quantized as the full-size one is."""
+    import bench_transformer_step as step
+
+    from diffusers_nvfp4_fast import NVFP4Linear
+    from diffusers_nvfp4_fast.loaders.common import is_excluded
+    from diffusers_nvfp4_fast.testing import tiny
+
+    pipe, call = tiny.TINY_PIPELINES["flux2" if model == "flux2-dev" else "qwen"]()
+    if dtype == "nvfp4":
+        net = pipe.transformer
+        patterns = list(step.exclude_patterns(model, dict(net.config)))
+        for name, lin in [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]:
+            if not is_excluded(name, patterns) and lin.in_features % 16 == 0:
+                net.set_submodule(name, NVFP4Linear.from_weight(
+                    lin.weight.data, None if lin.bias is None else lin.bias.data, step.INPUT_AMAX / 2688))
+    if model == "qwen-image":
+        call = dict(call, true_cfg_scale=4.0)
+    return pipe, call
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One case (in its own process).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def host_gib(field: str = "VmHWM") -> float:
+    """A memory figure of this process from /proc/self/status (VmHWM: peak resident set) in GiB; 0 elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    return 0.0
+
+
+def available_host_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / GIB
+    except OSError:
+        pass
+    return float("inf")
+
+
+def offloaded_gib(pipe, plan: str) -> float:
+    """Weights the plan keeps in host memory."""
+    from diffusers_nvfp4_fast import budget
+
+    sizes = {n: budget.tensor_bytes(m) for n, m in pipe.components.items() if isinstance(m, nn.Module)}
+    moved = {"resident": [], "text_encoder_offload": ["text_encoder"], "group_offload_block": ["text_encoder",
+             "transformer"], "model_cpu_offload": list(sizes), "group_offload_leaf": list(sizes)}[plan]
+    return sum(sizes[n] for n in moved) / GIB
+
+
+class StageTimer:
+    """Wall seconds spent in ``pipe.encode_prompt`` and ``pipe.vae.decode`` (synchronized around each call)."""
+
+    def __init__(self, pipe, cuda: bool):
+        self.seconds = {"text": 0.0, "decode": 0.0}
+        self.cuda = cuda
+        pipe.encode_prompt = self._wrap(pipe.encode_prompt, "text")
+        pipe.vae.decode = self._wrap(pipe.vae.decode, "decode")
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _wrap(self, fn, stage: str):
+        def timed(*args, **kwargs):
+            self._sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self._sync()
+            self.seconds[stage] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+
+def cap_allocator(budget_gib: float) -> float:
+    """Cap PyTorch's allocator so that it plus what the CUDA context holds outside it stays within the budget.
+    Returns the GiB held outside the allocator."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    outside = (total - free) - torch.cuda.memory_reserved()
+    fraction = (budget_gib * GIB - outside) / total
+    if fraction <= 0:
+        raise RuntimeError(f"the CUDA context alone holds {outside / GIB:.2f} GiB, over the budget of {budget_gib} GiB")
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return outside / GIB
+
+
+def run_case(model: str, dtype: str, plan: str, budget_gib: float | None, tiny: bool) -> dict:
+    from diffusers_nvfp4_fast import budget, enable_fast_paths, fast_path_report
+    from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+
+    cuda = torch.cuda.is_available() and not tiny
+    device = torch.device("cuda" if cuda else "cpu")
+    size, steps = (64, 3) if tiny else (1024, STEPS[model])
+    case: dict = {"model": model, "dtype": dtype, "budget_gib": budget_gib, "plan": plan}
+    t0 = time.perf_counter()
+    pipe, call = tiny_pipeline(model, dtype) if tiny else full_pipeline(model, dtype, device)
+    pipe.set_progress_bar_config(disable=True)
+    case["build_s"] = round(time.perf_counter() - t0, 1)
+    case["estimates_gib"] = {p: round(v, 2) for p, v in budget.plan_estimates(pipe).items()}
+    case["estimate_gib"] = case["estimates_gib"][plan]
+    need, have = offloaded_gib(pipe, plan), available_host_gib()
+    if need > have - HOST_MARGIN_GIB:
+        return dict(case, fits=False, error=f"not run: the plan keeps {need:.1f} GiB of weights in host memory, "
+                                            f"{have:.1f} GiB is available")
+    if dtype == "nvfp4":
+        enable_fast_paths(pipe)
+    budget.apply_plan(pipe, plan, device)
+    if cuda and budget_gib is not None:
+        case["outside_allocator_gib"] = round(cap_allocator(budget_gib), 2)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        run_pipeline(pipe, call, size=size, steps=1)  # warm-up: compile, autotune, first-use verification
+        timer = StageTimer(pipe, cuda)
+        t0 = time.perf_counter()
+        image = run_pipeline(pipe, call, size=size, steps=steps)
+        total = time.perf_counter() - t0
+    except torch.OutOfMemoryError as e:
+        case.update(fits=False, error=f"out of memory: {str(e).splitlines()[0][:300]}")
+    else:
+        text, decode = timer.seconds["text"], timer.seconds["decode"]
+        case.update(fits=True, s_per_image=round(total, 2), s_text=round(text, 2), s_decode=round(decode, 2),
+                    s_denoise=round(total - text - decode, 2), png_sha256=png_sha256(image))
+        if dtype == "nvfp4":
+            report = next(iter(fast_path_report(pipe).values()))
+            case["fused_calls"] = dict(report["fused_calls"])
+    if cuda:
+        outside = case.get("outside_allocator_gib", 0.0)
+        case["peak_gpu_gib"] = round(torch.cuda.max_memory_reserved() / GIB + outside, 2)
+        case["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+    case["peak_host_gib"] = round(host_gib(), 2)
+    if budget_gib is None:  # the reference case also describes the machine (the driver process never touches CUDA)
+        case["env"] = environment(cuda)
+    return case
+
+
+def environment(cuda: bool) -> dict:
+    """Device, versions, date and, on a GPU, its copy bandwidth and the pinned host-to-device bandwidth."""
+    import common
+
+    if not cuda:
+        return {"benchmark": "pipeline_budget", "device": "cpu (tiny dry run)", "date": time.strftime("%Y-%m-%d"),
+                "copy_bandwidth_GBps": None, "h2d_pinned_GBps": None}
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    return common.header("pipeline_budget", common.copy_bandwidth_gbps()) | {"h2d_pinned_GBps": h2d_gbps()}
+
+
+def h2d_gbps() -> float:
+    """Pinned host-to-device copy bandwidth (GB/s), measured now."""
+    host = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+    dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return round(5 * host.numel() / (time.perf_counter() - t0) / 1e9, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Driver.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def spawn_case(args, plan: str, budget_gib: float | None) -> dict:
+    cmd = [sys.executable, __file__, "--case", plan, "--model", args.model, "--dtype", args.dtype]
+    cmd += ["--case-budget", str(budget_gib)] if budget_gib is not None else []
+    cmd += ["--tiny"] if args.tiny else []
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.case_timeout)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("CASE ")]
+    if out.returncode != 0 or not lines:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-3:]
+        return {"model": args.model, "dtype": args.dtype, "budget_gib": budget_gib, "plan": plan, "fits": False,
+                "error": f"case process exited {out.returncode}: {' | '.join(tail)[:400]}"}
+    case = json.loads(lines[-1][5:])
+    case["process_s"] = round(time.perf_counter() - t0, 1)
+    return case
+
+
+def plans_for(args, estimates: dict[str, float], budget_gib: float) -> list[str]:
+    from diffusers_nvfp4_fast import budget
+
+    if args.plans != "chosen":
+        return args.plans.split(",")
+    fitting = [p for p in budget.PLANS if estimates[p] <= budget_gib]
+    return fitting[:1] or ["group_offload_leaf"]
+
+
+def print_estimates(args) -> None:
+    from diffusers_nvfp4_fast import budget
+
+    pipe, _ = full_pipeline(args.model, args.dtype, "meta")
+    sizes = {n: round(budget.tensor_bytes(m) / GIB, 2) for n, m in pipe.components.items() if isinstance(m, nn.Module)}
+    print(f"{args.model} {args.dtype}: weights GiB {sizes}")
+    print("estimated peak GiB: " + ", ".join(f"{p} {v:.1f}" for p, v in budget.plan_estimates(pipe).items()))
+    for budget_gib in args.budgets:
+        try:
+            print(f"budget {budget_gib:g} GiB: {budget.choose_plan(pipe, budget_gib)}")
+        except ValueError as e:
+            print(f"budget {budget_gib:g} GiB: {e}")
+
+
+def merge(path: Path, header: dict, cases: list[dict]) -> dict:
+    """Keep the cases of ``path`` that this run did not redo (other models, dtypes, budgets or plans)."""
+    key = ("model", "dtype", "budget_gib", "plan")
+    old = json.loads(path.read_text()) if path.exists() else {"cases": [], "runs": []}
+    redone = {tuple(c[k] for k in key) for c in cases}
+    kept = [c for c in old.get("cases", []) if tuple(c.get(k) for k in key) not in redone]
+    runs = [r for r in old.get("runs", []) if (r["model"], r["dtype"]) != (header["model"], header["dtype"])]
+    return {k: v for k, v in header.items() if k not in ("model", "dtype", "cases")} | {
+        "runs": runs + [{k: header[k] for k in ("model", "dtype", "date", "copy_bandwidth_GBps", "h2d_pinned_GBps")}],
+        "cases": kept + cases}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(STEPS), required=True)
+    ap.add_argument("--dtype", choices=("nvfp4", "bf16"), default="nvfp4")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[24.0, 32.0], help="GPU memory caps in GiB")
+    ap.add_argument("--plans", default="chosen",
+                    help="'chosen' (the plan budget.choose_plan picks for each budget) or a comma-separated list")
+    ap.add_argument("--tiny", action="store_true", help="tiny pipelines on the CPU, no cap: checks the logic only")
+    ap.add_argument("--out", type=Path, help="result file (default benchmarks/results/pipeline_budget-<device>.json)")
+    ap.add_argument("--estimate", action="store_true",
+                    help="only print each plan's estimated peak and the plan chosen per budget (CPU, no weights)")
+    ap.add_argument("--case-timeout", type=float, default=600)
+    ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
+    ap.add_argument("--case-budget", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.case:
+        print("CASE " + json.dumps(run_case(args.model, args.dtype, args.case, args.case_budget, args.tiny)))
+        return
+    if args.estimate:
+        print_estimates(args)
+        return
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("bench_pipeline_budget needs a CUDA GPU (or --tiny for a CPU dry run)")
+
+    reference = spawn_case(args, "resident", None)
+    print(json.dumps(reference), flush=True)
+    cases = [dict(reference, png_equal=True if reference.get("png_sha256") else None)]
+    write(args, cases)
+    fitted: dict[str, dict] = {}  # plan -> its case under the smallest budget it fitted
+    for budget_gib in sorted(args.budgets):
+        for plan in plans_for(args, reference.get("estimates_gib", {}), budget_gib):
+            if plan in fitted:  # fits a smaller cap, so this one too: same computation, same run
+                case = dict(fitted[plan], budget_gib=budget_gib, same_run_as_budget_gib=fitted[plan]["budget_gib"])
+            else:
+                case = spawn_case(args, plan, budget_gib)
+                case["png_equal"] = case.get("png_sha256") == reference.get("png_sha256") if case.get("fits") else None
+                if case.get("fits"):
+                    fitted[plan] = case
+            print(json.dumps(case), flush=True)
+            cases.append(case)
+            write(args, cases)  # after every case: a run cut short keeps what it measured
+    summarize(cases)
+
+
+def write(args, cases: list[dict]) -> None:
+    """Merge ``cases`` into the result file; the machine facts come from the reference case's process."""
+    import common
+
+    header = dict(cases[0].get("env") or {"benchmark": "pipeline_budget", "device": "unknown (reference case failed)",
+                                          "date": time.strftime("%Y-%m-%d")})
+    header.setdefault("copy_bandwidth_GBps", None)
+    header.setdefault("h2d_pinned_GBps", None)
+    header |= {"model": args.model, "dtype": args.dtype, "python": sys.version.split()[0],
+               "host_memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1)}
+    for name in ("diffusers", "transformers"):
+        header[name] = __import__(name).__version__
+    path = args.out or common.RESULTS / f"pipeline_budget-{device_slug(header['device'])}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = [{k: v for k, v in c.items() if k != "env"} for c in cases]
+    path.write_text(json.dumps(merge(path, header, plain), indent=1) + "\n")
+    print(f"-> {path}", flush=True)
+
+
+def device_slug(name: str) -> str:
+    """The file tag ``common.device_slug`` gives, from a device name (without touching CUDA here)."""
+    lowered = name.lower()
+    for tag in ("h200", "h100", "b200", "gb200", "b100", "rtx 5090", "l40s", "a100"):
+        if tag in lowered:
+            return tag.replace(" ", "")
+    return lowered.replace("nvidia ", "").replace(" ", "_").split("(")[0].strip("_")
+
+
+def summarize(cases: list[dict]) -> None:
+    for c in cases:
+        figures = (f"{c['s_per_image']:7.1f} s (text {c['s_text']}, denoise {c['s_denoise']}, decode {c['s_decode']})"
+                   if c.get("fits") else f"does not fit: {c.get('error', '')[:90]}")
+        print(f"{c['model']:<10} {c['dtype']:<5} {str(c['budget_gib']):>5} GiB {c['plan']:<21} {figures} "
+              f"peak GPU {c.get('peak_gpu_gib')} host {c.get('peak_host_gib')} png_equal {c.get('png_equal')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Fit a pipeline into a GPU memory budget with diffusers' own offloading tools.
+
+Five plans, fastest first; :func:`fit_to_budget` applies the first whose estimated peak fits:
+
+- ``resident``: everything on the GPU (``pipe.to(device)``).
+- ``text_encoder_offload``: the text encoder(s) group-offloaded at leaf level with CUDA streams (each layer is copied
+  in while the previous one computes); the denoiser and the VAE stay on the GPU. The text encoder runs once per
+  prompt, so the copies cost once per image, and the denoising loop runs at full speed.
+- ``model_cpu_offload``: ``pipe.enable_model_cpu_offload()``: one whole component on the GPU at a time.
+- ``group_offload_block``: the denoiser group-offloaded block by block with streams, the text encoder as in
+  ``text_encoder_offload``; the VAE stays.
+- ``group_offload_leaf``: ``pipe.enable_group_offload(..., offload_type="leaf_level", use_stream=True)``: every
+  component, leaf by leaf.
+
+The estimate of a plan is the largest, over text encoding, denoising and decoding, of the weights that stage keeps on
+the GPU (two offload groups where a stream prefetches the next one) plus that stage's activations and workspaces.
+Offloading moves weights and never changes a computation, so every plan gives the image of the resident pipeline byte
+for byte (tested). Call :func:`~diffusers_nvfp4_fast.enable_fast_paths` before fitting: diffusers' offload hooks wrap
+the modules that exist when they are applied. Measured peaks and seconds per image: README "Fitting a 24 GB GPU".
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("diffusers_nvfp4_fast")
+
+PLANS = ("resident", "text_encoder_offload", "model_cpu_offload", "group_offload_block", "group_offload_leaf")
+DEFAULT_HEADROOM_GIB = 4.0  # denoising or VAE-decoding activations and workspaces at 1024x1024 (docs/budget.md)
+TEXT_HEADROOM_GIB = 1.0  # text-encoder activations for 512 tokens, with every layer's hidden states kept
+GIB = 2**30
+
+
+def tensor_bytes(module: nn.Module, recurse: bool = True) -> int:
+    """Bytes of the parameters and buffers of ``module`` (each storage counted once)."""
+    seen, total = set(), 0
+    for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _largest_leaf(module: nn.Module) -> int:
+    return max((tensor_bytes(m, recurse=False) for m in module.modules()), default=0)
+
+
+def _block_level_resident(module: nn.Module) -> int:
+    """Bytes on the GPU under block-level group offload with streams: two blocks of the largest ModuleList (the one
+    computing and the one being copied in) plus everything outside the block lists, which diffusers keeps onloaded
+    while the module runs."""
+    blocks = [b for child in module.children() if isinstance(child, (nn.ModuleList, nn.Sequential)) for b in child]
+    in_blocks = sum(tensor_bytes(b) for b in blocks)
+    largest = max((tensor_bytes(b) for b in blocks), default=0)
+    return tensor_bytes(module) - in_blocks + 2 * largest
+
+
+def _components(pipe) -> tuple[nn.Module, list[nn.Module], list[nn.Module]]:
+    """(denoiser, text encoders, the other modules) of a diffusers pipeline."""
+    modules = {name: m for name, m in pipe.components.items() if isinstance(m, nn.Module)}
+    denoiser = modules.pop("transformer", None) or modules.pop("unet", None)
+    if denoiser is None:
+        raise ValueError(f"{type(pipe).__name__} has no 'transformer' or 'unet' component; found {sorted(modules)}")
+    texts = [modules.pop(name) for name in sorted(modules) if name.startswith("text_encoder")]
+    return denoiser, texts, list(modules.values())
+
+
+def plan_estimates(pipe, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> dict[str, float]:
+    """Estimated peak GPU memory of each plan in GiB: the largest over the three stages (text encoding, denoising,
+    VAE decoding) of the weights on the GPU during that stage plus its workspace (``TEXT_HEADROOM_GIB`` for the
+    text stage, ``headroom_gib`` for the other two)."""
+    denoiser, texts, others = _components(pipe)
+    size = {id(m): tensor_bytes(m) for m in [denoiser, *texts, *others]}
+    den, rest, text_all = size[id(denoiser)], sum(size[id(m)] for m in others), sum(size[id(m)] for m in texts)
+    text_streamed = sum(2 * _largest_leaf(m) for m in texts)
+    text_h, h = TEXT_HEADROOM_GIB * GIB, headroom_gib * GIB
+    stages = {  # (text, denoise, decode) bytes on the GPU
+        "resident": [den + rest + text_all + x for x in (text_h, h, h)],
+        "text_encoder_offload": [den + rest + text_streamed + text_h, den + rest + h, den + rest + h],
+        "model_cpu_offload": [max(size[id(m)] for m in texts) + text_h if texts else 0, den + h, rest + h],
+        "group_offload_block": [rest + text_streamed + text_h, rest + _block_level_resident(denoiser) + h, rest + h],
+        "group_offload_leaf": [text_streamed + text_h, 2 * _largest_leaf(denoiser) + h,
+                               2 * max((_largest_leaf(m) for m in others), default=0) + h],
+    }
+    return {plan: max(b) / GIB for plan, b in stages.items()}
+
+
+def choose_plan(pipe, budget_gib: float, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
+    """The fastest plan whose estimate fits ``budget_gib``; ``ValueError`` naming the estimates when none does."""
+    if budget_gib <= 0:
+        raise ValueError(f"budget_gib must be positive, got {budget_gib}")
+    estimates = plan_estimates(pipe, headroom_gib)
+    for plan in PLANS:
+        if estimates[plan] <= budget_gib:
+            return plan
+    raise ValueError(f"no offload plan fits a {budget_gib} GiB budget for {type(pipe).__name__}: the smallest, "
+                     f"group_offload_leaf, needs about {estimates['group_offload_leaf']:.2f} GiB (estimates with "
+                     f"{headroom_gib} GiB of headroom: { {p: round(v, 2) for p, v in estimates.items()} })")
+
+
+def apply_plan(pipe, plan: str, device: str | torch.device = "cuda") -> None:
+    """Apply ``plan`` (one of :data:`PLANS`) to ``pipe`` with ``device`` as the compute device.
+
+    CUDA streams are used where the device is a CUDA device; on the CPU the same hooks run without them.
+    """
+    from diffusers.hooks import apply_group_offloading
+
+    if plan not in PLANS:
+        raise ValueError(f"unknown offload plan {plan!r}; choose one of {PLANS}")
+    device = torch.device(device)
+    cpu, streams = torch.device("cpu"), device.type == "cuda"
+    denoiser, texts, others = _components(pipe)
+    if plan == "resident":
+        pipe.to(device)
+    elif plan == "model_cpu_offload":
+        pipe.enable_model_cpu_offload(device=device)
+    elif plan == "group_offload_leaf":
+        pipe.enable_group_offload(device, offload_device=cpu, offload_type="leaf_level", use_stream=streams)
+    else:
+        for module in others:
+            module.to(device)
+        for text_encoder in texts:
+            apply_group_offloading(text_encoder, device, offload_device=cpu, offload_type="leaf_level",
+                                   use_stream=streams)
+        if plan == "text_encoder_offload":
+            denoiser.to(device)
+        else:
+            model = cast(Any, denoiser)  # a diffusers ModelMixin: its own enable_group_offload knows its blocks
+            model.enable_group_offload(device, offload_device=cpu, offload_type="block_level", num_blocks_per_group=1,
+                                       use_stream=streams)
+
+
+def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = None,
+                  headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
+    """Choose the fastest plan that fits ``budget_gib`` GiB of GPU memory, apply it, and return its name.
+
+    ``device``: the compute device; by default the GPU where there is one, else the CPU (where the plans still run,
+    without streams, and save nothing).
+
+    >>> enable_fast_paths(pipe)
+    >>> fit_to_budget(pipe, 24)        # e.g. 'text_encoder_offload' for FLUX.2-dev with NVFP4 weights
+    """
+    plan = choose_plan(pipe, budget_gib, headroom_gib)
+    logger.info("diffusers-nvfp4-fast: %s fits %s GiB with plan %s (estimated peak %.2f GiB)", type(pipe).__name__,
+                budget_gib, plan, plan_estimates(pipe, headroom_gib)[plan])
+    apply_plan(pipe, plan, device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return plan

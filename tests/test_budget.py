@@ -1,0 +1,126 @@
+"""Offload plans for a memory budget (``diffusers_nvfp4_fast.budget``): the estimates follow the component sizes, the
+choice is the fastest plan that fits, every plan gives the resident pipeline's PNG with the fused sites active, and
+leaf-level group offloading gives each NVFP4 layer a group of its own (so its packed weight leaves the GPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusers_nvfp4_fast import NVFP4Linear, budget, disable_fast_paths, enable_fast_paths, fast_path_report
+from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+from support.modelopt_exports import nvfp4_pipeline
+
+pytestmark = pytest.mark.usefixtures("fresh_verdicts")
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_CLASS = {"flux2": "Flux2Transformer2DModel", "qwen": "QwenImageTransformer2DModel"}
+SITE = {"flux2": "flux2_token_cat_swiglu", "qwen": "qwen_resnorm"}
+
+
+def _sizes(pipe) -> dict[str, int]:
+    return {name: budget.tensor_bytes(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+
+
+def test_estimates_follow_the_component_sizes(modelopt_exports):
+    """The documented stage model: the text stage adds TEXT_HEADROOM_GIB, denoising and decoding add the headroom."""
+    pipe, _ = nvfp4_pipeline("flux2", modelopt_exports("flux2"))
+    gib, text_h = 2**30, budget.TEXT_HEADROOM_GIB
+    size = {name: b / gib for name, b in _sizes(pipe).items()}
+    for h in (0.0, 3.0):
+        est = budget.plan_estimates(pipe, headroom_gib=h)
+        assert est["resident"] == sum(size.values()) + max(text_h, h)
+        assert est["model_cpu_offload"] == max(size["text_encoder"] + text_h, size["transformer"] + h, size["vae"] + h)
+        assert est["text_encoder_offload"] < est["resident"]
+        assert est["group_offload_leaf"] <= min(v for k, v in est.items() if k != "group_offload_leaf")
+
+
+def test_choice_is_the_fastest_plan_that_fits(modelopt_exports):
+    pipe, _ = nvfp4_pipeline("qwen", modelopt_exports("qwen"))
+    est = budget.plan_estimates(pipe, headroom_gib=0.0)
+    assert budget.choose_plan(pipe, est["resident"], headroom_gib=0.0) == "resident"
+    just_below = est["resident"] * 0.999
+    want = next(p for p in budget.PLANS if est[p] <= just_below)
+    assert want != "resident" and budget.choose_plan(pipe, just_below, headroom_gib=0.0) == want
+    with pytest.raises(ValueError, match=r"no offload plan fits a 1e-09 GiB budget .*group_offload_leaf"):
+        budget.choose_plan(pipe, 1e-9, headroom_gib=0.0)
+    with pytest.raises(ValueError, match="budget_gib must be positive, got -1"):
+        budget.choose_plan(pipe, -1)
+    with pytest.raises(ValueError, match="unknown offload plan 'fastest'"):
+        budget.apply_plan(pipe, "fastest", "cpu")
+
+
+def test_leaf_level_group_offload_gives_each_nvfp4_layer_its_group(modelopt_exports):
+    from diffusers.hooks import HookRegistry
+
+    pipe, _ = nvfp4_pipeline("flux2", modelopt_exports("flux2"))
+    enable_fast_paths(pipe)
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, NVFP4Linear)]
+    budget.apply_plan(pipe, "group_offload_leaf", "cpu")
+    hooked = [m for m in layers if HookRegistry.check_if_exists_or_initialize(m).get_hook("group_offloading")]
+    assert layers and len(hooked) == len(layers)
+    disable_fast_paths(pipe)
+
+
+@pytest.mark.parametrize("plan", budget.PLANS[1:])
+@pytest.mark.parametrize("which", ["flux2", "qwen"])
+def test_every_plan_gives_the_resident_png(which, plan, modelopt_exports):
+    pipe, kwargs = nvfp4_pipeline(which, modelopt_exports(which))
+    enable_fast_paths(pipe)
+    want = png_sha256(run_pipeline(pipe, kwargs))
+    disable_fast_paths(pipe)
+
+    pipe, kwargs = nvfp4_pipeline(which, modelopt_exports(which))
+    enable_fast_paths(pipe)
+    budget.apply_plan(pipe, plan, "cuda" if torch.cuda.is_available() else "cpu")
+    assert png_sha256(run_pipeline(pipe, kwargs)) == want
+    report = fast_path_report(pipe)[MODEL_CLASS[which]]
+    assert report["fused_calls"].get(SITE[which], 0) > 0, report
+    disable_fast_paths(pipe)
+
+
+@pytest.mark.gpu
+def test_gpu_leaf_level_keeps_nvfp4_weights_off_the_gpu(modelopt_exports):
+    """While one NVFP4 layer computes, the packed weights of most others are on the CPU."""
+    pipe, kwargs = nvfp4_pipeline("flux2", modelopt_exports("flux2"))
+    enable_fast_paths(pipe)
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, NVFP4Linear)]
+    budget.apply_plan(pipe, "group_offload_leaf", "cuda")
+    on_gpu: list[int] = []
+    handle = layers[-1].register_forward_hook(
+        lambda *_: on_gpu.append(sum(m.weight.device.type == "cuda" for m in layers)))
+    run_pipeline(pipe, kwargs)
+    handle.remove()
+    assert on_gpu and max(on_gpu) <= 2 < len(layers), (on_gpu, len(layers))
+    disable_fast_paths(pipe)
+
+
+@pytest.mark.parametrize("script", ["flux2_nvfp4.py", "qwen_image_nvfp4.py"])
+def test_example_takes_a_plan(script, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--tiny", "--plan", "group_offload_block"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "offload plan: group_offload_block" in out.stdout, out.stdout
+    hashes = [line.split()[-1] for line in out.stdout.splitlines() if line.startswith("PNG SHA256")]
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+
+
+def test_budget_benchmark_dry_run(tmp_path):
+    """The benchmark's whole logic (a process per case, plan, timers, PNG comparison, result file) on the tiny
+    pipeline; the GPU run is the same code at real size."""
+    import json
+
+    out = tmp_path / "budget.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_pipeline_budget.py"), "--model", "flux2-dev", "--tiny",
+           "--budgets", "24", "--plans", "model_cpu_offload", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["plan"], c["budget_gib"]) for c in cases] == [("resident", None), ("model_cpu_offload", 24.0)]
+    for case in cases:
+        assert case["fits"] and case["png_equal"] and case["fused_calls"]["flux2_token_cat_swiglu"] > 0, case
+        assert case["s_per_image"] >= case["s_text"] + case["s_decode"] and case["peak_host_gib"] > 0, case
