@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
+from diffusers_nvfp4_fast.kernels.swiglu_quantize import _swiglu_quantize_kernel
 from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
 
 SIGNATURES = {
@@ -35,12 +36,15 @@ SIGNATURES = {
                                                "scales_ptr": "*u8", "M": "i32", "A": "i32", "B": "i32",
                                                "stride_a": "i32", "stride_b": "i32", "padded_cols": "i32",
                                                "col_tiles": "i32"}),
+    "swiglu": (_swiglu_quantize_kernel, {"a_ptr": "*i64", "h_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64",
+                                         "scales_ptr": "*u8", "M": "i32", "A": "i32", "H": "i32", "stride_a": "i32",
+                                         "stride_h": "i32", "padded_cols": "i32", "col_tiles": "i32"}),
 }
 
 
 def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, block_c: int = 32, num_warps: int = 4):
-    """Compile ``kernel`` ("quantize" or "token_cat") for compute capability ``arch`` (x10) without a GPU; the hardware
-    E2M1 conversion is selected from SM100 on, as at run time."""
+    """Compile ``kernel`` ("quantize", "token_cat" or "swiglu") for compute capability ``arch`` (x10) without a GPU;
+    the hardware E2M1 conversion is selected from SM100 on, as at run time."""
     fn, sig = SIGNATURES[kernel]
     consts = {"BLOCK_R": block_r, "BLOCK_C": block_c, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": arch >= 100}
     return triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),

@@ -107,7 +107,7 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
         stats_id, stats = new_stats(verify)
         patcher = _PATCHERS.get(type(model).__name__)
         if patcher is not None:
-            stats.sites[patcher.__name__.removeprefix("patch_")] = patcher(model, stats_id, restore)
+            stats.sites.update(patcher(model, stats_id, restore))
         setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore, "converted": converted})
         logger.info(
             "fast paths on for %s: %d NVFP4 linears (converted now: %s; %d scale tensors swizzled now), fused sites "

@@ -241,7 +241,7 @@ def e2m1_half_words(x, HW_E2M1: tl.constexpr):
 
 
 @triton.jit
-def _unpack4(q, IS_BF16: tl.constexpr):
+def unpack4(q, IS_BF16: tl.constexpr):
     """int64 holding four consecutive 16-bit values (first in the lowest bits) -> four FP32 values."""
     lo = q.to(tl.int32)
     hi = (q >> 32).to(tl.int32)
@@ -266,10 +266,10 @@ def _max4(a, b, c, d):
 def quantize_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
     """Four int64 tensors ``[R, C]`` (elements 4i..4i+3 of each 16-block in ``q_i``) -> (packed int64 ``[R, C]``:
     the block's 8 packed bytes, little-endian; E4M3 scale byte int32 ``[R, C]``)."""
-    e0, e1, e2, e3 = _unpack4(q0, IS_BF16)
-    e4, e5, e6, e7 = _unpack4(q1, IS_BF16)
-    e8, e9, e10, e11 = _unpack4(q2, IS_BF16)
-    e12, e13, e14, e15 = _unpack4(q3, IS_BF16)
+    e0, e1, e2, e3 = unpack4(q0, IS_BF16)
+    e4, e5, e6, e7 = unpack4(q1, IS_BF16)
+    e8, e9, e10, e11 = unpack4(q2, IS_BF16)
+    e12, e13, e14, e15 = unpack4(q3, IS_BF16)
     vec_max = tl.maximum(tl.maximum(_max4(e0, e1, e2, e3), _max4(e4, e5, e6, e7)),
                          tl.maximum(_max4(e8, e9, e10, e11), _max4(e12, e13, e14, e15)))
     sf_byte, f = block_scale_and_factor(vec_max, g, FAST_MATH)

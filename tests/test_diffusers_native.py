@@ -94,7 +94,7 @@ def test_pipeline_png_equals_the_loader_route(diffusers_file, config_dir, export
     unconverted = png_sha256(run_pipeline(pipe, kwargs))
     enable_fast_paths(pipe)
     assert png_sha256(run_pipeline(pipe, kwargs)) == want
-    assert fast_path_report(pipe)["Flux2Transformer2DModel"]["fused_calls"]["flux2_token_cat"] > 0
+    assert fast_path_report(pipe)["Flux2Transformer2DModel"]["fused_calls"]["flux2_token_cat_swiglu"] > 0
     disable_fast_paths(pipe)
     assert png_sha256(run_pipeline(pipe, kwargs)) == unconverted != want
 

@@ -18,6 +18,7 @@ from diffusers_nvfp4_fast import (
 )
 from diffusers_nvfp4_fast.ops import linear as linear_op
 from diffusers_nvfp4_fast.ops import quantize as quantize_op
+from diffusers_nvfp4_fast.ops import swiglu_quantize as swiglu_op
 from diffusers_nvfp4_fast.ops import token_cat_quantize as token_cat_op
 from diffusers_nvfp4_fast.ops.verify import new_stats
 from diffusers_nvfp4_fast.patches.flux2 import patch_flux2
@@ -28,7 +29,10 @@ from support.modelopt_exports import nvfp4_pipeline
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
-KIND = {"flux2": "flux2_token_cat", "klein": "flux2_token_cat", "qwen": "qwen_resnorm"}
+FLUX2_SITES = {"flux2_token_cat": 2, "flux2_swiglu": 2}  # 2 single-stream blocks; ff and ff_context of 1 double
+SITES = {"flux2": FLUX2_SITES, "klein": FLUX2_SITES, "qwen": {"qwen_resnorm": 2}}  # 2 NVFP4 Qwen blocks
+FUSED_KINDS = {"flux2": ("flux2_token_cat_swiglu", "flux2_swiglu"), "klein": ("flux2_token_cat_swiglu", "flux2_swiglu"),
+               "qwen": ("qwen_resnorm",)}
 
 
 def _pipeline(which, modelopt_exports):
@@ -54,14 +58,14 @@ def test_png_identical_on_off_and_restored(which, modelopt_exports):
     procs, forwards = _originals(model)
     report = enable_fast_paths(pipe)
     entry = report[type(model).__name__]
-    assert entry["enabled"] and sum(entry["sites"].values()) == 2  # 2 single blocks / 2 NVFP4 Qwen blocks
+    assert entry["enabled"] and entry["sites"] == SITES[which]
     on = _sha(pipe, kwargs)
     entry = fast_path_report(pipe)[type(model).__name__]
     disable_fast_paths(pipe)
     assert on == off
     calls_per_step = {"flux2": 2, "klein": 4, "qwen": 4}[which]  # klein runs CFG: two transformer calls per step
-    assert entry["fused_calls"] == {KIND[which]: 3 * calls_per_step}
-    assert entry["verifications"]["passed"] == 1 and entry["verifications"]["failed"] == 0
+    assert entry["fused_calls"] == dict.fromkeys(FUSED_KINDS[which], 3 * calls_per_step)
+    assert entry["verifications"]["passed"] == len(FUSED_KINDS[which]) and entry["verifications"]["failed"] == 0
     assert entry["fallbacks"] == {}
     new_procs, new_forwards = _originals(model)
     assert all(a is b for a, b in zip(procs, new_procs)) and new_forwards == forwards
@@ -118,26 +122,59 @@ def test_composes_with_diffusers_hooks(hooks_first, modelopt_exports):
     assert _sha(pipe, kwargs) == off
 
 
+def _flip_first_byte(packed: torch.Tensor) -> torch.Tensor:
+    packed = packed.clone()
+    packed[0, 0] ^= 0x11
+    return packed
+
+
 def test_verification_mismatch_falls_back_with_a_warning(modelopt_exports, monkeypatch):
+    """A single-stream site whose SwiGLU fold fails verification keeps the plain fused token-cat path."""
+    pipe, kwargs = _pipeline("flux2", modelopt_exports)
+    off = _sha(pipe, kwargs)
+    good = swiglu_op._swiglu_impl
+
+    def broken(hidden, attn, g, fast_math):
+        packed, scales = good(hidden, attn, g, fast_math)
+        return (packed if attn is None else _flip_first_byte(packed)), scales
+
+    monkeypatch.setattr(swiglu_op, "_swiglu_impl", broken)
+    enable_fast_paths(pipe)
+    with pytest.warns(RuntimeWarning, match=r"flux2_token_cat_swiglu .*\(packed: 1 of \d+ bytes differ"):
+        on = _sha(pipe, kwargs)
+    report = fast_path_report(pipe)["Flux2Transformer2DModel"]
+    disable_fast_paths(pipe)
+    assert on == off
+    assert report["verifications"]["failed"] == 1 and "flux2_token_cat_swiglu" not in report["fused_calls"]
+    assert report["fused_calls"] == {"flux2_swiglu": 6, "flux2_token_cat": 5}  # the later 5 of 6 single-stream calls
+    assert report["fallbacks"] == {"flux2_token_cat_swiglu: verification failed earlier in this process": 5}
+
+
+def test_token_cat_mismatch_falls_back_to_diffusers(modelopt_exports, monkeypatch):
+    """With SwiGLU not foldable (a hook on the activation), the plain token-cat path runs, and falls back to
+    diffusers' code once its verification fails."""
     pipe, kwargs = _pipeline("flux2", modelopt_exports)
     off = _sha(pipe, kwargs)
 
     def broken(attn, mlp, g, fast_math):
         cat = torch.cat([attn, mlp], -1)
         packed, scales = quantize_op.quantize(cat.reshape(-1, cat.shape[-1]), g, fast_math)
-        packed = packed.clone()
-        packed[0, 0] ^= 0x11
-        return packed, scales
+        return _flip_first_byte(packed), scales
 
     monkeypatch.setattr(token_cat_op, "_token_cat_impl", broken)
+    blocks = pipe.transformer.single_transformer_blocks
+    handles = [b.attn.mlp_act_fn.register_forward_hook(lambda *_: None) for b in blocks]
     enable_fast_paths(pipe)
     with pytest.warns(RuntimeWarning, match=r"flux2_token_cat .*\(packed: 1 of \d+ bytes differ"):
         on = _sha(pipe, kwargs)
     report = fast_path_report(pipe)["Flux2Transformer2DModel"]
     disable_fast_paths(pipe)
+    for handle in handles:
+        handle.remove()
     assert on == off
-    assert report["verifications"]["failed"] == 1 and "fused_calls" in report and not report["fused_calls"]
-    assert sum(report["fallbacks"].values()) == 5  # every later call of the 6 takes the unfused path
+    assert report["verifications"]["failed"] == 1 and report["fused_calls"] == {"flux2_swiglu": 6}
+    assert report["fallbacks"]["flux2_token_cat_swiglu: hook on act_fn: torch forward hook"] == 6
+    assert report["fallbacks"]["flux2_token_cat: verification failed earlier in this process"] == 5
 
 
 def test_verify_always_and_off(modelopt_exports):
@@ -190,7 +227,9 @@ def test_torch_compile_fullgraph_keeps_fast_paths(which, modelopt_exports):
     pipe.transformer = model
     disable_fast_paths(model)
     assert on == off
-    assert sum(report["fused_calls"].values()) == {"flux2": 6, "qwen": 12}[which] and not report["fallbacks"]
+    # Under compile FLUX.2 keeps diffusers' SwiGLU (inductor rounds SiLU its own way); token-cat stays fused.
+    assert report["fused_calls"] == {"flux2": {"flux2_token_cat": 6}, "qwen": {"qwen_resnorm": 12}}[which]
+    assert all("torch.compile" in reason for reason in report["fallbacks"]), report["fallbacks"]
 
 
 @pytest.mark.slow
@@ -328,6 +367,33 @@ def test_processor_choices_made_while_enabled_are_kept(modelopt_exports):
     assert model.transformer_blocks[2].attn.processor is wrapper.processor
 
 
+def test_flux2_backend_and_parallel_config_set_while_enabled_outlive_disable(modelopt_exports):
+    """diffusers' enable_parallelism and set_attention_backend write to whatever processor is installed; the fused
+    FLUX.2 processors keep those settings on diffusers' processor, so disabling the fast paths loses neither (a
+    restored processor without the parallel config would attend over one rank's half of the sequence)."""
+    pipe, kwargs = _pipeline("flux2", modelopt_exports)
+    model = pipe.transformer
+    off = _sha(pipe, kwargs)
+    originals = [b.attn.processor for b in model.single_transformer_blocks]
+    enable_fast_paths(pipe)
+    model.set_attention_backend("native")
+    marker = object()
+    for block in model.single_transformer_blocks:
+        block.attn.processor._parallel_config = marker  # what enable_parallelism does to every processor
+    fused = [b.attn.processor for b in model.single_transformer_blocks]
+    assert all(p._parallel_config is marker for p in fused)
+    for processor in fused:
+        processor._parallel_config = None  # unset again, so the pipeline below runs on one process
+    assert _sha(pipe, kwargs) == off
+    for processor in fused:
+        processor._parallel_config = marker
+    disable_fast_paths(pipe)
+    restored = [b.attn.processor for b in model.single_transformer_blocks]
+    assert all(a is b for a, b in zip(restored, originals))
+    assert all(p._parallel_config is marker and getattr(p._attention_backend, "value", None) == "native"
+               for p in restored)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: full-size blocks and the tiny pipelines with the kernels, eager, compiled and graphed.
 # ---------------------------------------------------------------------------------------------------------------
@@ -344,7 +410,7 @@ class _Holder(nn.Module):
 def _patched(holder, patcher):
     stats_id, stats = new_stats("always")
     restore = []
-    assert patcher(holder, stats_id, restore) == 1
+    assert sum(patcher(holder, stats_id, restore).values()) == 1
     return stats, restore
 
 
@@ -367,8 +433,36 @@ def test_gpu_full_size_flux2_dev_single_block_identical():
         on = block(h, None, temb)
         for undo in restore:
             undo()
-        assert stats.fused_calls["flux2_token_cat"] == 1 and stats.verified["flux2_token_cat"] == 1
+        kind = "flux2_token_cat_swiglu"
+        assert stats.fused_calls[kind] == 1 and stats.verified[kind] == 1
         assert torch.equal(on, off)
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_gpu_full_size_flux2_dev_double_block_identical():
+    """SwiGLU quantize in both feed-forwards of a FLUX.2-dev double-stream block (4096 image + 512 text rows)."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2TransformerBlock
+
+    torch.manual_seed(0)
+    dim = 6144
+    block = Flux2TransformerBlock(dim=dim, num_attention_heads=48, attention_head_dim=128, mlp_ratio=3.0)
+    block = block.to("cuda", torch.bfloat16)
+    holder = _Holder("transformer_blocks", block)
+    export.quantize_model_inplace(holder, (), 12.0)
+    for batch in (1, 2):
+        img = torch.randn(batch, 4096, dim, device="cuda", dtype=torch.bfloat16)
+        txt = torch.randn(batch, 512, dim, device="cuda", dtype=torch.bfloat16)
+        temb = (torch.randn(batch, 6 * dim, device="cuda", dtype=torch.bfloat16) * 0.1,) * 2
+        off = block(img, txt, *temb)
+        stats_id, stats = new_stats("always")
+        restore: list = []
+        assert patch_flux2(holder, stats_id, restore) == {"flux2_swiglu": 2}
+        on = block(img, txt, *temb)
+        for undo in restore:
+            undo()
+        assert stats.fused_calls["flux2_swiglu"] == 2 and stats.verified["flux2_swiglu"] == 2
+        assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from support.modelopt_exports import nvfp4_pipeline
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
 MODEL_CLASS = {"flux2": "Flux2Transformer2DModel", "qwen": "QwenImageTransformer2DModel"}
-SITE = {"flux2": "flux2_token_cat", "qwen": "qwen_resnorm"}
+SITE = {"flux2": "flux2_token_cat_swiglu", "qwen": "qwen_resnorm"}
 
 
 def _pipeline(which, modelopt_exports):

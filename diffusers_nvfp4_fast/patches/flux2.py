@@ -1,8 +1,16 @@
-"""FLUX.2 single-stream blocks: ``to_out(cat([attn, mlp]))`` becomes ``to_out(token_cat_quantize(attn, mlp))``.
+"""FLUX.2: the tensors diffusers builds only to quantize them inside the next NVFP4 projection are never written.
 
-diffusers builds the concatenation in ``Flux2ParallelSelfAttnProcessor.__call__`` (and its KV-cache twin) only to
-quantize it inside ``to_out``. The processors below are diffusers' code up to that point; they are installed per
-attention instance (processors are looked up at call time, so cache hooks on the block do not hide them).
+- Single-stream blocks: ``to_out(cat([attn, swiglu(h)]))`` becomes one kernel that reads the attention output and the
+  feed-forward projection ``h`` and quantizes the concatenation (``flux2_token_cat_swiglu``); where SwiGLU cannot be
+  folded in (another activation, a hook on it, ``torch.compile``), ``to_out(token_cat_quantize(attn, mlp))``
+  (``flux2_token_cat``). diffusers builds the concatenation in ``Flux2ParallelSelfAttnProcessor.__call__`` (and its
+  KV-cache twin); the processors below are diffusers' code up to that point, installed per attention instance
+  (processors are looked up at call time, so cache hooks on the block do not hide them).
+- Double-stream feed-forwards: ``linear_out(swiglu(linear_in(x)))`` quantizes ``linear_in``'s output through
+  SwiGLU in one kernel (``flux2_swiglu``), installed per feed-forward with ``swap_forward``.
+
+SwiGLU stays diffusers' op under ``torch.compile``: inductor computes SiLU as ``x * sigmoid(x)``, which rounds
+differently from the eager ``x / (1 + exp(-x))`` the kernel reproduces, and compiled on must equal compiled off.
 """
 
 from __future__ import annotations
@@ -17,18 +25,22 @@ from torch import nn
 
 from ..format import fast_math_from_env
 from ..linear import NVFP4Linear
+from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_checked
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
 from ..ops.verify import failed_kind_reason, record_fallback, stats_for
-from .hooks import consumer_reason, nvfp4_layer
-from .swap import swap_processor
+from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
+from .swap import current_inner_forward, swap_forward, swap_processor
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> str | None:
-    """None when the fused path applies to this call, else the reason it does not."""
+    """None when the fused path applies to this call, else the reason it does not. ``mlp_out`` is the SwiGLU output,
+    or anything of its shape and dtype (the gate reads only those)."""
     reason = consumer_reason(cast(nn.Module, attn.to_out), "to_out")
     if reason is not None:
         return reason
-    if attn_out.dtype not in (torch.bfloat16, torch.float16) or mlp_out.dtype != attn_out.dtype:
+    if attn_out.dtype not in _HALF or mlp_out.dtype != attn_out.dtype:
         return f"dtype {attn_out.dtype}/{mlp_out.dtype} (bf16/fp16 only)"
     a, b = attn_out.shape[-1], mlp_out.shape[-1]
     if a % 16 or b % 16:
@@ -41,6 +53,41 @@ def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tenso
     if failed_kind_reason(KIND) is not None:
         return "verification failed earlier in this process"
     return None
+
+
+def swiglu_fold_reason(act_fn: nn.Module, hidden: torch.Tensor, kind: str) -> str | None:
+    """None when ``act_fn(hidden)`` can be computed inside the quantize kernel of site ``kind``, else the reason it
+    cannot."""
+    if type(act_fn) is not flux2_module.Flux2SwiGLU:
+        return f"activation is {type(act_fn).__name__}, not Flux2SwiGLU"
+    reason = call_changed_reason("act_fn", act_fn)
+    if reason is not None:
+        return reason
+    if torch.compiler.is_compiling():
+        return "torch.compile (inductor rounds SiLU differently; its own op is kept)"
+    if hidden.dtype not in _HALF or hidden.shape[-1] % 32:
+        return f"hidden {hidden.dtype} width {hidden.shape[-1]} (bf16/fp16, a multiple of 32)"
+    if failed_kind_reason(kind) is not None:
+        return "verification failed earlier in this process"
+    return None
+
+
+class SwiGLUInput(NamedTuple):
+    """What a fused path hands an NVFP4 projection in place of ``cat([attn, swiglu(hidden)])`` (``attn`` None: of
+    ``swiglu(hidden)``); the layer quantizes it with its own ``input_scale_inv`` once its hooks have run."""
+
+    hidden: torch.Tensor
+    attn: torch.Tensor | None
+    stats_id: int
+    kind: str
+    shape_class: str
+
+    def run_on(self, layer: NVFP4Linear) -> torch.Tensor:
+        packed, scales = swiglu_quantize_checked(
+            self.hidden, self.attn, layer.input_scale_inv, fast_math_from_env(), self.stats_id, self.kind,
+            self.shape_class,
+        )
+        return layer.forward_prequantized(packed, scales, self.hidden.dtype)
 
 
 class TokenCatInput(NamedTuple):
@@ -59,12 +106,38 @@ class TokenCatInput(NamedTuple):
         return layer.forward_prequantized(packed, scales, self.attn.dtype)
 
 
+def _on_original(name: str) -> property:
+    """An attribute read from and written to diffusers' processor that the fused one stands in for, so that
+    ``set_attention_backend`` / ``enable_parallelism`` while the fast paths are on outlive ``disable_fast_paths``."""
+    return property(lambda self: getattr(self._original, name, None),
+                    lambda self, value: setattr(self._original, name, value))
+
+
 class _FusedOutputMixin:
-    """The shared tail of both processors: fused token-cat quantize into ``to_out``, or diffusers' own code."""
+    """The shared tail of both processors: SwiGLU, the concatenation and ``to_out``, fused as far as the gates
+    allow (SwiGLU and token-cat quantize in one kernel; token-cat quantize; diffusers' own code)."""
 
     _stats_id: int = 0
+    _original: object = None  # diffusers' processor instance (set by patch_flux2)
+    _attention_backend = _on_original("_attention_backend")
+    _parallel_config = _on_original("_parallel_config")
 
-    def _project_out(self, attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+    def _project_out(self, attn: nn.Module, attn_out: torch.Tensor, mlp_hidden: torch.Tensor) -> torch.Tensor:
+        act_fn = cast(nn.Module, attn.mlp_act_fn)
+        stats = stats_for(self._stats_id)
+        fold = swiglu_fold_reason(act_fn, mlp_hidden, KIND_TOKEN_CAT)
+        if fold is None:
+            half = mlp_hidden[..., : mlp_hidden.shape[-1] // 2]  # a view: the gate reads its shape and dtype
+            if token_cat_gate(attn, attn_out, half) is None:
+                to_out = cast(NVFP4Linear, attn.to_out)
+                shape_class = f"A={attn_out.shape[-1]},H={half.shape[-1]},{attn_out.dtype},{attn_out.device}"
+                out = to_out(SwiGLUInput(mlp_hidden, attn_out, self._stats_id, KIND_TOKEN_CAT, shape_class))
+                return out.reshape(*attn_out.shape[:-1], to_out.out_features)
+        elif stats is not None:
+            record_fallback(stats, KIND_TOKEN_CAT, fold)
+        return self._project_cat(attn, attn_out, act_fn(mlp_hidden))
+
+    def _project_cat(self, attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         reason = token_cat_gate(attn, attn_out, mlp_out)
         stats = stats_for(self._stats_id)
         if reason is not None:
@@ -93,13 +166,34 @@ def _qkv_mlp(attn, hidden_states, image_rotary_emb):
     return query, key, value, mlp
 
 
+def fused_feed_forward(ff: nn.Module, stats_id: int):
+    """``Flux2FeedForward.forward`` with SwiGLU and the quantize of ``linear_out``'s input in one kernel."""
+    original = current_inner_forward(ff)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        linear_out = cast(nn.Module, ff.linear_out)
+        reason = consumer_reason(linear_out, "linear_out")
+        hidden = None
+        if reason is None:
+            hidden = cast(nn.Module, ff.linear_in)(x)
+            reason = swiglu_fold_reason(cast(nn.Module, ff.act_fn), hidden, KIND_FF)
+        if reason is not None:
+            stats = stats_for(stats_id)
+            if stats is not None:
+                record_fallback(stats, KIND_FF, reason)
+            return original(x) if hidden is None else linear_out(cast(nn.Module, ff.act_fn)(hidden))
+        h = cast(torch.Tensor, hidden)
+        shape_class = f"H={h.shape[-1] // 2},{h.dtype},{h.device}"
+        out = linear_out(SwiGLUInput(h, None, stats_id, KIND_FF, shape_class))
+        return out.reshape(*h.shape[:-1], cast(NVFP4Linear, nvfp4_layer(linear_out)).out_features)
+
+    return forward
+
+
 class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
     """``Flux2ParallelSelfAttnProcessor`` with the output concatenation fused into NVFP4 quantization.
 
     Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, ``Flux2ParallelSelfAttnProcessor``."""
-
-    _attention_backend = None
-    _parallel_config = None
 
     def __call__(
         self,
@@ -114,16 +208,13 @@ class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
             parallel_config=self._parallel_config,
         )
         out = out.flatten(2, 3).to(query.dtype)
-        return self._project_out(attn, out, cast(nn.Module, attn.mlp_act_fn)(mlp))
+        return self._project_out(attn, out, mlp)
 
 
 class Flux2FusedKVParallelSelfAttnProcessor(_FusedOutputMixin):
     """``Flux2KVParallelSelfAttnProcessor`` (reference-image KV cache) with the same fused output.
 
     Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, ``Flux2KVParallelSelfAttnProcessor``."""
-
-    _attention_backend = None
-    _parallel_config = None
 
     def __call__(
         self,
@@ -154,7 +245,7 @@ class Flux2FusedKVParallelSelfAttnProcessor(_FusedOutputMixin):
                 parallel_config=self._parallel_config,
             )
         out = out.flatten(2, 3).to(query.dtype)
-        return self._project_out(attn, out, cast(nn.Module, attn.mlp_act_fn)(mlp))
+        return self._project_out(attn, out, mlp)
 
 
 _REPLACEMENTS: dict[type, type[Flux2FusedParallelSelfAttnProcessor | Flux2FusedKVParallelSelfAttnProcessor]] = {
@@ -163,13 +254,20 @@ _REPLACEMENTS: dict[type, type[Flux2FusedParallelSelfAttnProcessor | Flux2FusedK
 }
 
 
-def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> int:
-    """Install fused processors on every single-stream attention whose ``to_out`` is NVFP4. Returns the count.
+def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
+    """Install fused processors on every single-stream attention whose ``to_out`` is NVFP4, and fused forwards on
+    every double-stream feed-forward whose ``linear_out`` is NVFP4. Returns ``{site kind: count}`` (a single-stream
+    site runs ``flux2_token_cat_swiglu`` or, where SwiGLU cannot be folded in, ``flux2_token_cat``).
 
-    Appends undo callables to ``restore``; each puts back the original processor object unless the user replaced
-    the fused one meanwhile.
+    Appends undo callables to ``restore``; each puts back the original object unless the user replaced the fused one
+    meanwhile.
     """
-    count = 0
+    count = {KIND: 0, KIND_FF: 0}
+    for block in getattr(model, "transformer_blocks", []):
+        for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)):
+            if isinstance(ff, flux2_module.Flux2FeedForward) and nvfp4_layer(ff.linear_out) is not None:
+                restore.append(swap_forward(ff, fused_feed_forward(ff, stats_id)))
+                count[KIND_FF] += 1
     for block in getattr(model, "single_transformer_blocks", []):
         attn = block.attn
         original = attn.processor
@@ -178,9 +276,7 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> int:
             continue
         fused = fused_cls()
         fused._stats_id = stats_id
-        # Attention backend and context-parallel settings live on the processor instance or class.
-        fused._attention_backend = original._attention_backend
-        fused._parallel_config = original._parallel_config
+        fused._original = original  # attention backend and context-parallel settings stay on it
         restore.append(swap_processor(attn, fused))
-        count += 1
-    return count
+        count[KIND] += 1
+    return {kind: n for kind, n in count.items() if n}

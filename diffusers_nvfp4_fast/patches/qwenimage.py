@@ -267,8 +267,8 @@ def fused_block_forward(
     return encoder_hidden_states, hidden_states
 
 
-def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> int:
-    """Swap the forward of every block whose image or text FC1 is NVFP4. Returns the count."""
+def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
+    """Swap the forward of every block whose image or text FC1 is NVFP4. Returns ``{site kind: count}``."""
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
     count = 0
@@ -295,4 +295,4 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> int:
 
         restore.append(restore_block)
         count += 1
-    return count
+    return {KIND: count}

@@ -75,3 +75,20 @@ def adversarial(rows: int, cols: int, device="cuda", seed: int = 0) -> torch.Ten
     bits = out.view(torch.int16).reshape(blocks, 16)
     bits[(pattern == 8).nonzero().flatten(), :3] = -64
     return out
+
+
+def swiglu_adversarial(rows: int, hidden: int, device="cuda", seed: int = 0) -> torch.Tensor:
+    """bf16 ``[rows, 2 * hidden]`` feed-forward projections whose gate half stresses SiLU: values where ``exp(-x)``
+    overflows or underflows (|x| near 87-89 and beyond), subnormal and zero gates (both signs), +-Inf, NaN, huge and
+    tiny magnitudes, alongside random ones; the up half is random with the same specials sprinkled in."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    edges = torch.tensor([87.0, 87.5, 88.0, 88.5, 88.72, 89.0, 100.0, 1e30, 3e38, 1e-38, 1e-40, 0.0, float("inf"),
+                          float("nan"), 1e-3, 15.0], device=device)
+    signs = torch.where(torch.rand(rows, hidden, device=device, generator=gen) < 0.5, -1.0, 1.0)
+    gate = torch.randn(rows, hidden, device=device, generator=gen) * 4
+    pick = torch.randint(0, 2 * len(edges), (rows, hidden), device=device, generator=gen)
+    gate = torch.where(pick < len(edges), edges[pick.clamp(max=len(edges) - 1)] * signs, gate)
+    up = torch.randn(rows, hidden, device=device, generator=gen)
+    pick_up = torch.randint(0, 8 * len(edges), (rows, hidden), device=device, generator=gen)
+    up = torch.where(pick_up < len(edges), edges[pick_up.clamp(max=len(edges) - 1)], up)
+    return torch.cat([gate, up], dim=-1).to(torch.bfloat16)

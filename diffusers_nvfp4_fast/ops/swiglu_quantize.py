@@ -1,0 +1,89 @@
+"""FLUX.2 SwiGLU quantize: ``quantize(cat([attn, silu(gate) * up], -1))`` without writing the SwiGLU output.
+
+``hidden`` is the feed-forward input projection's output ``[..., 2H]`` (gate first, as diffusers' ``Flux2SwiGLU``
+splits it); ``attn`` is the single-stream attention output that diffusers concatenates in front, or None for a
+double-stream feed-forward. Reference: ``swiglu_quantize_reference`` (diffusers' own ops, then the unfused quantize;
+docs/design.md §6). Kernel: ``kernels.swiglu_quantize_triton``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from ..format import padded_scale_shape
+from .dispatch import call_op, kernels, triton_runs_on
+from .quantize import quantize
+from .verify import run_checked
+
+KIND_FF = "flux2_swiglu"  # double-stream feed-forward: quantize(swiglu(h)) into ff.linear_out
+KIND_TOKEN_CAT = "flux2_token_cat_swiglu"  # single-stream: quantize(cat([attn, swiglu(h)])) into to_out
+
+
+def swiglu_reference(hidden: torch.Tensor) -> torch.Tensor:
+    """diffusers 0.42.1 ``Flux2SwiGLU.forward``: ``silu(h[..., :H]) * h[..., H:]`` in the input dtype."""
+    half = hidden.shape[-1] // 2
+    return F.silu(hidden[..., :half]) * hidden[..., half:]
+
+
+def swiglu_quantize_reference(
+    hidden: torch.Tensor, attn: torch.Tensor | None, global_scale: torch.Tensor, fast_math: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused computation: SwiGLU, the concatenation (when ``attn`` is given), then ``quantize``."""
+    x = swiglu_reference(hidden)
+    if attn is not None:
+        x = torch.cat([attn, x], dim=-1)
+    return quantize(x.reshape(-1, x.shape[-1]), global_scale, fast_math)
+
+
+def _swiglu_impl(
+    hidden: torch.Tensor, attn: torch.Tensor | None, global_scale: torch.Tensor, fast_math: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if triton_runs_on(hidden):
+        return cast(ModuleType, kernels).swiglu_quantize_triton(hidden, global_scale, attn, fast_math=fast_math)
+    return swiglu_quantize_reference(hidden, attn, global_scale, fast_math)
+
+
+def _swiglu_fake(hidden, attn, global_scale, fast_math, *_):
+    rows = hidden.numel() // hidden.shape[-1]
+    k = hidden.shape[-1] // 2 + (attn.shape[-1] if attn is not None else 0)
+    scales_shape = padded_scale_shape(rows, k)
+    return hidden.new_empty((rows, k // 2), dtype=torch.uint8), hidden.new_empty(scales_shape, dtype=torch.uint8)
+
+
+def _swiglu_checked_impl(
+    hidden: torch.Tensor, attn: torch.Tensor | None, global_scale: torch.Tensor, fast_math: bool, stats_id: int,
+    kind: str, shape_class: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return cast("tuple[torch.Tensor, torch.Tensor]", run_checked(
+        stats_id, kind, shape_class, ("packed", "scales"),
+        lambda: _swiglu_impl(hidden, attn, global_scale, fast_math),
+        lambda: swiglu_quantize_reference(hidden, attn, global_scale, fast_math),
+    ))
+
+
+_swiglu_op = torch.library.custom_op("nvfp4_fast::swiglu_quantize", mutates_args=())(_swiglu_impl)
+_swiglu_op.register_fake(_swiglu_fake)
+_swiglu_checked_op = torch.library.custom_op("nvfp4_fast::swiglu_quantize_checked", mutates_args=())(
+    _swiglu_checked_impl)
+_swiglu_checked_op.register_fake(_swiglu_fake)
+
+
+def swiglu_quantize(
+    hidden: torch.Tensor, attn: torch.Tensor | None, global_scale: torch.Tensor, fast_math: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden ``[..., 2H]``, optional attn ``[..., A]`` (same leading dims, BF16/FP16, H and A multiples of 16) ->
+    packed uint8 ``[R, (A+H)/2]``, 128x4 scales uint8 ``[round_up(R,128), round_up((A+H)/16,4)]``."""
+    return call_op(_swiglu_op, _swiglu_impl, hidden, attn, global_scale, fast_math)
+
+
+def swiglu_quantize_checked(
+    hidden: torch.Tensor, attn: torch.Tensor | None, global_scale: torch.Tensor, fast_math: bool, stats_id: int,
+    kind: str, shape_class: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``swiglu_quantize`` with first-use byte verification against the reference (``verify.run_checked``)."""
+    return call_op(_swiglu_checked_op, _swiglu_checked_impl, hidden, attn, global_scale, fast_math, stats_id, kind,
+                   shape_class)
