@@ -1,0 +1,67 @@
+"""Fast paths under diffusers' context parallelism (``examples/context_parallel.py`` launched with torchrun, two
+processes): the fused sites run on every rank and the PNG with fast paths on equals the one with them off under the
+same parallel config, in either order of ``enable_parallelism`` and ``enable_fast_paths``. CPU: gloo, Ulysses (the
+only mode a CPU attention backend of diffusers 0.42.1 supports). ``gpu``: NCCL on two GPUs, Ulysses and ring.
+
+Context parallelism itself changes bytes against one process (each rank attends over its own key order, so the
+softmax sums round differently); that is diffusers' and is not compared here."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
+FUSED = {"flux2": {"flux2_swiglu", "flux2_token_cat_swiglu"}, "qwen": {"qwen_resnorm"}}
+
+
+def _launch(tmp_path, *args: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
+           "--tiny", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ranks = [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("RANK ")]
+    assert [r["rank"] for r in ranks] == [0, 1], out.stdout
+    return ranks
+
+
+def _check(ranks: list[dict], model: str) -> None:
+    for r in ranks:
+        assert r["on"] == r["off"] == ranks[0]["off"], ranks
+        assert set(r["fused_calls"]) == FUSED[model] and all(n > 0 for n in r["fused_calls"].values()), r
+        assert not r["fallbacks"], r
+
+
+@pytest.mark.parametrize(("model", "order"), [("flux2", ()), ("flux2", ("--fast-paths-first",)), ("qwen", ())])
+def test_ulysses_on_two_cpu_processes(model, order, tmp_path):
+    _check(_launch(tmp_path, "--model", model, "--mode", "ulysses", *order), model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("mode", ["ulysses", "ring"])
+@pytest.mark.parametrize("model", ["flux2", "qwen"])
+def test_gpu_two_ranks(model, mode, tmp_path):
+    _check(_launch(tmp_path, "--model", model, "--mode", mode), model)
+
+
+def test_benchmark_dry_run(tmp_path):
+    """``bench_context_parallel.py --tiny``: the whole logic (1-process and 2-rank steps, on == off, the result
+    file) on the CPU; the GPU run is the same code at full size."""
+    bench = EXAMPLE.parents[1] / "benchmarks" / "bench_context_parallel.py"
+    out = tmp_path / "cp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(bench),
+           "--model", "flux2-dev", "--tiny", "--skip-bf16", "--steps-timed", "1", "--warmup", "1", "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert {(c["rank"], c["gpus"], c["variant"]) for c in cases} == {
+        (r, g, v) for r in (0, 1) for g in (1, 2) for v in ("nvfp4_fast_off", "nvfp4_fast_on")}
+    assert all(c["exact_on_equals_off"] for c in cases)
+    assert all(c["fused_calls"] == {"flux2_swiglu": 2, "flux2_token_cat_swiglu": 2}
+               for c in cases if c["variant"] == "nvfp4_fast_on")
