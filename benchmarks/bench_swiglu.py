@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth_gbps, header, time_us, write_result  # noqa: E402
+from common import bandwidth_cases, copy_bandwidth_gbps, header, print_bandwidth_cases, time_us, write_result  # noqa: E402,E501
 
 from diffusers_nvfp4_fast import kernels  # noqa: E402
 from diffusers_nvfp4_fast.kernels.launch import padded_scale_shape  # noqa: E402
@@ -42,14 +42,7 @@ def case(rows: int, a_width: int, h_width: int, g: torch.Tensor, copy: float) ->
     us = {"fused": time_us(fused), "unfused": time_us(lambda: unfused(h, attn, g)),
           "compiled": time_us(lambda: compiled(h, attn))}
     compiled_exact = all(torch.equal(x, y) for x, y in zip(compiled(h, attn), fused()))
-    out = []
-    for variant, t in us.items():
-        gbps = nbytes / (t * 1e-6) / 1e9
-        out.append({"shape": {"rows": rows, "A": a_width, "H": h_width}, "variant": variant, "us": round(t, 2),
-                    "GBps": round(gbps, 1), "bw_fraction": round(gbps / copy, 3),
-                    "speedup_vs": {o: round(us[o] / t, 2) for o in us if o != variant},
-                    "exact": exact if variant != "compiled" else compiled_exact})
-    return out
+    return bandwidth_cases({"rows": rows, "A": a_width, "H": h_width}, us, nbytes, copy, exact, compiled_exact)
 
 
 def sweep(a_width: int, h_width: int, g: torch.Tensor) -> list[dict]:
@@ -80,11 +73,7 @@ def main() -> None:
     for rows in args.rows:
         for a_width in (0, 6144):
             result["cases"] += case(rows, a_width, 18432, g, copy)
-    path = write_result(result)
-    print(f"copy bandwidth {copy:.0f} GB/s -> {path}")
-    for c in result["cases"]:
-        print(f"{str(c['shape']):40s} {c['variant']:9s} {c['us']:9.1f} us {c['bw_fraction'] * 100:5.1f}% bw "
-              f"{c['speedup_vs']} exact={c['exact']}")
+    print_bandwidth_cases(result["cases"], copy, write_result(result))
 
 
 if __name__ == "__main__":

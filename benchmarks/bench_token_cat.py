@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth_gbps, header, time_us, write_result  # noqa: E402
+from common import bandwidth_cases, copy_bandwidth_gbps, header, time_us, write_result  # noqa: E402
 
 from diffusers_nvfp4_fast import kernels  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as torch_quantize  # noqa: E402
@@ -46,14 +46,8 @@ def main() -> None:
         compiled_exact = all(torch.equal(x, y) for x, y in zip(
             compiled_ref(a, b), kernels.token_cat_quantize_triton(a, b, g, fast_math=False)))
         us = {"fused": time_us(fused), "unfused": time_us(unfused), "compiled": time_us(lambda: compiled_ref(a, b))}
-        for variant, t in us.items():
-            gbps = nbytes / (t * 1e-6) / 1e9
-            result["cases"].append({
-                "shape": {"rows": rows, "A": args.a, "B": args.b}, "variant": variant, "us": round(t, 2),
-                "GBps": round(gbps, 1), "bw_fraction": round(gbps / copy, 3),
-                "speedup_vs": {o: round(us[o] / t, 2) for o in us if o != variant},
-                "exact": exact if variant != "compiled" else compiled_exact,
-            })
+        result["cases"] += bandwidth_cases({"rows": rows, "A": args.a, "B": args.b}, us, nbytes, copy, exact,
+                                           compiled_exact)
     # The standalone quantize on its own (issue goal: >= 85% of copy bandwidth at 4096 x 24576).
     x = torch.randn(4096, args.a + args.b, device="cuda", dtype=torch.bfloat16)
     t = time_us(lambda: kernels.quantize_nvfp4_triton(x, g))

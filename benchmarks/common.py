@@ -54,6 +54,28 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e9
 
 
+def bandwidth_cases(shape: dict, us: dict[str, float], nbytes: int, copy_gbps: float, exact: bool,
+                    compiled_exact: bool) -> list[dict]:
+    """One case per variant of a memory-bound kernel benchmark (``us``: variant -> microseconds; "compiled" gets
+    ``compiled_exact``): its time, the bandwidth ``nbytes`` imply, their fraction of the copy bandwidth measured in
+    the same run, and the speedup against each other variant."""
+    cases = []
+    for variant, t in us.items():
+        gbps = nbytes / (t * 1e-6) / 1e9
+        cases.append({"shape": shape, "variant": variant, "us": round(t, 2), "GBps": round(gbps, 1),
+                      "bw_fraction": round(gbps / copy_gbps, 3),
+                      "speedup_vs": {o: round(us[o] / t, 2) for o in us if o != variant},
+                      "exact": exact if variant != "compiled" else compiled_exact})
+    return cases
+
+
+def print_bandwidth_cases(cases: list[dict], copy_gbps: float, path) -> None:
+    print(f"copy bandwidth {copy_gbps:.0f} GB/s -> {path}")
+    for c in cases:
+        print(f"{str(c['shape']):40s} {c['variant']:9s} {c['us']:9.1f} us {c['bw_fraction'] * 100:5.1f}% bw "
+              f"{c['speedup_vs']} exact={c['exact']}")
+
+
 def device_slug() -> str:
     name = torch.cuda.get_device_name().lower()
     for tag in ("h200", "h100", "b200", "gb200", "b100", "rtx 5090", "l40s", "a100"):

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in groups that each fit one device call (10 minutes), every step under its own time limit;
 # logs and JSON go to $OUT. Usage (repository root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh GROUP...
-#   kernels:  quantize, token-cat, SwiGLU, GEMM and launch tests (gpu-marked)
+#   kernels:  quantize, token-cat, SwiGLU, rotary, GEMM and launch tests (gpu-marked)
 #   models:   Qwen kernel, fast-path, offload, LoRA and hygiene tests (gpu-marked)
 #   native:   bench_native.py (diffusers' own NVFP4 modules vs enable_fast_paths) and the step profiles
 #   benches:  token-cat, SwiGLU, Qwen kernel, GEMM and launch benchmarks
-#   swiglu:   the SwiGLU kernel and fast-path GPU tests, then bench_swiglu.py (one call for that work alone)
+#   fusions:  the SwiGLU and rotary kernel tests, the FLUX.2 fast-path GPU tests, bench_swiglu.py, bench_rotary.py
 #   steps:    full-size FLUX.2-dev and Qwen-Image step benchmarks, eager and as CUDA-graph replays
 #   budget_flux2, budget_qwen: whole pipelines under 24 and 32 GiB caps, NVFP4 and BF16 (bench_pipeline_budget.py)
 #   cp:       two GPUs (nvidia-h200-x2): context-parallel tests, then bench_context_parallel.py for both models, Ulysses
@@ -21,7 +21,7 @@ python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__ve
 for group in ${@:-kernels models}; do
   case $group in
     kernels)
-      step 180 t_quantize $P tests/test_quantize.py tests/test_token_cat_quantize.py tests/test_swiglu_quantize.py tests/test_launch.py
+      step 200 t_quantize $P tests/test_quantize.py tests/test_token_cat_quantize.py tests/test_swiglu_quantize.py tests/test_rotary.py tests/test_launch.py
       step 330 t_gemm $P tests/test_gemm.py --durations=5 ;;
     models)
       step 200 t_qwen_kernel $P tests/test_qwen_resnorm_quantize.py --durations=3
@@ -33,6 +33,7 @@ for group in ${@:-kernels models}; do
     benches)
       TAIL=14 step 60 bench_token_cat python3 benchmarks/bench_token_cat.py --sweep
       TAIL=10 step 90 bench_swiglu python3 benchmarks/bench_swiglu.py --sweep
+      TAIL=8 step 60 bench_rotary python3 benchmarks/bench_rotary.py
       TAIL=10 step 90 bench_qwen python3 benchmarks/bench_qwen_resnorm.py
       TAIL=3 step 90 bench_launch python3 benchmarks/bench_launch_overhead.py
       TAIL=40 step 420 bench_gemm python3 benchmarks/bench_gemm.py --sweep-configs ;;
@@ -41,10 +42,11 @@ for group in ${@:-kernels models}; do
       TAIL=12 step 120 step_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024 --steps-timed 21
       TAIL=12 step 150 graph_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --cuda-graph --steps-timed 15
       TAIL=12 step 100 graph_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --cuda-graph --steps-timed 7 ;;
-    swiglu)
-      TAIL=6 step 150 t_swiglu $P tests/test_swiglu_quantize.py --durations=3
+    fusions)
+      TAIL=6 step 150 t_fused_kernels $P tests/test_swiglu_quantize.py tests/test_rotary.py --durations=3
       TAIL=8 step 240 t_flux2 $P tests/test_fast_paths.py tests/test_offload.py tests/test_budget.py -k "flux2 or full_size or leaf" --durations=5
-      TAIL=14 step 90 bench_swiglu python3 benchmarks/bench_swiglu.py --sweep ;;
+      TAIL=14 step 90 bench_swiglu python3 benchmarks/bench_swiglu.py --sweep
+      TAIL=8 step 60 bench_rotary python3 benchmarks/bench_rotary.py ;;
     budget_flux2)
       TAIL=6 step 330 budget_flux2_nvfp4 python3 benchmarks/bench_pipeline_budget.py --model flux2-dev --dtype nvfp4
       TAIL=6 step 260 budget_flux2_bf16 python3 benchmarks/bench_pipeline_budget.py --model flux2-dev --dtype bf16 ;;

@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
+from diffusers_nvfp4_fast.kernels.rotary import _rotary_kernel
 from diffusers_nvfp4_fast.kernels.swiglu_quantize import _swiglu_quantize_kernel
 from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
 
@@ -48,6 +49,17 @@ def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, bl
     fn, sig = SIGNATURES[kernel]
     consts = {"BLOCK_R": block_r, "BLOCK_C": block_c, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": arch >= 100}
     return triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"enable_fp_fusion": False, "num_warps": num_warps})
+
+
+def compile_rotary(arch: int, head_dim: int = 128, block_r: int = 16, num_warps: int = 4):
+    """Compile the rotary kernel for compute capability ``arch`` (x10) without a GPU, as ``rotary_triton`` launches
+    it (FMA contraction off)."""
+    sig = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*i16", "rows": "i32", "S": "i32",
+           "H": "i32"}
+    consts = {"D": head_dim, "BLOCK_R": block_r, "IS_BF16": True}
+    return triton.compile(ASTSource(_rotary_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
                           target=GPUTarget("cuda", arch, 32),
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
 

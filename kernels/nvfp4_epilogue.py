@@ -294,6 +294,19 @@ def quantize_block_halves(a, b, g, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexp
 
 
 @triton.jit
+def cat_tile(pid, col_tiles, M, A, B, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program ``pid``'s rows and 16-block columns in a grid over ``cat([a, b], -1)`` (A and B columns), and the
+    masks of the blocks taken from ``a`` and from ``b`` (padding blocks are in neither)."""
+    rows = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kbs = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
+    a_blocks = A // 16
+    row_ok = rows[:, None] < M
+    in_a = row_ok & (kbs[None, :] < a_blocks)
+    in_b = row_ok & (kbs[None, :] >= a_blocks) & (kbs[None, :] < a_blocks + B // 16)
+    return rows, kbs, in_a, in_b
+
+
+@triton.jit
 def load_blocks(ptr, rows, kbs, row_stride, mask):
     """The four int64 quarters of 16-blocks ``kbs`` (int ``[BLOCK_C]``) of rows ``rows``; ``ptr`` is the bf16/fp16
     matrix viewed as int64 (four values each), ``row_stride`` in int64 units, ``mask`` ``[BLOCK_R, BLOCK_C]``."""

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETING, as_block_rows, launch, launch_options, padded_scale_shape, tile_grid
-from .nvfp4_epilogue import load_blocks, quantize_blocks, store_blocks, unpack4
+from .nvfp4_epilogue import cat_tile, load_blocks, quantize_blocks, store_blocks, unpack4
+from .rounding import half_value, round_to_half
 
 try:
     from triton.language.extra import libdevice
@@ -29,33 +30,13 @@ LIBDEVICE_EXP = tl.constexpr(not INTERPRETING)
 
 
 @triton.jit
-def round_to_half(x, IS_BF16: tl.constexpr):
-    """FP32 -> the nearest (ties to even) BF16 / FP16 value, as 16 bits in an int64 (NaN -> the canonical NaN)."""
-    if IS_BF16:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-        return tl.where(x != x, 0x7FC0, rounded).to(tl.int64)
-    else:
-        return x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
-
-
-@triton.jit
-def _half_value(bits, IS_BF16: tl.constexpr):
-    """16 bits (int64, as ``round_to_half`` returns them) -> their FP32 value."""
-    if IS_BF16:
-        return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def swiglu_value(gate, up, IS_BF16: tl.constexpr):
     """One SwiGLU output (FP32 inputs holding model-dtype values) as 16 bits: torch's ``silu`` then ``mul``."""
     if LIBDEVICE_EXP:
         e = libdevice.exp(-gate)
     else:
         e = tl.exp(-gate)
-    silu = _half_value(round_to_half(tl.math.div_rn(gate, 1.0 + e), IS_BF16), IS_BF16)
+    silu = half_value(round_to_half(tl.math.div_rn(gate, 1.0 + e), IS_BF16), IS_BF16)
     return round_to_half(silu * up, IS_BF16)
 
 
@@ -74,16 +55,10 @@ def _swiglu_quantize_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
     HW_E2M1: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
-    kbs = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
-    a_blocks = A // 16
-    row_ok = rows[:, None] < M
-    in_a = row_ok & (kbs[None, :] < a_blocks)
-    in_h = row_ok & (kbs[None, :] >= a_blocks) & (kbs[None, :] < a_blocks + H // 16)
+    rows, kbs, in_a, in_h = cat_tile(tl.program_id(0), col_tiles, M, A, H, BLOCK_R, BLOCK_C)
     a0, a1, a2, a3 = load_blocks(a_ptr, rows, kbs, stride_a, in_a)
-    g0, g1, g2, g3 = load_blocks(h_ptr, rows, kbs - a_blocks, stride_h, in_h)
-    u0, u1, u2, u3 = load_blocks(h_ptr, rows, kbs - a_blocks + H // 16, stride_h, in_h)
+    g0, g1, g2, g3 = load_blocks(h_ptr, rows, kbs - A // 16, stride_h, in_h)
+    u0, u1, u2, u3 = load_blocks(h_ptr, rows, kbs - A // 16 + H // 16, stride_h, in_h)
     # Masked lanes loaded 0 and silu(0) * 0 is +0 (bits 0), so OR-ing picks the block's own source.
     packed, sf_byte = quantize_blocks(
         a0 | swiglu_word(g0, u0, IS_BF16), a1 | swiglu_word(g1, u1, IS_BF16),

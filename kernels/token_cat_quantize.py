@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from .launch import as_block_rows, launch, launch_options, padded_scale_shape, tile_grid
-from .nvfp4_epilogue import load_blocks, quantize_blocks, store_blocks
+from .nvfp4_epilogue import cat_tile, load_blocks, quantize_blocks, store_blocks
 
 
 @triton.jit
@@ -19,15 +19,9 @@ def _token_cat_quantize_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
     HW_E2M1: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
-    kbs = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
-    a_blocks = A // 16
-    row_ok = rows[:, None] < M
-    in_a = row_ok & (kbs[None, :] < a_blocks)
-    in_b = row_ok & (kbs[None, :] >= a_blocks) & (kbs[None, :] < a_blocks + B // 16)
+    rows, kbs, in_a, in_b = cat_tile(tl.program_id(0), col_tiles, M, A, B, BLOCK_R, BLOCK_C)
     a0, a1, a2, a3 = load_blocks(a_ptr, rows, kbs, stride_a, in_a)
-    b0, b1, b2, b3 = load_blocks(b_ptr, rows, kbs - a_blocks, stride_b, in_b)
+    b0, b1, b2, b3 = load_blocks(b_ptr, rows, kbs - A // 16, stride_b, in_b)
     # Masked lanes loaded 0, so OR-ing the two sources picks whichever one the block belongs to.
     packed, sf_byte = quantize_blocks(a0 | b0, a1 | b1, a2 | b2, a3 | b3, tl.load(g_ptr), IS_BF16, FAST_MATH, HW_E2M1)
     store_blocks(packed, sf_byte, rows, kbs, packed_ptr, scales_ptr, M, A + B, padded_cols)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..format import padded_scale_shape
-from .dispatch import call_op, kernels, triton_runs_on
+from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
 from .quantize import quantize
 from .verify import run_checked
 
@@ -104,10 +104,7 @@ def _op_impl(
     return _impl(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
 
 
-_op = torch.library.custom_op("nvfp4_fast::qwen_resnorm_quantize", mutates_args=())(_op_impl)
-_op.register_fake(_fake)
-_checked_op = torch.library.custom_op("nvfp4_fast::qwen_resnorm_quantize_checked", mutates_args=())(_checked_impl)
-_checked_op.register_fake(_fake)
+_op, _checked_op = custom_op_pair("qwen_resnorm_quantize", _op_impl, _checked_impl, _fake)
 
 
 def qwen_resnorm_quantize(

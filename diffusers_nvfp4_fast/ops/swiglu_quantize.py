@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..format import padded_scale_shape
-from .dispatch import call_op, kernels, triton_runs_on
+from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
 from .quantize import quantize
 from .verify import run_checked
 
@@ -65,11 +65,7 @@ def _swiglu_checked_impl(
     ))
 
 
-_swiglu_op = torch.library.custom_op("nvfp4_fast::swiglu_quantize", mutates_args=())(_swiglu_impl)
-_swiglu_op.register_fake(_swiglu_fake)
-_swiglu_checked_op = torch.library.custom_op("nvfp4_fast::swiglu_quantize_checked", mutates_args=())(
-    _swiglu_checked_impl)
-_swiglu_checked_op.register_fake(_swiglu_fake)
+_swiglu_op, _swiglu_checked_op = custom_op_pair("swiglu_quantize", _swiglu_impl, _swiglu_checked_impl, _swiglu_fake)
 
 
 def swiglu_quantize(

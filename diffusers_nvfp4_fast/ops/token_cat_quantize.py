@@ -11,7 +11,7 @@ from typing import cast
 import torch
 
 from ..format import padded_scale_shape
-from .dispatch import call_op, kernels, triton_runs_on
+from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
 from .quantize import quantize
 from .verify import run_checked
 
@@ -52,11 +52,8 @@ def _token_cat_checked_impl(
     ))
 
 
-_token_cat_op = torch.library.custom_op("nvfp4_fast::token_cat_quantize", mutates_args=())(_token_cat_impl)
-_token_cat_op.register_fake(_token_cat_fake)
-_token_cat_checked_op = torch.library.custom_op("nvfp4_fast::token_cat_quantize_checked", mutates_args=())(
-    _token_cat_checked_impl)
-_token_cat_checked_op.register_fake(_token_cat_fake)
+_token_cat_op, _token_cat_checked_op = custom_op_pair("token_cat_quantize", _token_cat_impl, _token_cat_checked_impl,
+                                                      _token_cat_fake)
 
 
 def token_cat_quantize(

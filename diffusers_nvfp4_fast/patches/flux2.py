@@ -6,11 +6,14 @@
   (``flux2_token_cat``). diffusers builds the concatenation in ``Flux2ParallelSelfAttnProcessor.__call__`` (and its
   KV-cache twin); the processors below are diffusers' code up to that point, installed per attention instance
   (processors are looked up at call time, so cache hooks on the block do not hide them).
+  The same processors, and the double-stream attention processor (``flux2_attention.py``), apply the rotary
+  embedding to query and key in one kernel each (``flux2_rotary``).
 - Double-stream feed-forwards: ``linear_out(swiglu(linear_in(x)))`` quantizes ``linear_in``'s output through
   SwiGLU in one kernel (``flux2_swiglu``), installed per feed-forward with ``swap_forward``.
 
-SwiGLU stays diffusers' op under ``torch.compile``: inductor computes SiLU as ``x * sigmoid(x)``, which rounds
-differently from the eager ``x / (1 + exp(-x))`` the kernel reproduces, and compiled on must equal compiled off.
+SwiGLU and the rotary embedding stay diffusers' ops under ``torch.compile``: inductor computes SiLU as
+``x * sigmoid(x)`` and contracts the rotary multiply-adds, which round differently from the eager ops the kernels
+reproduce, and compiled on must equal compiled off.
 """
 
 from __future__ import annotations
@@ -19,15 +22,16 @@ from typing import NamedTuple, cast
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
-from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_flux2 as flux2_module
 from torch import nn
 
 from ..format import fast_math_from_env
 from ..linear import NVFP4Linear
+from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_checked
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
 from ..ops.verify import failed_kind_reason, record_fallback, stats_for
+from .flux2_attention import Flux2FusedAttnProcessor, on_original, rotate
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .swap import current_inner_forward, swap_forward, swap_processor
 
@@ -106,21 +110,14 @@ class TokenCatInput(NamedTuple):
         return layer.forward_prequantized(packed, scales, self.attn.dtype)
 
 
-def _on_original(name: str) -> property:
-    """An attribute read from and written to diffusers' processor that the fused one stands in for, so that
-    ``set_attention_backend`` / ``enable_parallelism`` while the fast paths are on outlive ``disable_fast_paths``."""
-    return property(lambda self: getattr(self._original, name, None),
-                    lambda self, value: setattr(self._original, name, value))
-
-
 class _FusedOutputMixin:
     """The shared tail of both processors: SwiGLU, the concatenation and ``to_out``, fused as far as the gates
     allow (SwiGLU and token-cat quantize in one kernel; token-cat quantize; diffusers' own code)."""
 
     _stats_id: int = 0
     _original: object = None  # diffusers' processor instance (set by patch_flux2)
-    _attention_backend = _on_original("_attention_backend")
-    _parallel_config = _on_original("_parallel_config")
+    _attention_backend = on_original("_attention_backend")
+    _parallel_config = on_original("_parallel_config")
 
     def _project_out(self, attn: nn.Module, attn_out: torch.Tensor, mlp_hidden: torch.Tensor) -> torch.Tensor:
         act_fn = cast(nn.Module, attn.mlp_act_fn)
@@ -151,7 +148,7 @@ class _FusedOutputMixin:
 
 
 # Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, Flux2ParallelSelfAttnProcessor.__call__.
-def _qkv_mlp(attn, hidden_states, image_rotary_emb):
+def _qkv_mlp(attn, hidden_states, image_rotary_emb, stats_id: int):
     # diffusers' split of the fused input projection, kept identical (including its tensor-parallel arithmetic).
     projected = attn.to_qkv_mlp_proj(hidden_states)
     qkv_dim = 3 * attn.inner_dim
@@ -161,8 +158,8 @@ def _qkv_mlp(attn, hidden_states, image_rotary_emb):
     query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
     query, key = attn.norm_q(query), attn.norm_k(key)
     if image_rotary_emb is not None:
-        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        query = rotate(query, image_rotary_emb, stats_id)
+        key = rotate(key, image_rotary_emb, stats_id)
     return query, key, value, mlp
 
 
@@ -202,7 +199,7 @@ class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb)
+        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb, self._stats_id)
         out = dispatch_attention_fn(
             query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
             parallel_config=self._parallel_config,
@@ -227,7 +224,7 @@ class Flux2FusedKVParallelSelfAttnProcessor(_FusedOutputMixin):
         num_txt_tokens: int = 0,
         num_ref_tokens: int = 0,
     ) -> torch.Tensor:
-        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb)
+        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb, self._stats_id)
         if kv_cache_mode == "extract" and kv_cache is not None and num_ref_tokens > 0:
             ref = slice(num_txt_tokens, num_txt_tokens + num_ref_tokens)
             kv_cache.store(key[:, ref].clone(), value[:, ref].clone())
@@ -255,19 +252,24 @@ _REPLACEMENTS: dict[type, type[Flux2FusedParallelSelfAttnProcessor | Flux2FusedK
 
 
 def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
-    """Install fused processors on every single-stream attention whose ``to_out`` is NVFP4, and fused forwards on
-    every double-stream feed-forward whose ``linear_out`` is NVFP4. Returns ``{site kind: count}`` (a single-stream
-    site runs ``flux2_token_cat_swiglu`` or, where SwiGLU cannot be folded in, ``flux2_token_cat``).
+    """Install fused processors on every single-stream attention whose ``to_out`` is NVFP4 and on every double-stream
+    attention (its rotary embedding), and fused forwards on every double-stream feed-forward whose ``linear_out`` is
+    NVFP4. Returns ``{site kind: count}`` (a single-stream site runs ``flux2_token_cat_swiglu`` or, where SwiGLU
+    cannot be folded in, ``flux2_token_cat``).
 
     Appends undo callables to ``restore``; each puts back the original object unless the user replaced the fused one
     meanwhile.
     """
-    count = {KIND: 0, KIND_FF: 0}
+    count = {KIND: 0, KIND_ROTARY: 0, KIND_FF: 0}
     for block in getattr(model, "transformer_blocks", []):
         for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)):
             if isinstance(ff, flux2_module.Flux2FeedForward) and nvfp4_layer(ff.linear_out) is not None:
                 restore.append(swap_forward(ff, fused_feed_forward(ff, stats_id)))
                 count[KIND_FF] += 1
+        attn = getattr(block, "attn", None)
+        if attn is not None and type(attn.processor) is flux2_module.Flux2AttnProcessor:
+            restore.append(swap_processor(attn, Flux2FusedAttnProcessor(attn.processor, stats_id)))
+            count[KIND_ROTARY] += 1
     for block in getattr(model, "single_transformer_blocks", []):
         attn = block.attn
         original = attn.processor
@@ -279,4 +281,5 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
         fused._original = original  # attention backend and context-parallel settings stay on it
         restore.append(swap_processor(attn, fused))
         count[KIND] += 1
+        count[KIND_ROTARY] += 1
     return {kind: n for kind, n in count.items() if n}
