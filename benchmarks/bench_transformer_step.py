@@ -3,8 +3,11 @@
 Usage:
     python benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024 [--steps-timed 5]
     python benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024
+    python benchmarks/bench_transformer_step.py --model flux2-dev --compile  # under torch.compile (inductor)
     python benchmarks/bench_transformer_step.py --model flux2-dev --tiny     # CPU dry run of the whole logic
-Writes benchmarks/results/transformer_step-<model>-<device>.json (docs/design.md §10) and prints a table.
+Writes benchmarks/results/transformer_step-<model>[-graph|-compile]-<device>.json (docs/design.md §10) and prints a
+table. With ``--compile`` fast paths off and on are timed in two phases (alternating would recompile at each switch)
+with inductor's precision-cast emulation on, under which compiled on equals compiled off.
 
 How the NVFP4 model is built without ever holding the BF16 model: the diffusers model is created on the meta device
 (``accelerate.init_empty_weights(include_buffers=False)``, class defaults = the public FLUX.2-dev / Qwen-Image configs).
@@ -282,6 +285,20 @@ def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device,
     return runs
 
 
+def time_off_then_on(runner, inputs: dict, warmup: int, timed: int, device, enable, disable) -> dict:
+    """``time_off_on`` for a compiled model: all rounds with fast paths off, then all with them on. Alternating would
+    recompile at every switch (enabling installs new processor objects, which the compiled graph's guards check)."""
+    runs: dict = {}
+    for mode, switch in (("off", disable), ("on", enable)):
+        report = switch(runner)
+        ms, peak, out = time_steps(runner, inputs, warmup, timed, device)
+        runs[mode] = {"ms": ms, "peak": peak, "out": out, "times": [ms]}
+    runs["on"]["report"] = enable(runner)
+    disable(runner)
+    del report
+    return runs
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte equality (NaN-safe, unlike torch.equal on floats)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -328,6 +345,13 @@ def run(args) -> dict:
                         + ("; each variant captured once in a CUDA graph and replayed" if args.cuda_graph
                            else "; eager"))
     result["cuda_graph"] = args.cuda_graph
+    result["compile"] = args.compile
+    if args.compile:
+        import torch._inductor.config as inductor_config
+
+        # On == off under inductor holds with its precision-cast emulation (docs/design.md §1), so time that.
+        inductor_config.emulate_precision_casts = True
+        result["timing"] += "; torch.compile(transformer), inductor with emulate_precision_casts"
     result["input_scale"] = f"fixed: amax {INPUT_AMAX} -> input_scale = {INPUT_AMAX}/2688"
     shape = {"model": args.model, **result["inputs"]}
     t_start = time.time()
@@ -347,16 +371,20 @@ def run(args) -> dict:
     result["layers"] = counts
     inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
 
+    runner = torch.compile(model) if args.compile else model  # the fast paths are switched on the model itself
     if enable_fast_paths is not None:
-        runs = time_off_on(model, inputs, args.warmup, args.steps_timed, device, enable_fast_paths, disable_fast_paths,
-                           graph=args.cuda_graph)
+        switches = (lambda _: enable_fast_paths(model), lambda _: disable_fast_paths(model))
+        if args.compile:
+            runs = time_off_then_on(runner, inputs, args.warmup, args.steps_timed, device, *switches)
+        else:
+            runs = time_off_on(runner, inputs, args.warmup, args.steps_timed, device, *switches, graph=args.cuda_graph)
         ms_off, peak_off, out_off = runs["off"]["ms"], runs["off"]["peak"], runs["off"]["out"]
     else:
         log("enable_fast_paths is not available: timing 'off' only")
         runs = None
-        ms_off, peak_off, out_off = time_steps(model, inputs, args.warmup, args.steps_timed, device, args.cuda_graph)
+        ms_off, peak_off, out_off = time_steps(runner, inputs, args.warmup, args.steps_timed, device, args.cuda_graph)
     log(f"fast paths off: {ms_off:.1f} ms/step, peak {peak_off:.1f} GB")
-    out_off2 = forward(model, inputs)  # fast paths are disabled again here
+    out_off2 = forward(runner, inputs)  # fast paths are disabled again here
     repeatable = same_bytes(out_off, out_off2)
     finite = torch.isfinite(out_off.float()).float().mean().item()
     cases = [{"shape": shape, "variant": "nvfp4_fast_off", "ms_per_step": round(ms_off, 2),
@@ -373,8 +401,8 @@ def run(args) -> dict:
                       "fast_path_report": _jsonable(on["report"])})
         cases[0]["times_ms"] = [round(t, 2) for t in runs["off"]["times"]]
         runs = on = None
-    _free(model, inputs, out_off, out_off2)
-    model = inputs = out_off = out_off2 = None
+    _free(model, runner, inputs, out_off, out_off2)
+    model = runner = inputs = out_off = out_off2 = None
 
     # ---- BF16 model (built only after the NVFP4 model is gone) -------------------------------------------------
     fits = True
@@ -386,12 +414,14 @@ def run(args) -> dict:
         materialize(model, args.model, device, nvfp4=False)
         bf16_weight = tensor_bytes(model)
         inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
-        ms_bf16, peak_bf16, out_bf16 = time_steps(model, inputs, args.warmup, args.steps_timed, device, args.cuda_graph)
+        runner = torch.compile(model) if args.compile else model
+        ms_bf16, peak_bf16, out_bf16 = time_steps(runner, inputs, args.warmup, args.steps_timed, device,
+                                                  args.cuda_graph)
         log(f"BF16: {ms_bf16:.1f} ms/step, peak {peak_bf16:.1f} GB, weights {bf16_weight / 1e9:.2f} GB")
         cases.append({"shape": shape, "variant": "bf16", "ms_per_step": round(ms_bf16, 2),
                       "peak_mem_GB": round(peak_bf16, 2), "weight_GB": round(bf16_weight / 1e9, 3),
                       "weight_bytes": bf16_weight, "exact": None})
-        _free(model, inputs, out_bf16)
+        _free(model, runner, inputs, out_bf16)
     else:
         log(f"BF16 model skipped ({'--skip-bf16' if args.skip_bf16 else f'needs {bf16_bytes / 1e9:.1f} GB'})")
 
@@ -445,9 +475,13 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true",
                     help="tiny config on CPU (emulated GEMM): checks the logic, no timing value")
     ap.add_argument("--cuda-graph", action="store_true", help="replay each variant's step from a CUDA graph (GPU only)")
+    ap.add_argument("--compile", action="store_true",
+                    help="time torch.compile(transformer) (inductor, precision-cast emulation on) instead of eager")
     args = ap.parse_args()
     if args.cuda_graph and args.tiny:
         sys.exit("--cuda-graph needs a GPU (CUDA graphs), not --tiny")
+    if args.cuda_graph and args.compile:
+        sys.exit("--cuda-graph and --compile are separate modes; run them one at a time")
     if args.tiny:
         args.height = args.width = min(args.height, 64)
         args.text_tokens = min(args.text_tokens, 8)
@@ -462,8 +496,8 @@ def main() -> None:
     else:
         import common
 
-        path = common.write_result(result,
-                                   name=f"transformer_step-{args.model}" + ("-graph" if args.cuda_graph else ""))
+        mode = "-graph" if args.cuda_graph else "-compile" if args.compile else ""
+        path = common.write_result(result, name=f"transformer_step-{args.model}{mode}")
         print(f"-> {path}")
     print(f"{'variant':16s} {'ms/step':>10s} {'peak GB':>8s} {'weight GB':>9s} {'exact':>6s}  speedup_vs")
     for c in result["cases"]:

@@ -7,6 +7,7 @@
 #   benches:  token-cat, SwiGLU, Qwen kernel, GEMM and launch benchmarks
 #   fusions:  the SwiGLU and rotary kernel tests, the FLUX.2 fast-path GPU tests, bench_swiglu.py, bench_rotary.py
 #   steps:    full-size FLUX.2-dev and Qwen-Image step benchmarks, eager and as CUDA-graph replays
+#   compiled: the same steps under torch.compile (inductor; the first calls compile for minutes)
 #   budget_flux2, budget_qwen: whole pipelines under 24 and 32 GiB caps, NVFP4 and BF16 (bench_pipeline_budget.py)
 #   cp:       two GPUs (nvidia-h200-x2): context-parallel tests, then bench_context_parallel.py for both models, Ulysses
 #             and ring
@@ -47,6 +48,9 @@ for group in ${@:-kernels models}; do
       TAIL=8 step 240 t_flux2 $P tests/test_fast_paths.py tests/test_offload.py tests/test_budget.py -k "flux2 or full_size or leaf" --durations=5
       TAIL=14 step 90 bench_swiglu python3 benchmarks/bench_swiglu.py --sweep
       TAIL=8 step 60 bench_rotary python3 benchmarks/bench_rotary.py ;;
+    compiled)
+      TAIL=12 step 300 compile_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --compile
+      TAIL=12 step 280 compile_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --compile --steps-timed 11 ;;
     budget_flux2)
       TAIL=6 step 330 budget_flux2_nvfp4 python3 benchmarks/bench_pipeline_budget.py --model flux2-dev --dtype nvfp4
       TAIL=6 step 260 budget_flux2_bf16 python3 benchmarks/bench_pipeline_budget.py --model flux2-dev --dtype bf16 ;;

@@ -74,7 +74,10 @@ def stats_for(stats_id: int) -> FastPathStats | None:
 
 
 def record_fallback(stats: FastPathStats, kind: str, reason: str) -> None:
-    """Called from gates in eager Python; under torch.compile it counts once per trace, not per call."""
+    """Called from gates in eager Python. Not counted while torch.compile traces: the count would be a side effect of
+    the compiled graph, and its guard on the counter would re-trace the graph at every call."""
+    if torch.compiler.is_compiling():
+        return
     stats.fallbacks[f"{kind}: {reason}"] += 1
 
 
