@@ -203,16 +203,6 @@ def available_host_gib() -> float:
     return float("inf")
 
 
-def offloaded_gib(pipe, plan: str) -> float:
-    """Weights the plan keeps in host memory."""
-    from diffusers_nvfp4_fast import budget
-
-    sizes = {n: budget.tensor_bytes(m) for n, m in pipe.components.items() if isinstance(m, nn.Module)}
-    moved = {"resident": [], "text_encoder_offload": ["text_encoder"], "group_offload_block": ["text_encoder",
-             "transformer"], "model_cpu_offload": list(sizes), "group_offload_leaf": list(sizes)}[plan]
-    return sum(sizes[n] for n in moved) / GIB
-
-
 class StageTimer:
     """Wall seconds spent in ``pipe.encode_prompt`` and ``pipe.vae.decode`` (synchronized around each call)."""
 
@@ -265,7 +255,7 @@ def run_case(model: str, dtype: str, plan: str, budget_gib: float | None, tiny: 
     case["build_s"] = round(time.perf_counter() - t0, 1)
     case["estimates_gib"] = {p: round(v, 2) for p, v in budget.plan_estimates(pipe).items()}
     case["estimate_gib"] = case["estimates_gib"][plan]
-    need, have = offloaded_gib(pipe, plan), available_host_gib()
+    need, have = budget.offloaded_bytes(pipe, plan) / GIB, available_host_gib()
     if need > have - HOST_MARGIN_GIB:
         return dict(case, fits=False, error=f"not run: the plan keeps {need:.1f} GiB of weights in host memory, "
                                             f"{have:.1f} GiB is available")
@@ -358,9 +348,10 @@ def plans_for(args, estimates: dict[str, float], budget_gib: float) -> list[str]
 
 def print_estimates(args) -> None:
     from diffusers_nvfp4_fast import budget
+    from diffusers_nvfp4_fast.utils import tensor_bytes
 
     pipe, _ = full_pipeline(args.model, args.dtype, "meta")
-    sizes = {n: round(budget.tensor_bytes(m) / GIB, 2) for n, m in pipe.components.items() if isinstance(m, nn.Module)}
+    sizes = {n: round(tensor_bytes(m) / GIB, 2) for n, m in pipe.components.items() if isinstance(m, nn.Module)}
     print(f"{args.model} {args.dtype}: weights GiB {sizes}")
     print("estimated peak GiB: " + ", ".join(f"{p} {v:.1f}" for p, v in budget.plan_estimates(pipe).items()))
     for budget_gib in args.budgets:
@@ -438,20 +429,12 @@ def write(args, cases: list[dict]) -> None:
                "host_memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB, 1)}
     for name in ("diffusers", "transformers"):
         header[name] = __import__(name).__version__
-    path = args.out or common.RESULTS / f"pipeline_budget-{device_slug(header['device'])}.json"
+    slug = common.device_slug(header["device"].split("(")[0].strip())  # "cpu (tiny dry run)" -> cpu
+    path = args.out or common.RESULTS / f"pipeline_budget-{slug}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     plain = [{k: v for k, v in c.items() if k != "env"} for c in cases]
     path.write_text(json.dumps(merge(path, header, plain), indent=1) + "\n")
     print(f"-> {path}", flush=True)
-
-
-def device_slug(name: str) -> str:
-    """The file tag ``common.device_slug`` gives, from a device name (without touching CUDA here)."""
-    lowered = name.lower()
-    for tag in ("h200", "h100", "b200", "gb200", "b100", "rtx 5090", "l40s", "a100"):
-        if tag in lowered:
-            return tag.replace(" ", "")
-    return lowered.replace("nvidia ", "").replace(" ", "_").split("(")[0].strip("_")
 
 
 def summarize(cases: list[dict]) -> None:

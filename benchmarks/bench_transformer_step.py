@@ -143,17 +143,6 @@ def materialize(model: nn.Module, model_name: str, device: torch.device, *, nvfp
     return counts
 
 
-def tensor_bytes(model: nn.Module) -> int:
-    """Bytes of all parameters and buffers (what the weights occupy on the device)."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t is None or id(t) in seen:
-            continue
-        seen.add(id(t))
-        total += t.numel() * t.element_size()
-    return total
-
-
 def bf16_param_bytes(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters()) * 2
 
@@ -321,6 +310,7 @@ def _free(*objs) -> None:
 def run(args) -> dict:
     import importlib
 
+    from diffusers_nvfp4_fast import utils
     from diffusers_nvfp4_fast.ops.dispatch import gemm_backend
 
     try:
@@ -363,7 +353,7 @@ def run(args) -> dict:
     model = empty_model(args.model, args.tiny)
     bf16_bytes = bf16_param_bytes(model)
     counts = materialize(model, args.model, device, nvfp4=True)
-    weight_bytes = tensor_bytes(model)
+    weight_bytes = utils.tensor_bytes(model)
     backend = gemm_backend(device)
     log(f"NVFP4 {args.model} built: {counts}, weights {weight_bytes / 1e9:.2f} GB "
         f"(BF16 would be {bf16_bytes / 1e9:.2f} GB), GEMM backend {backend}")
@@ -412,7 +402,7 @@ def run(args) -> dict:
     if fits and not args.skip_bf16:
         model = empty_model(args.model, args.tiny)
         materialize(model, args.model, device, nvfp4=False)
-        bf16_weight = tensor_bytes(model)
+        bf16_weight = utils.tensor_bytes(model)
         inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
         runner = torch.compile(model) if args.compile else model
         ms_bf16, peak_bf16, out_bf16 = time_steps(runner, inputs, args.warmup, args.steps_timed, device,

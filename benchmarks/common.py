@@ -76,8 +76,9 @@ def print_bandwidth_cases(cases: list[dict], copy_gbps: float, path) -> None:
               f"{c['speedup_vs']} exact={c['exact']}")
 
 
-def device_slug() -> str:
-    name = torch.cuda.get_device_name().lower()
+def device_slug(name: str | None = None) -> str:
+    """A file tag for the device ``name`` (default: the current CUDA device's)."""
+    name = (name or torch.cuda.get_device_name()).lower()
     for tag in ("h200", "h100", "b200", "gb200", "b100", "rtx 5090", "l40s", "a100"):
         if tag in name:
             return tag.replace(" ", "")

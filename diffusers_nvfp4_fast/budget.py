@@ -16,7 +16,7 @@ The estimate of a plan is the largest, over text encoding, denoising and decodin
 the GPU (two offload groups where a stream prefetches the next one) plus that stage's activations and workspaces.
 Offloading moves weights and never changes a computation, so every plan gives the image of the resident pipeline byte
 for byte (tested). Call :func:`~diffusers_nvfp4_fast.enable_fast_paths` before fitting: diffusers' offload hooks wrap
-the modules that exist when they are applied. Measured peaks and seconds per image: README "Fitting a 24 GB GPU".
+the modules that exist when they are applied. Estimates per model, and the benchmark that measures them: docs/budget.md.
 """
 
 from __future__ import annotations
@@ -27,22 +27,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from .utils import tensor_bytes
+
 logger = logging.getLogger("diffusers_nvfp4_fast")
 
 PLANS = ("resident", "text_encoder_offload", "model_cpu_offload", "group_offload_block", "group_offload_leaf")
 DEFAULT_HEADROOM_GIB = 4.0  # denoising or VAE-decoding activations and workspaces at 1024x1024 (docs/budget.md)
 TEXT_HEADROOM_GIB = 1.0  # text-encoder activations for 512 tokens, with every layer's hidden states kept
 GIB = 2**30
-
-
-def tensor_bytes(module: nn.Module, recurse: bool = True) -> int:
-    """Bytes of the parameters and buffers of ``module`` (each storage counted once)."""
-    seen, total = set(), 0
-    for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
 
 
 def _largest_leaf(module: nn.Module) -> int:
@@ -69,6 +61,14 @@ def _components(pipe) -> tuple[nn.Module, list[nn.Module], list[nn.Module]]:
     return denoiser, texts, list(modules.values())
 
 
+def offloaded_bytes(pipe, plan: str) -> int:
+    """Bytes of the weights ``plan`` keeps in host memory (pinned, where streams are used)."""
+    denoiser, texts, others = _components(pipe)
+    moved = {"resident": [], "text_encoder_offload": texts, "group_offload_block": [denoiser, *texts],
+             "model_cpu_offload": [denoiser, *texts, *others], "group_offload_leaf": [denoiser, *texts, *others]}
+    return sum(tensor_bytes(m) for m in moved[plan])
+
+
 def plan_estimates(pipe, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> dict[str, float]:
     """Estimated peak GPU memory of each plan in GiB: the largest over the three stages (text encoding, denoising,
     VAE decoding) of the weights on the GPU during that stage plus its workspace (``TEXT_HEADROOM_GIB`` for the
@@ -89,11 +89,13 @@ def plan_estimates(pipe, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> dict[str
     return {plan: max(b) / GIB for plan, b in stages.items()}
 
 
-def choose_plan(pipe, budget_gib: float, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
-    """The fastest plan whose estimate fits ``budget_gib``; ``ValueError`` naming the estimates when none does."""
+def choose_plan(pipe, budget_gib: float, headroom_gib: float = DEFAULT_HEADROOM_GIB,
+                estimates: dict[str, float] | None = None) -> str:
+    """The fastest plan whose estimate fits ``budget_gib`` (``estimates``: ``plan_estimates``' result, if already
+    computed); ``ValueError`` naming the estimates when none fits."""
     if budget_gib <= 0:
         raise ValueError(f"budget_gib must be positive, got {budget_gib}")
-    estimates = plan_estimates(pipe, headroom_gib)
+    estimates = estimates or plan_estimates(pipe, headroom_gib)
     for plan in PLANS:
         if estimates[plan] <= budget_gib:
             return plan
@@ -144,8 +146,9 @@ def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = N
     >>> enable_fast_paths(pipe)
     >>> fit_to_budget(pipe, 24)        # e.g. 'text_encoder_offload' for FLUX.2-dev with NVFP4 weights
     """
-    plan = choose_plan(pipe, budget_gib, headroom_gib)
+    estimates = plan_estimates(pipe, headroom_gib)
+    plan = choose_plan(pipe, budget_gib, headroom_gib, estimates)
     logger.info("diffusers-nvfp4-fast: %s fits %s GiB with plan %s (estimated peak %.2f GiB)", type(pipe).__name__,
-                budget_gib, plan, plan_estimates(pipe, headroom_gib)[plan])
+                budget_gib, plan, estimates[plan])
     apply_plan(pipe, plan, device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return plan

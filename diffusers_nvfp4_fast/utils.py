@@ -15,6 +15,16 @@ def run_pipeline(pipe, call_kwargs: dict, *, size: int = 64, steps: int = 3, see
         return pipe(**call_kwargs, height=size, width=size, num_inference_steps=steps, generator=gen).images[0]
 
 
+def tensor_bytes(module: torch.nn.Module, recurse: bool = True) -> int:
+    """Bytes of the parameters and buffers of ``module`` (each tensor counted once)."""
+    seen, total = set(), 0
+    for t in [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
 def png_sha256(image) -> str:
     """SHA256 of the image encoded as PNG: the byte-identity check of whole pipelines."""
     buf = io.BytesIO()

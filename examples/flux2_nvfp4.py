@@ -1,4 +1,4 @@
-"""FLUX.2 with NVFP4 weights: load, generate with fast paths off and on, compare the PNG bytes.
+"""FLUX.2 with NVFP4 weights: load, generate with fast paths on and off, compare the PNG bytes.
 
     python examples/flux2_nvfp4.py --tiny                      # offline, embedded tiny model, CPU or GPU
     python examples/flux2_nvfp4.py --nvfp4 PATH_OR_REPO [--subfolder transformer] \\
@@ -42,23 +42,19 @@ def main() -> None:
         transformer = load_nvfp4_transformer(args.nvfp4, subfolder=args.subfolder, **extra)
         pipe = Flux2Pipeline.from_pretrained(args.base, transformer=transformer, torch_dtype=torch.bfloat16)
         call, size, steps = {"prompt": args.prompt}, args.size, args.steps
-    if args.budget or args.plan:
-        # Offload hooks wrap the modules that exist when they are applied: fast paths first, then the plan.
-        enable_fast_paths(pipe)
+    offload = args.budget or args.plan
+    if not offload:
+        pipe.to(device)
+    # Fast paths before any offload plan: diffusers' offload hooks wrap the modules that exist when they are applied.
+    enable_fast_paths(pipe)  # scale layout fix, fused SwiGLU/rotary/token-cat quantize, FP4 GEMMs
+    if offload:
         plan = args.plan or budget.choose_plan(pipe, args.budget)
         budget.apply_plan(pipe, plan, device)
         print(f"offload plan: {plan} (estimated peak {budget.plan_estimates(pipe)[plan]:.2f} GiB)")
-        image_on = run_pipeline(pipe, call, size=size, steps=steps)
-        print(fast_path_report(pipe))
-        disable_fast_paths(pipe)
-        image_off = run_pipeline(pipe, call, size=size, steps=steps)
-    else:
-        pipe.to(device)
-        image_off = run_pipeline(pipe, call, size=size, steps=steps)
-        enable_fast_paths(pipe)                      # scale layout fix, fused token-cat quantize, FP4 GEMMs
-        image_on = run_pipeline(pipe, call, size=size, steps=steps)
-        print(fast_path_report(pipe))
-        disable_fast_paths(pipe)
+    image_on = run_pipeline(pipe, call, size=size, steps=steps)
+    print(fast_path_report(pipe))
+    disable_fast_paths(pipe)
+    image_off = run_pipeline(pipe, call, size=size, steps=steps)
 
     print("PNG SHA256 off:", png_sha256(image_off))
     print("PNG SHA256 on: ", png_sha256(image_on))

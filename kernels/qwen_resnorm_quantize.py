@@ -58,6 +58,7 @@ from .nvfp4_epilogue import (
     quantize_block_halves,
     swizzled_scale_offset,
 )
+from .rounding import narrow_bf16, widen_bf16
 
 THREADS = tl.constexpr(128)  # torch's LayerNorm block: 32 x 4 threads
 VEC = tl.constexpr(4)  # torch's vec_size: each thread reads 4 consecutive elements at a time
@@ -79,21 +80,12 @@ MAX_REGISTERS = 40
 
 
 @triton.jit
-def _widen(v, SOFT_BF16: tl.constexpr):
-    """BF16 -> FP32 (exact). The interpreter's conversion mangles BF16 subnormals, so SOFT_BF16 shifts the bits."""
-    if SOFT_BF16:
-        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return v.to(tl.float32)
-
-
-@triton.jit
 def _widen_for_fp32(v, SOFT_BF16: tl.constexpr):
-    """``_widen`` for values that feed FP32 arithmetic: two values per 32-bit register, one shift or mask each (the
+    """``widen_bf16`` for values that feed FP32 arithmetic: two values per 32-bit register, one shift or mask each (the
     default conversion extracts the upper half with a byte permute first). Where the result only feeds BF16 ops
-    use ``_widen``: the compiler turns those widen-op-round sequences into native BF16x2 instructions."""
+    use ``widen_bf16``: the compiler turns those widen-op-round sequences into native BF16x2 instructions."""
     if SOFT_BF16:
-        return _widen(v, SOFT_BF16)
+        return widen_bf16(v, SOFT_BF16)
     else:
         return tl.inline_asm_elementwise(
             "{ shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000; }", "=r,=r,r", [v], dtype=tl.float32, is_pure=True,
@@ -102,21 +94,9 @@ def _widen_for_fp32(v, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _narrow(x, SOFT_BF16: tl.constexpr):
-    """FP32 -> BF16, round to nearest even (``cvt.rn.bf16.f32`` on the GPU). The interpreter's cast truncates, so
-    SOFT_BF16 rounds in integer arithmetic (same result for every non-NaN input; NaN becomes the quiet NaN 0x7FC0)."""
-    if SOFT_BF16:
-        bits = x.to(tl.int32, bitcast=True)
-        rounded = tl.where(x != x, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
-        return (rounded >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(tl.bfloat16)
-
-
-@triton.jit
 def _bf16(x, SOFT_BF16: tl.constexpr):
     """Round FP32 to BF16 and widen back: the rounding torch applies at each BF16 op's output."""
-    return _widen(_narrow(x, SOFT_BF16), SOFT_BF16)
+    return widen_bf16(narrow_bf16(x, SOFT_BF16), SOFT_BF16)
 
 
 @triton.jit
@@ -282,8 +262,9 @@ def _vector_offsets():
 def _modulate(r, scale, shift, row_mean, rstd, SOFT_BF16: tl.constexpr):
     """residual_out -> the FC1 input ``m`` (widened to FP32, exact): normalize, ``* bf16(1 + scale)``, ``+ shift``."""
     n = _bf16(rstd * (_widen_for_fp32(r, SOFT_BF16) - row_mean), SOFT_BF16)
-    scale1 = _bf16(1.0 + _widen(scale, SOFT_BF16), SOFT_BF16)
-    return _widen_for_fp32(_narrow(_bf16(n * scale1, SOFT_BF16) + _widen(shift, SOFT_BF16), SOFT_BF16), SOFT_BF16)
+    scale1 = _bf16(1.0 + widen_bf16(scale, SOFT_BF16), SOFT_BF16)
+    m = narrow_bf16(_bf16(n * scale1, SOFT_BF16) + widen_bf16(shift, SOFT_BF16), SOFT_BF16)
+    return _widen_for_fp32(m, SOFT_BF16)
 
 
 @triton.jit
@@ -367,10 +348,10 @@ def _qwen_resnorm_quantize_kernel(
         for j in tl.static_range(NCHUNK):
             ahead = min(j + 3, NCHUNK - 1) * CHUNK
             x3, res3, b3, gt3 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, ahead, HAS_BIAS)
-            a = _widen(x0, SOFT_BF16)
+            a = widen_bf16(x0, SOFT_BF16)
             if HAS_BIAS:
-                a = _bf16(a + _widen(b0, SOFT_BF16), SOFT_BF16)
-            r = _narrow(_widen(res0, SOFT_BF16) + _bf16(_widen(gt0, SOFT_BF16) * a, SOFT_BF16), SOFT_BF16)
+                a = _bf16(a + widen_bf16(b0, SOFT_BF16), SOFT_BF16)
+            r = narrow_bf16(widen_bf16(res0, SOFT_BF16) + _bf16(widen_bf16(gt0, SOFT_BF16) * a, SOFT_BF16), SOFT_BF16)
             tl.store(out_row + j * CHUNK + offs, r)
             mean, m2 = _welford_vector(mean, m2, _widen_for_fp32(r, SOFT_BF16), j * VEC)
             x0, res0, b0, gt0 = x1, res1, b1, gt1
@@ -428,7 +409,7 @@ def _layer_norm_kernel(
     mean = tl.zeros([THREADS], tl.float32)
     m2 = tl.zeros([THREADS], tl.float32)
     for j in tl.static_range(D // CHUNK):
-        v = _widen(tl.load(x_row + j * CHUNK + offs), SOFT_BF16)
+        v = widen_bf16(tl.load(x_row + j * CHUNK + offs), SOFT_BF16)
         mean, m2 = _welford_vector(mean, m2, v, j * VEC)
     row_mean, rstd = _row_mean_rstd(mean, m2, eps, D, APPROX_RSQRT, MEAN_FMA)
     if WRITE_STATS:  # row_mean/rstd are [128, 1] copies of one value: the first one stores it
@@ -437,8 +418,8 @@ def _layer_norm_kernel(
         tl.store(rstd_ptr + row + tl.zeros([THREADS, 1], tl.int64), rstd, mask=first)
     for j in tl.static_range(D // CHUNK):
         o = j * CHUNK + offs
-        v = _widen(tl.load(x_row + o), SOFT_BF16)
-        tl.store(y_row + o, _narrow(rstd * (v - row_mean), SOFT_BF16))
+        v = widen_bf16(tl.load(x_row + o), SOFT_BF16)
+        tl.store(y_row + o, narrow_bf16(rstd * (v - row_mean), SOFT_BF16))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,19 +8,35 @@ import triton.language as tl
 
 from .launch import INTERPRETING
 
-HW_CONVERT = tl.constexpr(not INTERPRETING)
+SOFT_CONVERT = tl.constexpr(INTERPRETING)  # integer rounding where the interpreter's casts are wrong
+
+
+@triton.jit
+def widen_bf16(v, SOFT_BF16: tl.constexpr):
+    """BF16 -> FP32 (exact). The interpreter's conversion mangles BF16 subnormals, so SOFT_BF16 shifts the bits."""
+    if SOFT_BF16:
+        return (v.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def narrow_bf16(x, SOFT_BF16: tl.constexpr):
+    """FP32 -> BF16, round to nearest even (``cvt.rn.bf16.f32`` on the GPU). The interpreter's cast truncates, so
+    SOFT_BF16 rounds in integer arithmetic (same result for every non-NaN input; NaN becomes the quiet NaN 0x7FC0)."""
+    if SOFT_BF16:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = tl.where(x != x, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
+        return (rounded >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(tl.bfloat16)
 
 
 @triton.jit
 def round_to_half(x, IS_BF16: tl.constexpr):
     """FP32 -> the nearest (ties to even) BF16 / FP16 value, as its 16 bits in an int64."""
     if IS_BF16:
-        if HW_CONVERT:
-            return x.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
-        else:
-            bits = x.to(tl.int32, bitcast=True)
-            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-            return tl.where(x != x, 0x7FC0, rounded).to(tl.int64)
+        return narrow_bf16(x, SOFT_CONVERT).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
     else:
         return x.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from diffusers_nvfp4_fast import NVFP4Linear, budget, disable_fast_paths, enable_fast_paths, fast_path_report
-from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline, tensor_bytes
 from support.modelopt_exports import nvfp4_pipeline
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
@@ -23,7 +23,7 @@ SITE = {"flux2": "flux2_token_cat_swiglu", "qwen": "qwen_resnorm"}
 
 
 def _sizes(pipe) -> dict[str, int]:
-    return {name: budget.tensor_bytes(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
+    return {name: tensor_bytes(m) for name, m in pipe.components.items() if isinstance(m, torch.nn.Module)}
 
 
 def test_estimates_follow_the_component_sizes(modelopt_exports):

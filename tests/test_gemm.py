@@ -289,8 +289,8 @@ def _exact_fp32_reference():
 def _skip_unless_sm80_to_sm90():
     major = torch.cuda.get_device_capability()[0]
     if not 8 <= major <= 9:
-        pytest.skip("Triton GEMM test not run: it targets SM80-SM90 (Ampere to Hopper); on Blackwell NVFP4Linear "
-                    "uses FlashInfer mm_fp4 instead")
+        pytest.skip("Triton GEMM test not run: it targets SM80-SM90 (Ampere to Hopper) and runs on such a GPU (the "
+                    "H200 here); on Blackwell NVFP4Linear uses FlashInfer mm_fp4 instead")
 
 
 def _operands(m: int, n: int, k: int, seed: int = 0):

@@ -24,7 +24,8 @@ def python_blocks() -> list[str]:
 
 @pytest.fixture(scope="module")
 def files(modelopt_exports, tmp_path_factory) -> dict[str, str]:
-    pytest.importorskip("peft", reason="peft is not installed, so the README's LoRA block cannot run")
+    pytest.importorskip("peft", reason="peft is not installed, so the README's Python blocks (one loads a LoRA) "
+                                       "did not run; pip install -e '.[test]' installs it")
     tmp = tmp_path_factory.mktemp("readme")
     pipe, _ = tiny.tiny_flux2_pipeline()
     pipe.save_pretrained(tmp / "flux2-pipeline")

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..format import BLOCK_SIZE, padded_scale_shape
 from ..linear import NVFP4Linear
+from ..utils import tensor_bytes
 from .errors import NVFP4CheckpointError
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
@@ -85,17 +86,13 @@ def finish_model(model: nn.Module, source, device) -> None:
     register_lora_support()
 
 
-def module_bytes(module: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-
-
 def load_summary(model: nn.Module, **facts) -> dict:
     """``model._nvfp4_load_summary``: class, layer counts and byte sizes, plus the loader's own ``facts``."""
     linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
     return {
         "class": type(model).__name__, **facts, "nvfp4_linears": len(linears),
         "bf16_linears": sum(isinstance(m, nn.Linear) for m in model.modules()),
-        "nvfp4_bytes": sum(module_bytes(m) for m in linears), "total_bytes": module_bytes(model),
+        "nvfp4_bytes": sum(tensor_bytes(m) for m in linears), "total_bytes": tensor_bytes(model),
     }
 
 

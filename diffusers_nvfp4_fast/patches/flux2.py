@@ -31,11 +31,9 @@ from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_checked
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
 from ..ops.verify import failed_kind_reason, record_fallback, stats_for
-from .flux2_attention import Flux2FusedAttnProcessor, on_original, rotate
+from .flux2_attention import HALF_DTYPES, Flux2FusedAttnProcessor, on_original, rotate
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .swap import current_inner_forward, swap_forward, swap_processor
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> str | None:
@@ -44,7 +42,7 @@ def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tenso
     reason = consumer_reason(cast(nn.Module, attn.to_out), "to_out")
     if reason is not None:
         return reason
-    if attn_out.dtype not in _HALF or mlp_out.dtype != attn_out.dtype:
+    if attn_out.dtype not in HALF_DTYPES or mlp_out.dtype != attn_out.dtype:
         return f"dtype {attn_out.dtype}/{mlp_out.dtype} (bf16/fp16 only)"
     a, b = attn_out.shape[-1], mlp_out.shape[-1]
     if a % 16 or b % 16:
@@ -69,7 +67,7 @@ def swiglu_fold_reason(act_fn: nn.Module, hidden: torch.Tensor, kind: str) -> st
         return reason
     if torch.compiler.is_compiling():
         return "torch.compile (inductor rounds SiLU differently; its own op is kept)"
-    if hidden.dtype not in _HALF or hidden.shape[-1] % 32:
+    if hidden.dtype not in HALF_DTYPES or hidden.shape[-1] % 32:
         return f"hidden {hidden.dtype} width {hidden.shape[-1]} (bf16/fp16, a multiple of 32)"
     if failed_kind_reason(kind) is not None:
         return "verification failed earlier in this process"
@@ -182,7 +180,7 @@ def fused_feed_forward(ff: nn.Module, stats_id: int):
         h = cast(torch.Tensor, hidden)
         shape_class = f"H={h.shape[-1] // 2},{h.dtype},{h.device}"
         out = linear_out(SwiGLUInput(h, None, stats_id, KIND_FF, shape_class))
-        return out.reshape(*h.shape[:-1], cast(NVFP4Linear, nvfp4_layer(linear_out)).out_features)
+        return out.reshape(*h.shape[:-1], cast(NVFP4Linear, linear_out).out_features)  # consumer_reason passed
 
     return forward
 

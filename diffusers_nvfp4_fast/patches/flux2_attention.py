@@ -18,7 +18,7 @@ from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.rotary import rotary_checked
 from ..ops.verify import failed_kind_reason, record_fallback, stats_for
 
-_HALF = (torch.bfloat16, torch.float16)
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # what the fused kernels take
 
 
 def rotary_reason(x: torch.Tensor, rotary_emb) -> str | None:
@@ -29,7 +29,7 @@ def rotary_reason(x: torch.Tensor, rotary_emb) -> str | None:
         return "rotary embedding is not a (cos, sin) pair"
     cos, sin = rotary_emb
     d = x.shape[-1]
-    if x.dim() != 4 or x.dtype not in _HALF or d & (d - 1):
+    if x.dim() != 4 or x.dtype not in HALF_DTYPES or d & (d - 1):
         return f"query/key {tuple(x.shape)} {x.dtype} (bf16/fp16 [B, S, H, D], D a power of two)"
     if cos.dtype != torch.float32 or cos.shape != (x.shape[1], d) or sin.shape != cos.shape or sin.dtype != cos.dtype:
         return f"cos/sin {tuple(cos.shape)} {cos.dtype} (FP32 [S, D])"
