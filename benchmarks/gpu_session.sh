@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU tests and benchmarks in groups that each fit one device call (10 minutes), every step under its own time limit;
-# logs and JSON go to $OUT. Usage (repository root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh GROUP...
+# logs and results.tgz (benchmarks/results) go to $OUT.
+# Usage (repository root, on the GPU machine): OUT=/some/dir bash benchmarks/gpu_session.sh GROUP...
 #   kernels:  quantize, token-cat, SwiGLU, rotary, GEMM and launch tests (gpu-marked)
 #   models:   Qwen kernel, fast-path, offload, LoRA and hygiene tests (gpu-marked)
 #   native:   bench_native.py (diffusers' own NVFP4 modules vs enable_fast_paths) and the step profiles
@@ -16,7 +17,8 @@ OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 P="python3 -m pytest -q -rfs -p no:cacheprovider --tb=short -m gpu"
-save() { cp benchmarks/results/*.json "$OUT"/ 2>/dev/null; true; }
+# One archive, not one file per result: the device tool brings back only a few files per call.
+save() { tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null; true; }
 step() { local limit=$1 name=$2; shift 2; echo "=== $name (limit ${limit}s)"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "exit $?"; tail -n "${TAIL:-4}" "$OUT/$name.log"; save; }
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)"
 for group in ${@:-kernels models}; do
