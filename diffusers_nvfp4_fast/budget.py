@@ -15,13 +15,16 @@ Five plans, fastest first; :func:`fit_to_budget` applies the first whose estimat
 The estimate of a plan is the largest, over text encoding, denoising and decoding, of the weights that stage keeps on
 the GPU (two offload groups where a stream prefetches the next one) plus that stage's activations and workspaces.
 Offloading moves weights and never changes a computation, so every plan gives the image of the resident pipeline byte
-for byte (tested). Call :func:`~diffusers_nvfp4_fast.enable_fast_paths` before fitting: diffusers' offload hooks wrap
-the modules that exist when they are applied. Estimates per model, and the benchmark that measures them: docs/budget.md.
+for byte (tested). A plan also needs host memory for the weights it offloads: a plan whose weights cannot fit the free
+host memory is skipped, so that the process is not killed by the out-of-memory killer halfway through setup. Call
+:func:`~diffusers_nvfp4_fast.enable_fast_paths` before fitting: diffusers' offload hooks wrap the modules that exist
+when they are applied. Estimates per model, and the benchmark that measures them: docs/budget.md.
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -35,6 +38,9 @@ PLANS = ("resident", "text_encoder_offload", "model_cpu_offload", "group_offload
 DEFAULT_HEADROOM_GIB = 4.0  # denoising or VAE-decoding activations and workspaces at 1024x1024 (docs/budget.md)
 TEXT_HEADROOM_GIB = 1.0  # text-encoder activations for 512 tokens, with every layer's hidden states kept
 GIB = 2**30
+# Measured host peak over the offloaded weights when they start on the GPU (1.64x FLUX.2-dev, 1.70x Qwen-Image on the
+# H200 machine): pageable and pinned copies coexist during setup (docs/budget.md).
+HOST_PEAK_FACTOR = 1.75
 
 
 def _largest_leaf(module: nn.Module) -> int:
@@ -61,12 +67,34 @@ def _components(pipe) -> tuple[nn.Module, list[nn.Module], list[nn.Module]]:
     return denoiser, texts, list(modules.values())
 
 
+def _offloaded_modules(pipe, plan: str) -> list[nn.Module]:
+    denoiser, texts, others = _components(pipe)
+    return {"resident": [], "text_encoder_offload": texts, "group_offload_block": [denoiser, *texts],
+            "model_cpu_offload": [denoiser, *texts, *others], "group_offload_leaf": [denoiser, *texts, *others]}[plan]
+
+
 def offloaded_bytes(pipe, plan: str) -> int:
     """Bytes of the weights ``plan`` keeps in host memory (pinned, where streams are used)."""
-    denoiser, texts, others = _components(pipe)
-    moved = {"resident": [], "text_encoder_offload": texts, "group_offload_block": [denoiser, *texts],
-             "model_cpu_offload": [denoiser, *texts, *others], "group_offload_leaf": [denoiser, *texts, *others]}
-    return sum(tensor_bytes(m) for m in moved[plan])
+    return sum(tensor_bytes(m) for m in _offloaded_modules(pipe, plan))
+
+
+def host_bytes_needed(pipe, plan: str) -> int:
+    """Host bytes ``plan`` adds: the weights it offloads that are not in host memory yet (on the GPU, or meta).
+
+    Weights already on the CPU stay there (diffusers pins them group by group), so they add nothing lasting."""
+    tensors = [t for m in _offloaded_modules(pipe, plan) for t in [*m.parameters(), *m.buffers()]]
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in tensors}.values() if t.device.type != "cpu")
+
+
+def available_host_gib() -> float | None:
+    """Free host memory in GiB (``MemAvailable`` of /proc/meminfo), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 / GIB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def plan_estimates(pipe, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> dict[str, float]:
@@ -90,18 +118,24 @@ def plan_estimates(pipe, headroom_gib: float = DEFAULT_HEADROOM_GIB) -> dict[str
 
 
 def choose_plan(pipe, budget_gib: float, headroom_gib: float = DEFAULT_HEADROOM_GIB,
-                estimates: dict[str, float] | None = None) -> str:
+                estimates: dict[str, float] | None = None, host_gib: float | None = None) -> str:
     """The fastest plan whose estimate fits ``budget_gib`` (``estimates``: ``plan_estimates``' result, if already
-    computed); ``ValueError`` naming the estimates when none fits."""
+    computed) and, when ``host_gib`` is given, whose ``host_bytes_needed`` fit ``host_gib`` GiB of free host memory;
+    ``ValueError`` naming the estimates and the host needs when none fits."""
     if budget_gib <= 0:
         raise ValueError(f"budget_gib must be positive, got {budget_gib}")
     estimates = estimates or plan_estimates(pipe, headroom_gib)
+    host_need = {plan: host_bytes_needed(pipe, plan) / GIB for plan in PLANS}
     for plan in PLANS:
-        if estimates[plan] <= budget_gib:
+        if estimates[plan] <= budget_gib and (host_gib is None or host_need[plan] <= host_gib):
             return plan
-    raise ValueError(f"no offload plan fits a {budget_gib} GiB budget for {type(pipe).__name__}: the smallest, "
-                     f"group_offload_leaf, needs about {estimates['group_offload_leaf']:.2f} GiB (estimates with "
-                     f"{headroom_gib} GiB of headroom: { {p: round(v, 2) for p, v in estimates.items()} })")
+    host = "" if host_gib is None else (
+        f" and {host_gib:.1f} GiB of free host memory (host GiB each plan adds: "
+        f"{ {p: round(v, 2) for p, v in host_need.items()} })")
+    raise ValueError(f"no offload plan fits a {budget_gib} GiB GPU budget{host} for {type(pipe).__name__}: the "
+                     f"smallest, group_offload_leaf, needs about {estimates['group_offload_leaf']:.2f} GiB of GPU "
+                     f"memory (estimates with {headroom_gib} GiB of headroom: "
+                     f"{ {p: round(v, 2) for p, v in estimates.items()} })")
 
 
 def apply_plan(pipe, plan: str, device: str | torch.device = "cuda") -> None:
@@ -137,18 +171,26 @@ def apply_plan(pipe, plan: str, device: str | torch.device = "cuda") -> None:
 
 
 def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = None,
-                  headroom_gib: float = DEFAULT_HEADROOM_GIB) -> str:
-    """Choose the fastest plan that fits ``budget_gib`` GiB of GPU memory, apply it, and return its name.
+                  headroom_gib: float = DEFAULT_HEADROOM_GIB, host_gib: float | None = None) -> str:
+    """Choose the fastest plan that fits ``budget_gib`` GiB of GPU memory and the free host memory, apply it, and
+    return its name.
 
     ``device``: the compute device; by default the GPU where there is one, else the CPU (where the plans still run,
-    without streams, and save nothing).
+    without streams, and save nothing). ``host_gib``: free host memory in GiB; by default what the OS reports (no host
+    check where it reports nothing). Logs a warning when setting the plan up may peak above the free host memory.
 
     >>> enable_fast_paths(pipe)
     >>> fit_to_budget(pipe, 24)        # e.g. 'text_encoder_offload' for FLUX.2-dev with NVFP4 weights
     """
     estimates = plan_estimates(pipe, headroom_gib)
-    plan = choose_plan(pipe, budget_gib, headroom_gib, estimates)
-    logger.info("diffusers-nvfp4-fast: %s fits %s GiB with plan %s (estimated peak %.2f GiB)", type(pipe).__name__,
-                budget_gib, plan, estimates[plan])
+    host_gib = available_host_gib() if host_gib is None else host_gib
+    plan = choose_plan(pipe, budget_gib, headroom_gib, estimates, host_gib)
+    need = host_bytes_needed(pipe, plan) / GIB
+    logger.info("diffusers-nvfp4-fast: %s fits %s GiB with plan %s (estimated peak %.2f GiB, %.2f GiB to host memory)",
+                type(pipe).__name__, budget_gib, plan, estimates[plan], need)
+    if host_gib is not None and need * HOST_PEAK_FACTOR > host_gib:
+        logger.warning("diffusers-nvfp4-fast: plan %s moves %.1f GiB of weights to host memory; setting it up can peak "
+                       "at about %.0f GiB (measured %.2fx, docs/budget.md), and %.1f GiB is free", plan, need,
+                       need * HOST_PEAK_FACTOR, HOST_PEAK_FACTOR, host_gib)
     apply_plan(pipe, plan, device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return plan

@@ -16,8 +16,11 @@ def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def _keeps_identity(t: torch.Tensor) -> bool:
-    # An inference-mode tensor cannot be updated in place outside inference mode: such a buffer is replaced instead.
+def _keeps_identity(t: torch.Tensor, device: torch.device) -> bool:
+    # An inference-mode tensor cannot be updated in place outside inference mode, nor can a tensor's data move to or
+    # from the meta device: such a buffer is replaced instead.
+    if "meta" in (t.device.type, device.type):
+        return False
     return not t.is_inference() or torch.is_inference_mode_enabled()
 
 
@@ -110,7 +113,7 @@ class NVFP4Linear(nn.Module):
             device = self.weight.device
             for name, tensor in saved.items():
                 if tensor.device != device:
-                    if _keeps_identity(tensor):
+                    if _keeps_identity(tensor, device):
                         tensor.data = tensor.data.to(device)
                     else:
                         tensor = tensor.to(device)
@@ -161,7 +164,7 @@ class NVFP4Linear(nn.Module):
         derived = {"alpha": self.input_scale * self.weight_scale_2, "input_scale_inv": 1.0 / self.input_scale}
         for name, value in derived.items():
             current = cast(torch.Tensor, self._buffers[name])  # registered in __init__, never None here
-            if current.device == value.device and _keeps_identity(current):
+            if current.device == value.device and _keeps_identity(current, value.device):
                 current.copy_(value)
             else:
                 self._buffers[name] = value

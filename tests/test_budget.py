@@ -46,12 +46,55 @@ def test_choice_is_the_fastest_plan_that_fits(modelopt_exports):
     just_below = est["resident"] * 0.999
     want = next(p for p in budget.PLANS if est[p] <= just_below)
     assert want != "resident" and budget.choose_plan(pipe, just_below, headroom_gib=0.0) == want
-    with pytest.raises(ValueError, match=r"no offload plan fits a 1e-09 GiB budget .*group_offload_leaf"):
+    with pytest.raises(ValueError, match=r"no offload plan fits a 1e-09 GiB GPU budget .*group_offload_leaf"):
         budget.choose_plan(pipe, 1e-9, headroom_gib=0.0)
     with pytest.raises(ValueError, match="budget_gib must be positive, got -1"):
         budget.choose_plan(pipe, -1)
     with pytest.raises(ValueError, match="unknown offload plan 'fastest'"):
         budget.apply_plan(pipe, "fastest", "cpu")
+
+
+def _on_meta(pipe):
+    """The pipeline's weights off the CPU (as on a GPU), without using memory."""
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.to("meta")
+    return pipe
+
+
+def test_plans_whose_weights_do_not_fit_host_memory_are_skipped(modelopt_exports):
+    """A plan moves its offloaded weights to host memory; where they are not there yet, they must fit the free host
+    memory, or the plan is skipped and the error names what each plan adds."""
+    pipe, _ = nvfp4_pipeline("qwen", modelopt_exports("qwen"))
+    assert all(budget.host_bytes_needed(pipe, plan) == 0 for plan in budget.PLANS)  # already in host memory
+    _on_meta(pipe)
+    gib = 2**30
+    need = {plan: budget.host_bytes_needed(pipe, plan) / gib for plan in budget.PLANS}
+    assert need == {plan: budget.offloaded_bytes(pipe, plan) / gib for plan in budget.PLANS} and need["resident"] == 0
+    est = budget.plan_estimates(pipe, headroom_gib=0.0)
+    cap = est["text_encoder_offload"]
+    assert cap < est["resident"]
+    assert budget.choose_plan(pipe, cap, 0.0, host_gib=need["text_encoder_offload"]) == "text_encoder_offload"
+    # Every other plan that fits the GPU offloads the text encoder too, and more: none fits the host.
+    with pytest.raises(ValueError, match=r"fits a .* GiB GPU budget and 0\.0 GiB of free host memory \(host GiB "
+                                         r"each plan adds: .*'text_encoder_offload'"):
+        budget.choose_plan(pipe, cap, 0.0, host_gib=need["text_encoder_offload"] * 0.999)
+    assert budget.choose_plan(pipe, est["resident"], 0.0, host_gib=0.0) == "resident"
+
+
+def test_fit_to_budget_warns_when_setup_may_exceed_host_memory(modelopt_exports, monkeypatch, caplog):
+    pipe, _ = _on_meta(nvfp4_pipeline("qwen", modelopt_exports("qwen"))[0]), None
+    monkeypatch.setattr(budget, "apply_plan", lambda *args: None)  # meta weights cannot be offloaded for real
+    est = budget.plan_estimates(pipe, headroom_gib=0.0)
+    need = budget.host_bytes_needed(pipe, "text_encoder_offload") / 2**30
+    with caplog.at_level("WARNING", logger="diffusers_nvfp4_fast"):
+        plan = budget.fit_to_budget(pipe, est["text_encoder_offload"], "cpu", headroom_gib=0.0, host_gib=need * 1.5)
+    assert plan == "text_encoder_offload"
+    assert "setting it up can peak" in caplog.text and "text_encoder_offload" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="diffusers_nvfp4_fast"):
+        budget.fit_to_budget(pipe, est["text_encoder_offload"], "cpu", headroom_gib=0.0, host_gib=need * 2)
+    assert "setting it up can peak" not in caplog.text
 
 
 def test_leaf_level_group_offload_gives_each_nvfp4_layer_its_group(modelopt_exports):
