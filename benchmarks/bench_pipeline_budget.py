@@ -23,8 +23,9 @@ cap the PyTorch allocator at the budget minus what the CUDA context already hold
 (``torch.cuda.set_per_process_memory_fraction``), generate one warm-up image with one step (Triton compile, autotune,
 first-use verification), then the timed 1024x1024 image. A plan whose offloaded weights do not fit the machine's free
 host memory is not run and says so. The first case of a run is the uncapped, resident pipeline: its PNG SHA256 is the
-one every capped case must reproduce (``png_equal``). A plan that fitted a smaller budget is not run again for a
-larger one (the cap changes no computation): that case says ``same_run_as_budget_gib``.
+one every capped case must reproduce (``png_equal``). A plan that fitted a smaller budget, or failed there for want of
+host memory, is not run again for a larger one (the cap changes no computation and no host need): that case says
+``same_run_as_budget_gib``.
 
 Writes benchmarks/results/pipeline_budget-<device>.json (cases of other models/dtypes already there are kept):
 cases ``{model, dtype, budget_gib, plan, estimate_gib, fits, s_per_image, s_text, s_denoise, s_decode,
@@ -314,6 +315,12 @@ def h2d_gbps() -> float:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def host_failure(case: dict) -> bool:
+    """Whether a case failed for want of host memory, which no larger GPU budget changes."""
+    error = case.get("error") or ""
+    return error.startswith("not run") or "exited -9" in error
+
+
 @functools.cache
 def meta_pipeline(model: str, dtype: str):
     """The pipeline with meta tensors: shapes and bytes, no memory."""
@@ -408,12 +415,12 @@ def main() -> None:
     fitted: dict[str, dict] = {}  # plan -> its case under the smallest budget it fitted
     for budget_gib in sorted(args.budgets):
         for plan in plans_for(args, reference.get("estimates_gib", {}), budget_gib):
-            if plan in fitted:  # fits a smaller cap, so this one too: same computation, same run
+            if plan in fitted:  # fits a smaller cap, so this one too (or failed on the host): same run
                 case = dict(fitted[plan], budget_gib=budget_gib, same_run_as_budget_gib=fitted[plan]["budget_gib"])
             else:
                 case = spawn_case(args, plan, budget_gib)
                 case["png_equal"] = case.get("png_sha256") == reference.get("png_sha256") if case.get("fits") else None
-                if case.get("fits"):
+                if case.get("fits") or host_failure(case):
                     fitted[plan] = case
             print(json.dumps(case), flush=True)
             cases.append(case)
