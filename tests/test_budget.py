@@ -83,7 +83,7 @@ def test_plans_whose_weights_do_not_fit_host_memory_are_skipped(modelopt_exports
 
 
 def test_fit_to_budget_warns_when_setup_may_exceed_host_memory(modelopt_exports, monkeypatch, caplog):
-    pipe, _ = _on_meta(nvfp4_pipeline("qwen", modelopt_exports("qwen"))[0]), None
+    pipe = _on_meta(nvfp4_pipeline("qwen", modelopt_exports("qwen"))[0])
     monkeypatch.setattr(budget, "apply_plan", lambda *args: None)  # meta weights cannot be offloaded for real
     est = budget.plan_estimates(pipe, headroom_gib=0.0)
     need = budget.host_bytes_needed(pipe, "text_encoder_offload") / 2**30
