@@ -125,7 +125,7 @@ def choose_plan(pipe, budget_gib: float, headroom_gib: float = DEFAULT_HEADROOM_
     if budget_gib <= 0:
         raise ValueError(f"budget_gib must be positive, got {budget_gib}")
     estimates = estimates or plan_estimates(pipe, headroom_gib)
-    host_need = {plan: host_bytes_needed(pipe, plan) / GIB for plan in PLANS}
+    host_need = {} if host_gib is None else {plan: host_bytes_needed(pipe, plan) / GIB for plan in PLANS}
     for plan in PLANS:
         if estimates[plan] <= budget_gib and (host_gib is None or host_need[plan] <= host_gib):
             return plan

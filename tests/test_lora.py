@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("peft", reason="peft is not installed, so the LoRA tests did not run; pip install -e '.[test]'")
+pytest.importorskip("peft", reason="peft is not installed, so the LoRA tests did not run; they run wherever "
+                                   "peft is installed, as in CI (pip install -e '.[test]')")
 
 from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report
 from diffusers_nvfp4_fast.linear import NVFP4Linear

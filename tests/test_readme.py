@@ -25,7 +25,8 @@ def python_blocks() -> list[str]:
 @pytest.fixture(scope="module")
 def files(modelopt_exports, tmp_path_factory) -> dict[str, str]:
     pytest.importorskip("peft", reason="peft is not installed, so the README's Python blocks (one loads a LoRA) "
-                                       "did not run; pip install -e '.[test]' installs it")
+                                       "did not run; they run wherever peft is installed, as in CI "
+                                       "(pip install -e '.[test]')")
     tmp = tmp_path_factory.mktemp("readme")
     pipe, _ = tiny.tiny_flux2_pipeline()
     pipe.save_pretrained(tmp / "flux2-pipeline")

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-triton = pytest.importorskip("triton", reason="Triton is not installed, so the SwiGLU kernel tests did not run; "
-                                               "pip install -e '.[test]' installs it")
+triton = pytest.importorskip("triton", reason="Triton is not installed, so the SwiGLU kernel tests did not run; they "
+                                               "run wherever Triton is installed, as in CI (pip install -e '.[test]')")
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
 from diffusers_nvfp4_fast.ops.swiglu_quantize import swiglu_quantize_reference  # noqa: E402
 from support.inputs import INPUT_KINDS, adversarial, global_scale_for, make_input, swiglu_adversarial  # noqa: E402

@@ -30,11 +30,15 @@ def _quantize_impl(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool)
 _quantize_op = torch.library.custom_op("nvfp4_fast::quantize", mutates_args=())(_quantize_impl)
 
 
+def empty_quantized(like: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (packed uint8 ``[rows, k/2]``, 128x4 scales) on ``like``'s device: the fake ops' outputs."""
+    return (like.new_empty((rows, k // 2), dtype=torch.uint8),
+            like.new_empty(nvfp4.padded_scale_shape(rows, k), dtype=torch.uint8))
+
+
 @_quantize_op.register_fake
 def _(x, global_scale, fast_math):
-    rows, k = x.shape
-    scales_shape = nvfp4.padded_scale_shape(rows, k)
-    return x.new_empty((rows, k // 2), dtype=torch.uint8), x.new_empty(scales_shape, dtype=torch.uint8)
+    return empty_quantized(x, *x.shape)
 
 
 def quantize(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,9 +11,8 @@ from typing import NamedTuple, cast
 import torch
 import torch.nn.functional as F
 
-from ..format import padded_scale_shape
 from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
-from .quantize import quantize
+from .quantize import empty_quantized, quantize
 from .verify import run_checked
 
 KIND = "qwen_resnorm"
@@ -78,11 +77,7 @@ def _impl(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math):
 def _fake(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math, *_):
     d = residual.shape[-1]
     rows = residual.numel() // d
-    return (
-        torch.empty_like(residual, memory_format=torch.contiguous_format),
-        residual.new_empty((rows, d // 2), dtype=torch.uint8),
-        residual.new_empty(padded_scale_shape(rows, d), dtype=torch.uint8),
-    )
+    return (torch.empty_like(residual, memory_format=torch.contiguous_format), *empty_quantized(residual, rows, d))
 
 
 def _checked_impl(

@@ -14,9 +14,8 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from ..format import padded_scale_shape
 from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
-from .quantize import quantize
+from .quantize import empty_quantized, quantize
 from .verify import run_checked
 
 KIND_FF = "flux2_swiglu"  # double-stream feed-forward: quantize(swiglu(h)) into ff.linear_out
@@ -48,10 +47,8 @@ def _swiglu_impl(
 
 
 def _swiglu_fake(hidden, attn, global_scale, fast_math, *_):
-    rows = hidden.numel() // hidden.shape[-1]
     k = hidden.shape[-1] // 2 + (attn.shape[-1] if attn is not None else 0)
-    scales_shape = padded_scale_shape(rows, k)
-    return hidden.new_empty((rows, k // 2), dtype=torch.uint8), hidden.new_empty(scales_shape, dtype=torch.uint8)
+    return empty_quantized(hidden, hidden.numel() // hidden.shape[-1], k)
 
 
 def _swiglu_checked_impl(

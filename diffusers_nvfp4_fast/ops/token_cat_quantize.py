@@ -10,9 +10,8 @@ from typing import cast
 
 import torch
 
-from ..format import padded_scale_shape
 from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
-from .quantize import quantize
+from .quantize import empty_quantized, quantize
 from .verify import run_checked
 
 KIND = "flux2_token_cat"
@@ -36,10 +35,7 @@ def _token_cat_impl(
 
 
 def _token_cat_fake(attn, mlp, global_scale, fast_math, *_):
-    rows = attn.numel() // attn.shape[-1]
-    k = attn.shape[-1] + mlp.shape[-1]
-    scales_shape = padded_scale_shape(rows, k)
-    return attn.new_empty((rows, k // 2), dtype=torch.uint8), attn.new_empty(scales_shape, dtype=torch.uint8)
+    return empty_quantized(attn, attn.numel() // attn.shape[-1], attn.shape[-1] + mlp.shape[-1])
 
 
 def _token_cat_checked_impl(

@@ -132,7 +132,7 @@ def _tiny_flux2_vae():
 
 def tiny_flux2_pipeline(transformer: nn.Module | None = None):
     """Flux2Pipeline (Mistral-style text encoder). Returns (pipe, call kwargs)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+    from diffusers import Flux2Pipeline
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     text = dict(
@@ -148,19 +148,13 @@ def tiny_flux2_pipeline(transformer: nn.Module | None = None):
     )
     torch.manual_seed(0)
     text_encoder = Mistral3ForConditionalGeneration(config).eval()
-    pipe = Flux2Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(), vae=_tiny_flux2_vae(), text_encoder=text_encoder,
-        tokenizer=mistral_tokenizer(), transformer=transformer or tiny_flux2_transformer(True),
-    )
-    pipe.to(torch.bfloat16)  # type: ignore[attr-defined]  # diffusers' dummy placeholder (see above)
-    kwargs = dict(prompt="a dog is dancing", guidance_scale=4.0, max_sequence_length=256,
-                  text_encoder_out_layers=tuple(range(1, _TEXT_LAYERS + 1)))
-    return pipe, kwargs
+    return _flux2_family(Flux2Pipeline, text_encoder, mistral_tokenizer(), transformer or tiny_flux2_transformer(True),
+                         max_sequence_length=256)
 
 
 def tiny_klein_pipeline(transformer: nn.Module | None = None):
     """Flux2KleinPipeline (Qwen3 text encoder, real CFG). Returns (pipe, call kwargs)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    from diffusers import Flux2KleinPipeline
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(intermediate_size=16, hidden_size=_TEXT_HIDDEN, num_hidden_layers=_TEXT_LAYERS,
@@ -168,12 +162,19 @@ def tiny_klein_pipeline(transformer: nn.Module | None = None):
                          max_position_embeddings=512)
     torch.manual_seed(0)
     text_encoder = Qwen3ForCausalLM(config).eval()
-    pipe = Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(), vae=_tiny_flux2_vae(), text_encoder=text_encoder,
-        tokenizer=qwen_tokenizer(), transformer=transformer or tiny_flux2_transformer(False),
-    )
-    pipe.to(torch.bfloat16)  # type: ignore[attr-defined]  # diffusers' dummy placeholder (see above)
-    kwargs = dict(prompt="a dog is dancing", guidance_scale=4.0, max_sequence_length=64,
+    return _flux2_family(Flux2KleinPipeline, text_encoder, qwen_tokenizer(),
+                         transformer or tiny_flux2_transformer(False), max_sequence_length=64)
+
+
+def _flux2_family(pipeline_cls, text_encoder: nn.Module, tokenizer, transformer: nn.Module,
+                  max_sequence_length: int):
+    """A FLUX.2 or Klein pipeline around ``text_encoder`` in BF16, and its call kwargs (all text layers read)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    pipe = pipeline_cls(scheduler=FlowMatchEulerDiscreteScheduler(), vae=_tiny_flux2_vae(), text_encoder=text_encoder,
+                        tokenizer=tokenizer, transformer=transformer)
+    pipe.to(torch.bfloat16)
+    kwargs = dict(prompt="a dog is dancing", guidance_scale=4.0, max_sequence_length=max_sequence_length,
                   text_encoder_out_layers=tuple(range(1, _TEXT_LAYERS + 1)))
     return pipe, kwargs
 
