@@ -84,7 +84,10 @@ def profile(model, inputs, device) -> dict:
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", 0.0)
         if event.key.startswith("gemm M="):
-            shapes[event.key] += getattr(event, "device_time_total", 0.0) / 1e3
+            # The CPU range's kernels only: the profiler also lists a GPU-side copy of each range, whose span (first
+            # kernel start to last kernel end, idle gaps included) counted twice before 2026-12-01 (docs/profile.md).
+            if event.device_type == torch.autograd.DeviceType.CPU:
+                shapes[event.key] += getattr(event, "device_time_total", 0.0) / 1e3
         elif device_us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.key] += device_us / 1e3
     classes: Counter = Counter()

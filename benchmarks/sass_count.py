@@ -24,6 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from diffusers_nvfp4_fast.kernels.gelu_quantize import _gelu_quantize_kernel
 from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
 from diffusers_nvfp4_fast.kernels.rotary import _rotary_kernel
 from diffusers_nvfp4_fast.kernels.swiglu_quantize import _swiglu_quantize_kernel
@@ -37,6 +38,9 @@ SIGNATURES = {
                                                "scales_ptr": "*u8", "M": "i32", "A": "i32", "B": "i32",
                                                "stride_a": "i32", "stride_b": "i32", "padded_cols": "i32",
                                                "col_tiles": "i32"}),
+    "gelu": (_gelu_quantize_kernel, {"h_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8",
+                                     "M": "i32", "K": "i32", "row_stride": "i32", "padded_cols": "i32",
+                                     "col_tiles": "i32"}),
     "swiglu": (_swiglu_quantize_kernel, {"a_ptr": "*i64", "h_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64",
                                          "scales_ptr": "*u8", "M": "i32", "A": "i32", "H": "i32", "stride_a": "i32",
                                          "stride_h": "i32", "padded_cols": "i32", "col_tiles": "i32"}),
@@ -44,8 +48,8 @@ SIGNATURES = {
 
 
 def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, block_c: int = 32, num_warps: int = 4):
-    """Compile ``kernel`` ("quantize", "token_cat" or "swiglu") for compute capability ``arch`` (x10) without a GPU;
-    the hardware E2M1 conversion is selected from SM100 on, as at run time."""
+    """Compile ``kernel`` ("quantize", "token_cat", "gelu" or "swiglu") for compute capability ``arch`` (x10) without
+    a GPU; the hardware E2M1 conversion is selected from SM100 on, as at run time."""
     fn, sig = SIGNATURES[kernel]
     consts = {"BLOCK_R": block_r, "BLOCK_C": block_c, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": arch >= 100}
     return triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
@@ -64,22 +68,22 @@ def compile_rotary(arch: int, head_dim: int = 128, block_r: int = 16, num_warps:
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
 
 
-def compile_gemm_sm90(stages: int = 4, even_k: bool = True):
+def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, has_bias: bool = False):
     """Compile the Gluon SM90 GEMM (``kernels/nvfp4_gemm_sm90.py``) for sm_90a without a GPU."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from diffusers_nvfp4_fast.kernels import nvfp4_gemm_sm90 as mod
 
-    x_layout = gl.NVMMASharedLayout.get_default_for([mod.BLOCK_M, mod.BLOCK_K], gl.float16)
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, mod.BLOCK_K], gl.float16)
     flat = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    sig = {"x_desc": f"tensordesc<fp16[{mod.BLOCK_M}, {mod.BLOCK_K}],{x_layout!r}>",
+    sig = {"x_desc": f"tensordesc<fp16[{block_m}, {mod.BLOCK_K}],{x_layout!r}>",
            "w_desc": f"tensordesc<i32[{mod.BLOCK_N}, {mod.BLOCK_K // 8}],{flat!r}>",
-           "s_desc": f"tensordesc<i32[1, 128],{flat!r}>", "alpha_ptr": "*fp32", "out_ptr": "*bf16",
+           "s_desc": f"tensordesc<i32[1, 128],{flat!r}>", "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "scale_rows_per_tile": "i32"}
-    consts = {"BLOCK_M": mod.BLOCK_M, "BLOCK_N": mod.BLOCK_N, "BLOCK_K": mod.BLOCK_K, "STAGES": stages, "GROUP_N": 8,
-              "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 10)}  # as Triton specializes them at run time
+    consts = {"BLOCK_M": block_m, "BLOCK_N": mod.BLOCK_N, "BLOCK_K": mod.BLOCK_K, "STAGES": stages, "GROUP_N": 8,
+              "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET, "HAS_BIAS": has_bias}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 11)}  # as Triton specializes them at run time
     src = GluonASTSource(mod._nvfp4_gemm_sm90_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": mod.NUM_WARPS, "maxnreg": mod.MAX_REGISTERS})

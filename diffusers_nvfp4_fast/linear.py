@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .format import BLOCK_SIZE, ScaleLayout, fast_math_from_env, padded_scale_shape, swizzle_scales
-from .ops.linear import nvfp4_linear
+from .ops.linear import nvfp4_linear, quantized_linear
 from .ops.quantize import quantize
 
 
@@ -203,9 +203,8 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"NVFP4Linear expected input [..., {self.in_features}], got {tuple(x.shape)}")
         if self.dynamic_input_scale:
             return self._forward_dynamic(x, bias)
-        x_packed, x_scales = quantize(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math_from_env())
-        y = nvfp4_linear(x_packed, x_scales, self.weight, self.weight_scale, self.alpha, bias, x.dtype,
-                         self.scale_layout == "128x4")
+        y = quantized_linear(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math_from_env(), self.weight,
+                             self.weight_scale, self.alpha, bias, x.dtype, self.scale_layout == "128x4")
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def _forward_dynamic(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -214,11 +213,8 @@ class NVFP4Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         amax = rows.abs().amax().to(torch.float32)
         input_scale = torch.where(amax > 0, amax / (448.0 * 6.0), torch.ones_like(amax))
-        x_packed, x_scales = quantize(rows, 1.0 / input_scale, fast_math_from_env())
-        y = nvfp4_linear(
-            x_packed, x_scales, self.weight, self.weight_scale, input_scale * self.weight_scale_2, bias, x.dtype,
-            self.scale_layout == "128x4",
-        )
+        y = quantized_linear(rows, 1.0 / input_scale, fast_math_from_env(), self.weight, self.weight_scale,
+                             input_scale * self.weight_scale_2, bias, x.dtype, self.scale_layout == "128x4")
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_prequantized(

@@ -294,6 +294,15 @@ def quantize_block_halves(a, b, g, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexp
 
 
 @triton.jit
+def block_tile(pid, col_tiles, M, K, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program ``pid``'s rows and 16-block columns in a grid over an ``[M, K]`` matrix, and the mask of its blocks
+    that lie inside the matrix."""
+    rows = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kbs = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return rows, kbs, (rows[:, None] < M) & (kbs[None, :] < K // 16)
+
+
+@triton.jit
 def cat_tile(pid, col_tiles, M, A, B, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Program ``pid``'s rows and 16-block columns in a grid over ``cat([a, b], -1)`` (A and B columns), and the
     masks of the blocks taken from ``a`` and from ``b`` (padding blocks are in neither)."""

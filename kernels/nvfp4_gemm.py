@@ -57,8 +57,9 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETING, cdiv, launch, next_power_of_2
+from .rounding import SOFT_CONVERT, narrow_bf16, widen_bf16
 
-__all__ = ["nvfp4_gemm", "decode_nvfp4_rows", "gemm_configs", "split_k_for", "PREDECODE_MAX_M"]
+__all__ = ["nvfp4_gemm", "nvfp4_gemm_fp16_x", "decode_nvfp4_rows", "gemm_configs", "split_k_for", "PREDECODE_MAX_M"]
 
 # Up to this many rows X is decoded inside the GEMM ("swap AB" kernel); above, once per call into FP16 scratch.
 PREDECODE_MAX_M = 64
@@ -153,6 +154,36 @@ def _load_decode(p_ptrs, s_ptrs, k0, K, Cp, ROWS: tl.constexpr, NB: tl.constexpr
     return _decode_tile(q, _e4m3_to_f16_x128(sb), ROWS, NB, USE_ASM)
 
 
+@triton.jit
+def _to_out(v, OUT_TY: tl.constexpr):
+    """FP32 -> the output dtype, round to nearest even (the interpreter's BF16 cast truncates: rounding.py)."""
+    if OUT_TY == tl.bfloat16:
+        return narrow_bf16(v, SOFT_CONVERT)
+    else:
+        return v.to(OUT_TY)
+
+
+@triton.jit
+def _widen(v):
+    """The output dtype -> FP32 (exact)."""
+    if v.dtype == tl.bfloat16:
+        return widen_bf16(v, SOFT_CONVERT)
+    else:
+        return v.to(tl.float32)
+
+
+@triton.jit
+def linear_epilogue(sums, alpha_ptr, bias_ptr, offs_n, N, OUT_TY: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """FP32 sums ``[.., BN]`` (columns ``offs_n``) -> ``OUT_TY(sums * alpha)``, then, with a bias, torch's eager
+    ``out + bias``: the FP32 sum of the two rounded values, rounded once more (docs/design.md §7). Also used by the
+    Gluon SM90 kernel's epilogue."""
+    out = _to_out(sums * tl.load(alpha_ptr), OUT_TY)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        out = _to_out(_widen(out) + _widen(b)[None, :], OUT_TY)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The GEMM kernel.
 # ---------------------------------------------------------------------------------------------------------------
@@ -173,16 +204,17 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 @triton.jit
 def _nvfp4_gemm_kernel(
-    x_ptr, xs_ptr, w_ptr, ws_ptr, alpha_ptr, out_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, alpha_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, Cp, k_chunk, m_bucket,
-    X_PACKED: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+    X_PACKED: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr, W_IN_REGS: tl.constexpr,
 ):
     """One ``[BLOCK_M, BLOCK_N]`` output tile over K range ``[pid1 * k_chunk, (pid1 + 1) * k_chunk)``.
 
     x_ptr: packed uint8 ``[M, K/2]`` (X_PACKED) or exact FP16 ``[M, K]``; xs_ptr: X's 128x4 scales as int32 words
     (X_PACKED only); w_ptr: packed uint8 ``[N, K/2]``; ws_ptr: W's 128x4 scales as int32 words; alpha_ptr: FP32
-    ``[1]``; out_ptr: ``[M, N]`` (or, with SPLIT, the FP32 workspace ``[splits, M, N]`` of unscaled partial sums).
+    ``[1]``; bias_ptr: ``[N]`` in the output dtype (HAS_BIAS; added after SPLIT's reduce); out_ptr: ``[M, N]`` (or,
+    with SPLIT, the FP32 workspace ``[splits, M, N]`` of unscaled partial sums).
     Cp = round_up(K/16, 4); k_chunk is a multiple of 256. m_bucket only keys the autotuner.
     W_IN_REGS (FP16-X variant): the decoded weight tile is the MMA's register A operand and the transposed tile
     ``W @ X^T`` is accumulated (the packed-X variant always works this way); otherwise it is the shared-memory B
@@ -250,19 +282,21 @@ def _nvfp4_gemm_kernel(
         part_ptrs = out_ptr + tl.program_id(1).to(tl.int64) * M * N + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         tl.store(part_ptrs, acc, mask=mask)
     else:
-        out = (acc * tl.load(alpha_ptr)).to(out_ptr.dtype.element_ty)
+        out = linear_epilogue(acc, alpha_ptr, bias_ptr, offs_n, N, out_ptr.dtype.element_ty, HAS_BIAS)
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], out, mask=mask)
 
 
 @triton.jit
-def _split_reduce_kernel(part_ptr, alpha_ptr, out_ptr, MN, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = out_dtype((part[0] + part[1] + ... + part[SPLITS-1]) * alpha), summed in split order."""
+def _split_reduce_kernel(part_ptr, alpha_ptr, bias_ptr, out_ptr, M, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                         HAS_BIAS: tl.constexpr):
+    """out = out_dtype((part[0] + part[1] + ... + part[SPLITS-1]) * alpha) (+ bias), summed in split order."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
+    mask = offs < M * N
     acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, (acc * tl.load(alpha_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
+    out = linear_epilogue(acc[None, :], alpha_ptr, bias_ptr, offs % N, N, out_ptr.dtype.element_ty, HAS_BIAS)
+    tl.store(out_ptr + offs[None, :], out, mask=mask[None, :])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -482,11 +516,21 @@ def _check_gemm_args(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype, x
     return m, n, k
 
 
-def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out, x16, predecode, split_k, config):
-    """The Triton kernel (X decoded in the kernel, or pre-decoded ``x16``), split K where it pays, into ``out``."""
-    (m, half_k), n = x_packed.shape, w_packed.shape[0]
-    k, device, cp = 2 * half_k, x_packed.device, w_scales.shape[1]
-    use_asm = _use_asm(x_packed)
+def check_bias(bias: torch.Tensor | None, n: int, out_dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a bias the epilogue cannot add as torch's ``out + bias`` would (shape, dtype, device named)."""
+    if bias is None:
+        return
+    if bias.shape != (n,) or bias.dtype != out_dtype or bias.device != device:
+        raise ValueError(f"nvfp4_gemm: bias must be [{n}] {out_dtype} on {device} (the output's dtype, so that the "
+                         f"add rounds as torch's does), got {tuple(bias.shape)} {bias.dtype} on {bias.device}")
+
+
+def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, predecode, split_k, config):
+    """The Triton kernel (X decoded in the kernel, or pre-decoded ``x16``), split K where it pays, into ``out``.
+    ``x_packed`` may be None when ``x16`` is given (its scales are then unused)."""
+    m, k = x16.shape if predecode else (x_packed.shape[0], 2 * x_packed.shape[1])
+    n, device, cp = w_packed.shape[0], w_packed.device, w_scales.shape[1]
+    use_asm = _use_asm(w_packed)
     w_words = _scale_words(w_scales)
     if predecode:
         x_arg, xs_arg, stride_x = x16, w_words, x16.stride(0)  # xs_ptr is unused by this variant
@@ -500,14 +544,15 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out, x16, predec
             chunk = cdiv(cdiv(k, max(1, split_k)), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
             splits = cdiv(k, chunk)
     target = torch.empty((splits, m, n), dtype=torch.float32, device=device) if splits > 1 else out
-    args = (x_arg, xs_arg, w_packed, w_words, alpha, target,
+    bias_arg = alpha if bias is None else bias  # unread without HAS_BIAS
+    args = (x_arg, xs_arg, w_packed, w_words, alpha, bias_arg, target,
             m, n, k, stride_x, w_packed.stride(0), out.stride(0), cp, chunk, _m_bucket(m))
-    flags = dict(X_PACKED=not predecode, SPLIT=splits > 1, USE_ASM=use_asm)
+    flags = dict(X_PACKED=not predecode, SPLIT=splits > 1, USE_ASM=use_asm, HAS_BIAS=bias is not None and splits == 1)
 
     def grid(meta):
         return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), splits)
 
-    if config is None and (INTERPRETING or not x_packed.is_cuda):
+    if config is None and (INTERPRETING or not w_packed.is_cuda):
         # The interpreter cannot time configs: use the smallest tile of the variant.
         config = min(gemm_configs(not predecode), key=lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]))
     if config is None:
@@ -518,8 +563,8 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out, x16, predec
                                  num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         block = 1024
-        launch(_split_reduce_kernel, (cdiv(m * n, block),), target, alpha, out, m * n, SPLITS=splits, BLOCK=block,
-               num_warps=4)
+        launch(_split_reduce_kernel, (cdiv(m * n, block),), target, alpha, bias_arg, out, m, n, SPLITS=splits,
+               BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
     return out
 
 
@@ -535,8 +580,9 @@ def nvfp4_gemm(
     split_k: int | None = None,
     config: triton.Config | None = None,
     kernel: str = "auto",
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """NVFP4 W4A4 GEMM: ``out_dtype((decode(x) @ decode(w).T) * alpha)``, with ``decode = e2m1 * e4m3``.
+    """NVFP4 W4A4 GEMM: ``out_dtype((decode(x) @ decode(w).T) * alpha)`` (+ bias), with ``decode = e2m1 * e4m3``.
 
     Args:
         x_packed: uint8 ``[M, K/2]``, low nibble first (element 2j in the low nibble of byte j); K % 16 == 0.
@@ -552,20 +598,20 @@ def nvfp4_gemm(
         kernel: ``"auto"`` (the SM90 Gluon kernel for pre-decoded X where it applies, else the Triton kernel),
             ``"triton"`` (always the Triton kernel) or ``"sm90"`` (the Gluon kernel, or ``ValueError``). Every choice
             gives the same bytes.
+        bias: ``[N]`` in ``out_dtype``, or None. Added in the epilogue with the bytes of torch's ``out + bias``.
 
     Returns:
         ``[M, N]`` in ``out_dtype``: the FP32 sum equals ``ops.emulated_nvfp4_gemm`` up to summation order, then one
         rounding for alpha and one for ``out_dtype``. Same bytes on every call for the same inputs and device.
     """
     m, n, k = _check_gemm_args(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype, x_decode, config, kernel)
+    check_bias(bias, n, out_dtype, x_packed.device)
     x_packed = x_packed if x_packed.stride(1) == 1 else x_packed.contiguous()
     w_packed = w_packed if w_packed.stride(1) == 1 else w_packed.contiguous()
 
     out = torch.empty((m, n), dtype=out_dtype, device=x_packed.device)
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
+    if m == 0 or n == 0 or k == 0:
+        return _empty_product(out, bias)
     device = x_packed.device
     predecode = x_decode == "predecode" or (x_decode == "auto" and m > PREDECODE_MAX_M)
     if kernel == "sm90" and not predecode:
@@ -577,6 +623,56 @@ def nvfp4_gemm(
                          f"K % 32 == 0 and 16-byte aligned tensors; got K={k} on {device})")
     # Exact FP16 values of X, decoded once (memory-bound) instead of once per weight tile.
     x16 = decode_nvfp4_rows(x_packed, x_scales, torch.float16) if predecode else None
+    return _run(sm90, x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, predecode, split_k, config)
+
+
+def _empty_product(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The result of an empty GEMM (M, N or K zero): zeros, plus the bias as torch adds it."""
+    return out.zero_() if bias is None or out.numel() == 0 else out.zero_() + bias
+
+
+def _run(sm90, x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, predecode, split_k, config):
+    """The chosen kernel into ``out``, the bias in its epilogue where it is 16-bit. With FP32 output the compiler
+    would contract ``sums * alpha + bias`` into one FMA (no rounding between), so torch adds that bias after."""
+    fused = bias.contiguous() if bias is not None and out.dtype != torch.float32 else None
     if sm90 is not None:
-        return sm90.nvfp4_gemm_sm90(x16, w_packed, w_scales, alpha, out)
-    return _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out, x16, predecode, split_k, config)
+        out = sm90.nvfp4_gemm_sm90(x16, w_packed, w_scales, alpha, out, bias=fused)
+    else:
+        out = _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, fused, out, x16, predecode, split_k, config)
+    return out if bias is None or fused is not None else out.add_(bias)
+
+
+def nvfp4_gemm_fp16_x(
+    x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``nvfp4_gemm`` on an activation already decoded to its exact FP16 values (``decode_nvfp4_rows``, or the
+    fused ``quantize_nvfp4_decoded``): the pre-decoded kernels of ``nvfp4_gemm``, so the bytes equal
+    ``nvfp4_gemm(x_packed, x_scales, ..., x_decode="predecode")``.
+
+    Args:
+        x16: FP16 ``[M, K]``, contiguous, every value an exact E2M1 x E4M3 product; K % 16 == 0.
+        w_packed, w_scales, alpha, out_dtype, bias: as for ``nvfp4_gemm``.
+    Returns:
+        ``[M, N]`` in ``out_dtype``.
+    """
+    if x16.dim() != 2 or x16.dtype != torch.float16 or not x16.is_contiguous():
+        raise ValueError(f"nvfp4_gemm_fp16_x: x16 must be a contiguous 2-D float16 tensor, got "
+                         f"{tuple(x16.shape)} {x16.dtype}")
+    m, k = x16.shape
+    if w_packed.dim() != 2 or w_packed.dtype != torch.uint8 or 2 * w_packed.shape[1] != k or k % 16:
+        raise ValueError(f"nvfp4_gemm_fp16_x: w_packed must be uint8 [N, K/2] with K={k} a multiple of 16, got "
+                         f"{tuple(w_packed.shape)} {w_packed.dtype}")
+    n = w_packed.shape[0]
+    _check_scales(w_scales, n, k, "w_scales")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"nvfp4_gemm_fp16_x: unsupported out_dtype {out_dtype}")
+    if alpha.numel() != 1 or alpha.dtype != torch.float32 or alpha.device != x16.device:
+        raise ValueError(f"nvfp4_gemm_fp16_x: alpha must be a one-element float32 tensor on {x16.device}")
+    check_bias(bias, n, out_dtype, x16.device)
+    w_packed = w_packed if w_packed.stride(1) == 1 else w_packed.contiguous()
+    out = torch.empty((m, n), dtype=out_dtype, device=x16.device)
+    if m == 0 or n == 0 or k == 0:
+        return _empty_product(out, bias)
+    sm90 = sm90_kernel_for(m, k, w_packed, w_scales, "predecode")
+    return _run(sm90, None, None, w_packed, w_scales, alpha, bias, out, x16, True, None, None)

@@ -63,9 +63,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .launch import cdiv, cuda_capability, launch
 from .nvfp4_gemm import grouped_tile
 
-__all__ = ["nvfp4_gemm_sm90", "sm90_supported", "SM90_STAGES", "SM90_GROUP_N"]
+__all__ = ["nvfp4_gemm_sm90", "sm90_supported", "sm90_block_m", "SM90_STAGES", "SM90_GROUP_N", "SM90_TILE_COST"]
 
-BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS = 256, 128, 64, 8
+BLOCK_N, BLOCK_K, NUM_WARPS = 128, 64, 8
 # Per-thread register cap of the launch: 8 MMA warps + the producer warp (a warpgroup of 4 as allocated) = 384
 # threads x 168 <= 64K registers. setmaxnreg then moves registers to the MMA warpgroups: 240 each (accumulator 128,
 # two A fragments 32, decode), 24 for the producer.
@@ -78,6 +78,13 @@ SM90_STAGES = 4
 # shapes at M=4608 from 553-632 to 593-634 TFLOP/s with the kernel before warp specialization (H200,
 # benchmarks/results/gemm_config_sweep-h200.json); the largest weight (55296 x 6144) lost 3 %, the others gained 0-15 %.
 SM90_GROUP_N = 64
+# Tokens per tile (the wgmma's N side) and the relative time of one tile of each height, measured on an H200 with full
+# waves (M = 4096, every FLUX.2-dev and Qwen-Image shape; benchmarks/results/gemm_tiles-h200.json). A 256-token tile
+# spreads the weight decode over the most MMA work, but at M = 512 and N = 3072 (Qwen-Image's text stream) it gives 48
+# tiles for 132 SMs. ``sm90_block_m`` picks the height with the least waves x tile cost; this picks the fastest height
+# measured in every case of that file. The bytes do not depend on it: every height runs the same K walk on the same
+# operand values (GPU-tested).
+SM90_TILE_COST = {256: 1.0, 128: 0.72, 64: 0.55}
 
 # Triton 3.9 renamed the TMA load and the shared-memory reinterpret; 3.6 (torch 2.11) has only the old names.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -143,10 +150,10 @@ def _mma_step(i, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3,
 
 
 @gluon.jit
-def _mma_partition(x_smem, w_smem, s_smem, ready, empty, alpha_ptr, out_ptr, M, N, K, stride_om, off_m, off_n, k_steps,
-                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                   EVEN_K: gl.constexpr, NEW_REINTERPRET: gl.constexpr):
-    """The two MMA warpgroups (the default partition): the K loop, then alpha and the masked store of the tile."""
+def _mma_partition(x_smem, w_smem, s_smem, ready, empty, alpha_ptr, bias_ptr, out_ptr, M, N, K, stride_om, off_m,
+                   off_n, k_steps, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                   STAGES: gl.constexpr, EVEN_K: gl.constexpr, NEW_REINTERPRET: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """The two MMA warpgroups (the default partition): the K loop, then alpha, the bias and the masked store."""
     WORDS: gl.constexpr = BLOCK_K // 8
     # acc [weight rows, tokens]; the decoded weight is the wgmma's register A operand.
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -185,20 +192,24 @@ def _mma_partition(x_smem, w_smem, s_smem, ready, empty, alpha_ptr, out_ptr, M, 
     out = gl.convert_layout(out, store_layout)
     offs_m = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
     offs_n = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+    if HAS_BIAS:
+        # torch's eager ``out + bias`` on the rounded output: one FP32 add, one more rounding (nvfp4_gemm's epilogue).
+        b = gl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        out = (out.to(gl.float32) + gl.expand_dims(b.to(gl.float32), 0)).to(out_ptr.dtype.element_ty)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     gl.store(out_ptr + offs_m.to(gl.int64)[:, None] * stride_om + offs_n[None, :], out, mask=mask)
 
 
 @gluon.jit
 def _nvfp4_gemm_sm90_kernel(
-    x_desc, w_desc, s_desc, alpha_ptr, out_ptr, M, N, K, stride_om, scale_rows_per_tile,
+    x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, M, N, K, stride_om, scale_rows_per_tile,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-    GROUP_N: gl.constexpr, EVEN_K: gl.constexpr, NEW_REINTERPRET: gl.constexpr,
+    GROUP_N: gl.constexpr, EVEN_K: gl.constexpr, NEW_REINTERPRET: gl.constexpr, HAS_BIAS: gl.constexpr,
 ):
     gl.static_assert(BLOCK_K == 64, "one scale word (4 blocks of 16) per row and k-step")
     gl.static_assert(BLOCK_N == 128, "one 128-row block of the 128x4 scale layout per tile")
     gl.static_assert(gl.num_warps() == 8, "two warpgroups of 64 weight rows")
-    gl.static_assert(BLOCK_M <= 256, "one wgmma covers the tile's tokens")
+    gl.static_assert(BLOCK_M == 64 or BLOCK_M == 128 or BLOCK_M == 256, "one wgmma covers the tile's tokens")
     WORDS: gl.constexpr = BLOCK_K // 8
 
     pid_m, pid_n = grouped_tile(gl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_N)
@@ -217,18 +228,33 @@ def _nvfp4_gemm_sm90_kernel(
     k_steps = gl.cdiv(K, BLOCK_K)
     STEP_BYTES: gl.constexpr = BLOCK_M * BLOCK_K * 2 + BLOCK_N * WORDS * 4 + BLOCK_N * 4
     gl.warp_specialize([
-        (_mma_partition, (x_smem, w_smem, s_smem, ready, empty, alpha_ptr, out_ptr, M, N, K, stride_om, off_m, off_n,
-                          k_steps, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, NEW_REINTERPRET)),
+        (_mma_partition, (x_smem, w_smem, s_smem, ready, empty, alpha_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
+                          off_m, off_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, NEW_REINTERPRET,
+                          HAS_BIAS)),
         (_load_partition, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, off_n,
                            pid_n * scale_rows_per_tile, k_steps, STAGES, BLOCK_K, WORDS, STEP_BYTES)),
     ], [1], [24])  # the producer: one warp, 24 registers
 
 
 @functools.cache
-def _smem_layouts():
-    """(X tile layout, flat 32-bit layout): built once, the host cost of a launch matters (eager steps)."""
-    return (gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], gl.float16),
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+def _x_layout(block_m: int):
+    """The X tile's shared-memory layout: built once per tile height, the host cost of a launch matters (eager)."""
+    return gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.float16)
+
+
+@functools.cache
+def _flat_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+@functools.cache
+def sm90_block_m(m: int, n: int, sm_count: int) -> int:
+    """Tokens per tile for an ``[m, n]`` output on ``sm_count`` SMs: the height in ``SM90_TILE_COST`` with the least
+    waves x tile cost (ties go to the taller tile, which reads the weight fewer times)."""
+    def cost(bm: int) -> float:
+        tiles = cdiv(m, bm) * cdiv(n, BLOCK_N)
+        return cdiv(tiles, sm_count) * SM90_TILE_COST[bm]
+    return min(sorted(SM90_TILE_COST, reverse=True), key=cost)
 
 
 # (id(weight), id(scales)) -> ((data pointers and shapes), weight descriptor, scale descriptor)
@@ -257,7 +283,7 @@ def _weight_descriptors(w_packed: torch.Tensor, w_scales: torch.Tensor) -> tuple
     entry = _WEIGHT_DESCRIPTORS.get(key)
     if entry is not None and entry[0] == where:
         return entry[1], entry[2]
-    flat = _smem_layouts()[1]
+    flat = _flat_layout()
     w_desc = TensorDescriptor.from_tensor(_words(w_packed).reshape(w_packed.shape[0], -1), [BLOCK_N, BLOCK_K // 8],
                                           flat)
     # 128 consecutive scale words = one 128-row block x 4 scale columns = one k-step of 64 for one weight tile.
@@ -278,9 +304,16 @@ def sm90_supported(k: int, w_packed: torch.Tensor, w_scales: torch.Tensor) -> bo
             and w_packed.data_ptr() % 16 == 0 and w_scales.data_ptr() % 16 == 0)
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
-                    out: torch.Tensor, stages: int = SM90_STAGES, group_n: int = SM90_GROUP_N) -> torch.Tensor:
-    """``out = out.dtype((x16 @ decode(w).T) * alpha)`` on an SM90 GPU (operands as ``sm90_supported`` requires).
+                    out: torch.Tensor, stages: int = SM90_STAGES, group_n: int = SM90_GROUP_N,
+                    bias: torch.Tensor | None = None, block_m: int | None = None) -> torch.Tensor:
+    """``out = out.dtype((x16 @ decode(w).T) * alpha)`` (+ bias) on an SM90 GPU (operands as ``sm90_supported``
+    requires).
 
     Args:
         x16: FP16 ``[M, K]``, contiguous: the exact decoded activation (``decode_nvfp4_rows``).
@@ -288,8 +321,9 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
         w_scales: uint8 (or E4M3) 128x4-swizzled scales ``[round_up(N, 128), round_up(K/16, 4)]``, contiguous.
         alpha: FP32 with one element (0-d or ``[1]``) on the same device, read in the kernel.
         out: ``[M, N]`` BF16/FP16/FP32 with unit column stride; written and returned.
-        stages: TMA pipeline depth (3-5; 3-4 with FP32 output); group_n: tile order (see ``SM90_GROUP_N``). The bytes
-            depend on neither.
+        stages: TMA pipeline depth (3-5; 3-4 with FP32 output); group_n: tile order (see ``SM90_GROUP_N``).
+        bias: ``[N]`` in out's dtype, contiguous, or None: added as torch's ``out + bias`` would.
+        block_m: tokens per tile (64, 128 or 256); default ``sm90_block_m``. The bytes depend on none of these three.
     """
     max_stages = 4 if out.element_size() == 4 else 5  # shared memory: 36.5 KB per stage + the epilogue's transpose
     if not 3 <= stages <= max_stages:
@@ -297,10 +331,16 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
                          f"3..{max_stages}")
     m, k = x16.shape
     n = w_packed.shape[0]
-    x_desc = TensorDescriptor.from_tensor(x16, [BLOCK_M, BLOCK_K], _smem_layouts()[0])
+    if block_m is None:
+        block_m = sm90_block_m(m, n, _sm_count(x16.device.index if x16.device.index is not None
+                                               else torch.cuda.current_device()))
+    if block_m not in SM90_TILE_COST:
+        raise ValueError(f"nvfp4_gemm_sm90: block_m={block_m}; it must be one of {sorted(SM90_TILE_COST)}")
+    x_desc = TensorDescriptor.from_tensor(x16, [block_m, BLOCK_K], _x_layout(block_m))
     w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
-    grid = (cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N),)
-    launch(_nvfp4_gemm_sm90_kernel, grid, x_desc, w_desc, s_desc, alpha, out, m, n, k, out.stride(0),
-           w_scales.shape[1] // 4, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, GROUP_N=group_n,
-           EVEN_K=k % BLOCK_K == 0, NEW_REINTERPRET=_NEW_REINTERPRET, num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+    grid = (cdiv(m, block_m) * cdiv(n, BLOCK_N),)
+    launch(_nvfp4_gemm_sm90_kernel, grid, x_desc, w_desc, s_desc, alpha, alpha if bias is None else bias, out, m, n,
+           k, out.stride(0), w_scales.shape[1] // 4, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages,
+           GROUP_N=group_n, EVEN_K=k % BLOCK_K == 0, NEW_REINTERPRET=_NEW_REINTERPRET, HAS_BIAS=bias is not None,
+           num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
     return out

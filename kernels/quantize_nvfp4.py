@@ -1,11 +1,12 @@
-"""Standalone NVFP4 quantize: BF16/FP16 ``[M, K]`` -> packed ``[M, K/2]`` + 128x4 scales (the unfused GPU path)."""
+"""Standalone NVFP4 quantize: BF16/FP16 ``[M, K]`` -> packed ``[M, K/2]`` + 128x4 scales (the unfused GPU path), or
+straight to the exact FP16 values the large-M GEMM multiplies (``quantize_nvfp4_decoded``)."""
 
 import torch
 import triton
 import triton.language as tl
 
 from .launch import as_block_rows, launch, launch_options, padded_scale_shape, tile_grid
-from .nvfp4_epilogue import load_blocks, quantize_blocks, store_blocks
+from .nvfp4_epilogue import block_tile, e4m3_value, load_blocks, quantize_blocks, store_blocks
 
 
 @triton.jit
@@ -14,10 +15,7 @@ def _quantize_nvfp4_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
     HW_E2M1: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    rows = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
-    kbs = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (rows[:, None] < M) & (kbs[None, :] < K // 16)
+    rows, kbs, mask = block_tile(tl.program_id(0), col_tiles, M, K, BLOCK_R, BLOCK_C)
     q0, q1, q2, q3 = load_blocks(x_ptr, rows, kbs, row_stride, mask)
     packed, sf_byte = quantize_blocks(q0, q1, q2, q3, tl.load(g_ptr), IS_BF16, FAST_MATH, HW_E2M1)
     store_blocks(packed, sf_byte, rows, kbs, packed_ptr, scales_ptr, M, K, padded_cols)
@@ -33,6 +31,14 @@ def quantize_nvfp4_triton(
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_nvfp4_triton wants a 2-D input, got shape {tuple(x.shape)}")
+    return launch_block_quantize(_quantize_nvfp4_kernel, x, global_scale, fast_math, block_r, block_c, num_warps)
+
+
+def launch_block_quantize(
+    kernel, x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, block_r: int, block_c: int, num_warps: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the packed output and scales of a 2-D ``x`` and launch ``kernel``, which takes the plain quantize
+    kernel's arguments (x as int64 words, g, packed, scales, M, K, row stride, padded scale columns, column tiles)."""
     m, k = x.shape
     if k % 16:
         raise ValueError(f"K={k} must be a multiple of 16")
@@ -41,9 +47,90 @@ def quantize_nvfp4_triton(
     scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=x.device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
     launch(
-        _quantize_nvfp4_kernel, grid,
-        blocks, global_scale, packed.view(torch.int64), scales, m, k, row_stride, scales.shape[1], col_tiles,
-        BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
+        kernel, grid, blocks, global_scale, packed.view(torch.int64), scales, m, k, row_stride, scales.shape[1],
+        col_tiles, BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
         **launch_options(x.device, fast_math, num_warps),
     )
     return packed, scales
+
+
+@triton.jit
+def _e2m1_times(code, scale):
+    """E2M1 nibble codes (int64, ``s eem``) times FP32 E4M3 scale values -> FP32, exact (<= 6 significant bits)."""
+    mag = code & 7
+    # 0, 0.5, then (1 + m/2) * 2^(e-1) for the normal codes: the FP32 bits built directly.
+    bits = tl.where(mag >= 2, ((126 + (mag >> 1)) << 23) | ((mag & 1) << 22), tl.where(mag == 1, 126 << 23, 0))
+    bits = bits | ((code & 8) << 28)
+    return bits.to(tl.int32).to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit
+def _decoded_words(packed, scale):
+    """A block's packed int64 (16 nibbles, element i in bits 4i..4i+3) and its FP32 scale -> four int64 words of
+    four FP16 values each, element 4j + i in bits 16i of word j (the layout ``load_blocks`` reads)."""
+    w0 = tl.zeros_like(packed)
+    w1 = tl.zeros_like(packed)
+    w2 = tl.zeros_like(packed)
+    w3 = tl.zeros_like(packed)
+    for i in tl.static_range(16):
+        v = _e2m1_times((packed >> (4 * i)) & 0xF, scale).to(tl.float16)
+        h = (v.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF) << (16 * (i % 4))
+        if i // 4 == 0:
+            w0 |= h
+        elif i // 4 == 1:
+            w1 |= h
+        elif i // 4 == 2:
+            w2 |= h
+        else:
+            w3 |= h
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _quantize_nvfp4_decoded_kernel(
+    x_ptr, g_ptr, out_ptr, M, K, row_stride, col_tiles,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
+    HW_E2M1: tl.constexpr,
+):
+    rows, kbs, mask = block_tile(tl.program_id(0), col_tiles, M, K, BLOCK_R, BLOCK_C)
+    q0, q1, q2, q3 = load_blocks(x_ptr, rows, kbs, row_stride, mask)
+    packed, sf_byte = quantize_blocks(q0, q1, q2, q3, tl.load(g_ptr), IS_BF16, FAST_MATH, HW_E2M1)
+    w0, w1, w2, w3 = _decoded_words(packed, e4m3_value(sf_byte))
+    p = out_ptr + rows[:, None].to(tl.int64) * (K // 4) + kbs[None, :] * 4
+    tl.store(p, w0, mask=mask)
+    tl.store(p + 1, w1, mask=mask)
+    tl.store(p + 2, w2, mask=mask)
+    tl.store(p + 3, w3, mask=mask)
+
+
+def quantize_nvfp4_decoded(
+    x: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True, block_r: int = 8, block_c: int = 16,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """The exact FP16 values of ``quantize_nvfp4_triton(x, global_scale)`` (each E2M1 value times its E4M3 block
+    scale, the global scale not applied), in one pass: what the large-M GEMM decodes its activation to, without
+    writing the packed bytes and scales in between. ``decode_nvfp4_rows(*quantize_nvfp4_triton(x, g))`` has the same
+    bytes.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16 (rows may be strided), K % 16 == 0.
+        global_scale: fp32 one-element tensor on x's device.
+    Returns:
+        FP16 ``[M, K]``, contiguous.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"quantize_nvfp4_decoded wants a 2-D input, got shape {tuple(x.shape)}")
+    m, k = x.shape
+    if k % 16:
+        raise ValueError(f"K={k} must be a multiple of 16")
+    blocks, row_stride = as_block_rows(x)
+    out = torch.empty((m, k), dtype=torch.float16, device=x.device)
+    col_tiles = triton.cdiv(k // 16, block_c)
+    grid = (triton.cdiv(m, block_r) * col_tiles,)
+    if m:
+        launch(
+            _quantize_nvfp4_decoded_kernel, grid, blocks, global_scale, out.view(torch.int64), m, k, row_stride,
+            col_tiles, BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
+            **launch_options(x.device, fast_math, num_warps),
+        )
+    return out

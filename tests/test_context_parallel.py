@@ -17,7 +17,7 @@ import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
-FUSED = {"flux2": {"flux2_swiglu", "flux2_token_cat_swiglu", "flux2_rotary"}, "qwen": {"qwen_resnorm"}}
+FUSED = {"flux2": {"flux2_swiglu", "flux2_token_cat_swiglu", "flux2_rotary"}, "qwen": {"qwen_resnorm", "qwen_gelu"}}
 
 
 def _launch(tmp_path, *args: str) -> list[dict]:

@@ -30,9 +30,11 @@ from support.modelopt_exports import nvfp4_pipeline
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
 FLUX2_SITES = {"flux2_token_cat": 2, "flux2_rotary": 3, "flux2_swiglu": 2}  # 2 single blocks; 1 double: ff, ff_context
-SITES = {"flux2": FLUX2_SITES, "klein": FLUX2_SITES, "qwen": {"qwen_resnorm": 2}}  # 2 NVFP4 Qwen blocks
+QWEN_SITES = {"qwen_resnorm": 2, "qwen_gelu": 4}  # 2 NVFP4 Qwen blocks, 2 feed-forwards each
+SITES = {"flux2": FLUX2_SITES, "klein": FLUX2_SITES, "qwen": QWEN_SITES}
 FLUX2_CALLS = {"flux2_token_cat_swiglu": 2, "flux2_swiglu": 2, "flux2_rotary": 6}  # per forward (query and key)
-CALLS_PER_FORWARD = {"flux2": FLUX2_CALLS, "klein": FLUX2_CALLS, "qwen": {"qwen_resnorm": 4}}  # qwen: 2 streams
+CALLS_PER_FORWARD = {"flux2": FLUX2_CALLS, "klein": FLUX2_CALLS,
+                     "qwen": {"qwen_resnorm": 4, "qwen_gelu": 4}}  # qwen: 2 streams
 
 
 def _pipeline(which, modelopt_exports):
@@ -183,10 +185,11 @@ def test_verify_always_and_off(modelopt_exports):
     off = _sha(pipe, kwargs)
     enable_fast_paths(pipe, verify="always")
     assert _sha(pipe, kwargs) == off
-    assert fast_path_report(pipe)["QwenImageTransformer2DModel"]["verifications"]["passed"] == 12
+    passed = 24  # every call: 3 steps x (4 residual-norm + 4 GELU sites)
+    assert fast_path_report(pipe)["QwenImageTransformer2DModel"]["verifications"]["passed"] == passed
     enable_fast_paths(pipe, verify="off")  # enabling again only changes the mode
     assert _sha(pipe, kwargs) == off
-    assert fast_path_report(pipe)["QwenImageTransformer2DModel"]["verifications"]["passed"] == 12
+    assert fast_path_report(pipe)["QwenImageTransformer2DModel"]["verifications"]["passed"] == passed
     disable_fast_paths(pipe)
     with pytest.raises(ValueError, match="verify"):
         enable_fast_paths(pipe, verify="sometimes")
@@ -203,6 +206,30 @@ def test_gate_reasons_are_counted(modelopt_exports):
     disable_fast_paths(pipe)
     assert report["fallbacks"] == {"qwen_resnorm: FC1 uses a dynamic input scale": 3}
     assert report["fused_calls"]["qwen_resnorm"] == 9
+
+
+def test_qwen_gelu_falls_back_where_the_kernel_differs_from_torch(modelopt_exports, monkeypatch):
+    """Where the run-time check finds the kernel's GELU differing from torch's on some value of the dtype, every GELU
+    site runs diffusers' op, counted with that reason, and the image is unchanged; a dropout in training mode before
+    FC2 also keeps diffusers' op."""
+    from diffusers_nvfp4_fast.patches import qwenimage
+
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    off = _sha(pipe, kwargs)
+    monkeypatch.setattr(qwenimage, "triton_runs_on", lambda t: True)  # take the GPU branch of the gate on the CPU
+    monkeypatch.setattr(qwenimage, "gelu_mismatch", lambda device, dtype: "7 of 65536 values differ")
+    enable_fast_paths(pipe)
+    on = _sha(pipe, kwargs)
+    report = fast_path_report(pipe)["QwenImageTransformer2DModel"]
+    monkeypatch.undo()
+    dropout = pipe.transformer.transformer_blocks[2].img_mlp.net[1]
+    dropout.p, dropout.training = 0.1, True
+    gate = qwenimage.gelu_fc2_gate(pipe.transformer.transformer_blocks[2].img_mlp, torch.zeros(2, 64).bfloat16())
+    disable_fast_paths(pipe)
+    assert on == off
+    assert report["fallbacks"] == {"qwen_gelu: 7 of 65536 values differ": 12}  # 4 sites x 3 steps
+    assert "qwen_gelu" not in report["fused_calls"] and report["fused_calls"]["qwen_resnorm"] == 12
+    assert gate == "dropout in training mode"
 
 
 def test_no_nvfp4_layers_warns_and_changes_nothing():
@@ -228,8 +255,9 @@ def test_torch_compile_fullgraph_keeps_fast_paths(which, modelopt_exports):
     pipe.transformer = model
     disable_fast_paths(model)
     assert on == off
-    # Under compile FLUX.2 keeps diffusers' SwiGLU and rotary embedding (inductor rounds them its own way); token-cat
-    # stays fused. Gates do not count fallbacks while tracing (see the next test).
+    # Under compile FLUX.2 keeps diffusers' SwiGLU and rotary embedding and Qwen-Image its GELU (inductor rounds them
+    # its own way); token-cat and the Qwen residual-norm kernel stay fused. Gates do not count fallbacks while
+    # tracing (see the next test).
     assert report["fused_calls"] == {"flux2": {"flux2_token_cat": 6}, "qwen": {"qwen_resnorm": 12}}[which]
     assert report["fallbacks"] == {}
 
@@ -317,12 +345,11 @@ def test_custom_ops_are_opaque_in_compiled_graphs_and_skipped_in_eager(monkeypat
         return gm.forward
 
     compiled = torch.compile(layer, backend=record, fullgraph=True)(x)
-    assert any("nvfp4_fast.quantize" in t for t in targets), targets
-    assert any("nvfp4_fast.linear" in t for t in targets), targets
+    assert targets == ["nvfp4_fast.quantized_linear.default"], targets
     assert torch.equal(compiled.view(torch.int16), eager.view(torch.int16))
 
     calls = []
-    for module, name in ((quantize_op, "_quantize_op"), (linear_op, "_linear_op")):
+    for module, name in ((quantize_op, "_quantize_op"), (linear_op, "_linear_op"), (linear_op, "_quantized_linear_op")):
         op = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
     assert torch.equal(layer(x).view(torch.int16), eager.view(torch.int16))
@@ -510,8 +537,9 @@ def test_gpu_full_size_qwen_block_identical():
         img = torch.randn(batch, 4096, dim, device="cuda", dtype=torch.bfloat16)
         txt = torch.randn(batch, 512, dim, device="cuda", dtype=torch.bfloat16)
         temb = torch.randn(batch, dim, device="cuda", dtype=torch.bfloat16)
-        stats, off, on = _on_off(holder, patch_qwenimage, lambda: block(img, txt, None, temb), {"qwen_resnorm": 1})
-        assert stats.fused_calls["qwen_resnorm"] == 2, stats
+        stats, off, on = _on_off(holder, patch_qwenimage, lambda: block(img, txt, None, temb),
+                                 {"qwen_resnorm": 1, "qwen_gelu": 2})
+        assert stats.fused_calls["qwen_resnorm"] == 2 and stats.fused_calls["qwen_gelu"] == 2, stats
         assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
 
 

@@ -55,6 +55,25 @@ def interpreted_quantize() -> dict:
     return {"equal": results, "canary_equal": torch.equal(got[0], ref[0])}
 
 
+def interpreted_quantize_decoded() -> dict:
+    """The fused quantize-to-FP16 kernel against decode(quantize(x)) on every case above (precise mode)."""
+    from diffusers_nvfp4_fast.format import decode_nvfp4
+    from diffusers_nvfp4_fast.kernels import quantize_nvfp4_decoded
+
+    results = []
+    for x, g in quantize_cases():
+        want = decode_nvfp4(*reference_quantize(x, g[0], fast_math=False), dtype=torch.float16)
+        got = quantize_nvfp4_decoded(x, g, fast_math=False)
+        results.append(torch.equal(got.view(torch.int16), want.view(torch.int16)))
+    return {"equal": results}
+
+
+def test_interpreted_quantize_decoded_equals_decode_of_quantize():
+    """Bit for bit (signed zeros included): the values the large-M GEMM would decode the packed activation to."""
+    res = run_interpreted(__name__, "interpreted_quantize_decoded")
+    assert len(res["equal"]) == len(quantize_cases()) and all(res["equal"]), res
+
+
 def e2m1_boundary_values() -> torch.Tensor:
     """Every BF16 bit pattern (as FP32), the 4096 FP32 neighbours on each side of every rounding midpoint and code
     value, NaNs of both signs; each value appears once at every nibble position of an eight-value word."""
@@ -165,3 +184,19 @@ def test_gpu_fuzz_50m_adversarial_elements(fast_math):
     assert x.numel() >= 5e7
     assert torch.equal(got[0], want[0]), f"packed: {(got[0] != want[0]).sum().item()} bytes differ"
     assert torch.equal(got[1], want[1]), f"scales: {(got[1] != want[1]).sum().item()} bytes differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,k", [(1, 64), (65, 3072), (4096, 3072), (512, 12288), (4608, 6144 + 2048)])
+@pytest.mark.parametrize("fast_math", [False, True], ids=["precise", "fast"])
+def test_gpu_quantize_decoded_equals_decode_of_quantize(rows, k, fast_math):
+    """The fused kernel gives the bytes of the standalone quantize followed by the GEMM's standalone decode."""
+    from diffusers_nvfp4_fast.kernels import quantize_nvfp4_decoded, quantize_nvfp4_triton
+    from diffusers_nvfp4_fast.kernels.nvfp4_gemm import decode_nvfp4_rows
+
+    x = adversarial(rows, k, seed=rows) if rows > 1 else make_input("randn", rows, k)
+    g = torch.tensor([2688 / 5.0], device="cuda")
+    want = decode_nvfp4_rows(*quantize_nvfp4_triton(x, g, fast_math=fast_math), torch.float16)
+    got = quantize_nvfp4_decoded(x, g, fast_math=fast_math)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+        f"{(got.view(torch.int16) != want.view(torch.int16)).sum().item()} values differ"

@@ -1,7 +1,9 @@
 """NVFP4 linear: ``bf16(fp4_gemm(x, w) * alpha)``, then ``bf16(+ bias)`` (docs/design.md §3, §7).
 
 Reference: ``linear_reference`` (exact W4A4 emulation in torch). Kernels: FlashInfer ``mm_fp4`` on SM100+,
-``kernels.nvfp4_gemm`` (Triton / Gluon) on SM80-SM90; ``dispatch.gemm_backend`` picks.
+``kernels.nvfp4_gemm`` (Triton / Gluon) on SM80-SM90; ``dispatch.gemm_backend`` picks. On SM80-SM90 the bias is
+added in the GEMM's epilogue (same bytes as ``out + bias``), and ``quantized_linear`` quantizes a large-M activation
+straight to the FP16 values the GEMM multiplies (same bytes as ``quantize`` then ``nvfp4_linear``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from .. import format as nvfp4
 from .dispatch import call_op, flashinfer, gemm_backend, kernels
+from .quantize import quantize
 
 
 def emulated_gemm(
@@ -52,9 +55,17 @@ def _linear_impl(
             x_packed, w_packed.t(), x_scales.view(torch.float8_e4m3fn), w_scales.view(torch.float8_e4m3fn).t(),
             alpha, out_dtype, backend="cutlass",
         )
+    elif _kernel_takes_bias(bias, out_dtype):
+        return cast(ModuleType, kernels).nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype,
+                                                    bias=bias)
     else:
         out = cast(ModuleType, kernels).nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype)
     return out if bias is None else out + bias
+
+
+def _kernel_takes_bias(bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:
+    # The epilogue adds a bias of the output's dtype; any other (torch promotes the sum's dtype) is added by torch.
+    return bias is None or (bias.dtype == out_dtype and bias.dim() == 1)
 
 
 _linear_op = torch.library.custom_op("nvfp4_fast::linear", mutates_args=())(_linear_impl)
@@ -72,3 +83,38 @@ def nvfp4_linear(
     """x_packed uint8 ``[M, K/2]`` + 128x4 scales, w_packed uint8 ``[N, K/2]`` + scales, alpha FP32 one-element ->
     ``[M, N]`` in ``out_dtype``: ``bf16(gemm * alpha)`` then ``+ bias``."""
     return call_op(_linear_op, _linear_impl, x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
+
+
+def _quantized_linear_impl(
+    x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, w_packed: torch.Tensor, w_scales: torch.Tensor,
+    alpha: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool,
+) -> torch.Tensor:
+    if (x.is_cuda and w_swizzled and gemm_backend(x.device) == "triton" and _kernel_takes_bias(bias, out_dtype)
+            and x.shape[0] > cast(ModuleType, kernels).PREDECODE_MAX_M):
+        # The large-M GEMM multiplies the activation's exact FP16 values: quantize straight to them (one pass, no
+        # packed bytes in between); decode(quantize(x)) has the same bytes (GPU-tested).
+        k = cast(ModuleType, kernels)
+        x16 = k.quantize_nvfp4_decoded(x, global_scale, fast_math=fast_math)
+        return k.nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
+    x_packed, x_scales = quantize(x, global_scale, fast_math)
+    return _linear_impl(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
+
+
+_quantized_linear_op = torch.library.custom_op("nvfp4_fast::quantized_linear", mutates_args=())(
+    _quantized_linear_impl)
+
+
+@_quantized_linear_op.register_fake
+def _(x, global_scale, fast_math, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled):
+    return x.new_empty((x.shape[0], w_packed.shape[0]), dtype=out_dtype)
+
+
+def quantized_linear(
+    x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, w_packed: torch.Tensor, w_scales: torch.Tensor,
+    alpha: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool = True,
+) -> torch.Tensor:
+    """``nvfp4_linear(*quantize(x, global_scale, fast_math), ...)``: x ``[M, K]`` BF16/FP16 -> ``[M, N]`` in
+    ``out_dtype``, the same bytes; on SM80-SM90 with M > 64 the activation goes straight to its decoded FP16 values.
+    """
+    return call_op(_quantized_linear_op, _quantized_linear_impl, x.contiguous(), global_scale, fast_math, w_packed,
+                   w_scales, alpha, bias, out_dtype, w_swizzled)

@@ -2,8 +2,10 @@
 
 ``fused_block_forward`` is diffusers' ``QwenImageTransformerBlock.forward`` with the norm2 section of each stream
 replaced by ``_mlp_stream``: the kernel returns the new residual and FC1's quantized input, and FC1 runs
-``forward_prequantized``; GELU, FC2 and the gate2 residual stay diffusers' code. It is installed per block
-instance with ``swap_forward`` so cache hooks keep wrapping it.
+``forward_prequantized``; then GELU and FC2's quantize run as one kernel (``qwen_gelu``) where FC2 is NVFP4, and the
+gate2 residual stays diffusers' code. It is installed per block instance with ``swap_forward`` so cache hooks keep
+wrapping it. Under ``torch.compile`` GELU stays diffusers' op: inductor computes it in its own way, and compiled on
+must equal compiled off.
 
 Where both attention output projections are ``NVFP4Linear`` with a bias, their bias add moves into the kernel
 (one pass over ``[B, L, D]`` less per stream): the block's attention processor is wrapped so that it sees the
@@ -21,6 +23,9 @@ from torch import nn
 
 from ..format import fast_math_from_env
 from ..linear import NVFP4Linear
+from ..ops.dispatch import triton_runs_on
+from ..ops.gelu_quantize import KIND as KIND_GELU
+from ..ops.gelu_quantize import gelu_mismatch, gelu_quantize_checked
 from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs, kernel_runs_on, qwen_resnorm_quantize_checked
 from ..ops.verify import failed_kind_reason, record_fallback, stats_for
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
@@ -207,10 +212,66 @@ def _mlp_stream(
     hidden, y = fc1(ResNormInput(inputs, float(cast(nn.LayerNorm, norm).eps), cast(int, block._nvfp4_stats_id),
                                  shape_class))
     y = y.reshape(*residual.shape[:-1], fc1.out_features)
-    y = cast(Any, ff.net)[0].gelu(y)
-    for module in list(cast(nn.ModuleList, ff.net))[1:]:  # not ff.net[1:] (see _DeferredBiasView.to_out)
+    return hidden + gate2 * _gelu_fc2(ff, y, cast(int, block._nvfp4_stats_id))
+
+
+def gelu_fc2_gate(ff: nn.Module, y: torch.Tensor) -> str | None:
+    """None when GELU and FC2's quantize can run as one kernel on FC1's output ``y``, else the reason they cannot.
+    (``resnorm_gate`` already checked the feed-forward and its GELU module for hooks.)"""
+    from diffusers.models.activations import GELU
+
+    net = list(cast(nn.ModuleList, ff.net))  # not ff.net[...] slices (see _DeferredBiasView.to_out)
+    if len(net) < 3 or type(net[0]) is not GELU or not isinstance(net[1], nn.Dropout):
+        return "feed-forward is not GELU, Dropout, FC2"
+    if net[0].approximate != "tanh":
+        return f"GELU approximate={net[0].approximate!r} (tanh only)"
+    if net[1].training and net[1].p > 0:
+        return "dropout in training mode"
+    reason = call_changed_reason("feed-forward dropout", net[1]) or consumer_reason(net[2], "FC2")
+    if reason is not None:
+        return reason
+    if torch.compiler.is_compiling():
+        return "torch.compile (inductor computes GELU its own way; its op is kept)"
+    if y.dtype not in (torch.bfloat16, torch.float16) or y.shape[-1] % 16:
+        return f"FC1 output {y.dtype} width {y.shape[-1]} (bf16/fp16, a multiple of 16)"
+    if failed_kind_reason(KIND_GELU) is not None:
+        return "verification failed earlier in this process"
+    return gelu_mismatch(y.device, y.dtype) if triton_runs_on(y) else None
+
+
+class GeluInput(NamedTuple):
+    """What the fused path hands FC2 in place of ``gelu(hidden)``; the layer quantizes it with its own
+    ``input_scale_inv`` once its hooks have run."""
+
+    hidden: torch.Tensor
+    stats_id: int
+    shape_class: str
+
+    def run_on(self, layer: NVFP4Linear) -> torch.Tensor:
+        packed, scales = gelu_quantize_checked(self.hidden.reshape(-1, self.hidden.shape[-1]), layer.input_scale_inv,
+                                               fast_math_from_env(), self.stats_id, self.shape_class)
+        return layer.forward_prequantized(packed, scales, self.hidden.dtype)
+
+
+def _gelu_fc2(ff: nn.Module, y: torch.Tensor, stats_id: int) -> torch.Tensor:
+    """diffusers' ``ff.net[0].gelu`` and the rest of ``ff.net`` on FC1's output, with GELU folded into FC2's
+    quantize where ``gelu_fc2_gate`` allows."""
+    net = list(cast(nn.ModuleList, ff.net))
+    reason = gelu_fc2_gate(ff, y)
+    if reason is not None:
+        stats = stats_for(stats_id)
+        if stats is not None:
+            record_fallback(stats, KIND_GELU, reason)
+        y = cast(Any, net[0]).gelu(y)
+        for module in net[1:]:
+            y = module(y)
+        return y
+    fc2 = cast(NVFP4Linear, net[2])  # the gate passed: FC2 is an NVFP4Linear, net[1] an inactive dropout
+    shape_class = f"K={y.shape[-1]},{y.dtype},{y.device}"
+    y = fc2(GeluInput(y, stats_id, shape_class)).reshape(*y.shape[:-1], fc2.out_features)
+    for module in net[3:]:
         y = module(y)
-    return hidden + gate2 * y
+    return y
 
 
 def _bias_deferred(block: nn.Module) -> bool:
@@ -271,7 +332,7 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
     """Swap the forward of every block whose image or text FC1 is NVFP4. Returns ``{site kind: count}``."""
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
-    count = 0
+    count = gelu_sites = 0
     for block in getattr(model, "transformer_blocks", []):
         if not isinstance(block, QwenImageTransformerBlock):
             continue
@@ -295,4 +356,6 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
 
         restore.append(restore_block)
         count += 1
-    return {KIND: count}
+        gelu_sites += sum(fc1 is not None and len(ff.net) > 2 and nvfp4_layer(ff.net[2]) is not None
+                          for fc1, ff in ((img_fc1, block.img_mlp), (txt_fc1, block.txt_mlp)))
+    return {KIND: count, **({KIND_GELU: gelu_sites} if gelu_sites else {})}

@@ -92,3 +92,17 @@ def swiglu_adversarial(rows: int, hidden: int, device="cuda", seed: int = 0) -> 
     pick_up = torch.randint(0, 8 * len(edges), (rows, hidden), device=device, generator=gen)
     up = torch.where(pick_up < len(edges), edges[pick_up.clamp(max=len(edges) - 1)], up)
     return torch.cat([gate, up], dim=-1).to(torch.bfloat16)
+
+
+def gelu_adversarial(rows: int, cols: int, device="cuda", seed: int = 0) -> torch.Tensor:
+    """bf16 ``[rows, cols]`` FC1 outputs that stress GELU (tanh): ``x**3`` overflowing (|x| from 1e13 up, Inf, where
+    ``0.5 * x * (1 + tanh)`` becomes -0 or NaN), tanh saturating, tanh arguments around its algorithm's switch
+    (|inner| near 0.55-0.6), subnormal and zero inputs (both signs), NaN, alongside random values."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    edges = torch.tensor([1e13, 1e20, 3e38, float("inf"), float("nan"), 0.0, 1e-39, 1e-3, 0.6, 0.66, 0.7, 0.75, 4.0,
+                          5.5, 9.0, 10.0], device=device)
+    signs = torch.where(torch.rand(rows, cols, device=device, generator=gen) < 0.5, -1.0, 1.0)
+    x = torch.randn(rows, cols, device=device, generator=gen) * 3
+    pick = torch.randint(0, 4 * len(edges), (rows, cols), device=device, generator=gen)
+    x = torch.where(pick < len(edges), edges[pick.clamp(max=len(edges) - 1)] * signs, x)
+    return x.to(torch.bfloat16)

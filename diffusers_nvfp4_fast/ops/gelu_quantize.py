@@ -1,0 +1,93 @@
+"""Qwen-Image GELU quantize: ``quantize(gelu(h, approximate="tanh"))`` without writing the GELU output.
+
+``hidden`` is a feed-forward's FC1 output ``[..., K]``; the result is FC2's quantized input. Reference:
+``gelu_quantize_reference`` (diffusers' own op, then the unfused quantize; docs/design.md §6). Kernel:
+``kernels.gelu_quantize_triton``. Besides the first-use verification of each call shape, ``gelu_mismatch`` checks the
+kernel's GELU against torch's on all 65,536 values of the dtype, once per process and device: GELU is elementwise, so
+that check covers every input the fused op can see.
+"""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
+from .quantize import empty_quantized, quantize
+from .verify import run_checked
+
+KIND = "qwen_gelu"  # quantize(gelu(FC1 output)) into FC2
+
+_MISMATCH: dict[tuple[str, torch.dtype], str | None] = {}  # (device, dtype) -> what differs, None if nothing
+_lock = threading.Lock()
+
+
+def gelu_mismatch(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the Triton kernel's GELU equals ``F.gelu(x, approximate="tanh")`` for every ``dtype`` value on
+    ``device`` (NaNs of any payload count as equal: the quantize encodes every NaN alike), else what differs.
+    Computed once per process, device and dtype; while a CUDA graph is being captured, before that check, it cannot
+    run and says so (the caller falls back)."""
+    key = (str(device), dtype)
+    if key not in _MISMATCH:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return "GELU not yet checked against torch's when captured into a CUDA graph"
+        values = torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
+        got = cast(ModuleType, kernels).gelu_triton(values)
+        want = F.gelu(values, approximate="tanh")
+        differ = (got.view(torch.int16) != want.view(torch.int16)) & ~(got.isnan() & want.isnan())
+        n = int(differ.sum())
+        example = values[differ][:4].float().tolist()
+        with _lock:
+            _MISMATCH[key] = None if n == 0 else f"{n} of 65536 {dtype} values differ from torch's GELU, e.g. {example}"
+    return _MISMATCH[key]
+
+
+def gelu_quantize_reference(
+    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused computation: diffusers 0.42.1 ``GELU.gelu`` (``F.gelu(h, approximate="tanh")``), then
+    ``quantize``."""
+    x = F.gelu(hidden, approximate="tanh")
+    return quantize(x.reshape(-1, x.shape[-1]), global_scale, fast_math)
+
+
+def _gelu_impl(hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if triton_runs_on(hidden):
+        return cast(ModuleType, kernels).gelu_quantize_triton(hidden, global_scale, fast_math=fast_math)
+    return gelu_quantize_reference(hidden, global_scale, fast_math)
+
+
+def _gelu_fake(hidden, global_scale, fast_math, *_):
+    return empty_quantized(hidden, hidden.numel() // hidden.shape[-1], hidden.shape[-1])
+
+
+def _gelu_checked_impl(
+    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return cast("tuple[torch.Tensor, torch.Tensor]", run_checked(
+        stats_id, KIND, shape_class, ("packed", "scales"),
+        lambda: _gelu_impl(hidden, global_scale, fast_math),
+        lambda: gelu_quantize_reference(hidden, global_scale, fast_math),
+    ))
+
+
+_gelu_op, _gelu_checked_op = custom_op_pair("gelu_quantize", _gelu_impl, _gelu_checked_impl, _gelu_fake)
+
+
+def gelu_quantize(
+    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden ``[..., K]`` BF16/FP16, K % 16 == 0 -> packed uint8 ``[R, K/2]``, 128x4 scales uint8
+    ``[round_up(R,128), round_up(K/16,4)]`` of ``gelu(hidden, approximate="tanh")``."""
+    return call_op(_gelu_op, _gelu_impl, hidden, global_scale, fast_math)
+
+
+def gelu_quantize_checked(
+    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gelu_quantize`` with first-use byte verification against the reference (``verify.run_checked``)."""
+    return call_op(_gelu_checked_op, _gelu_checked_impl, hidden, global_scale, fast_math, stats_id, shape_class)

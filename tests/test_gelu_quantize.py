@@ -1,0 +1,142 @@
+"""The fused GELU (tanh) quantize kernel (``kernels/gelu_quantize.py``): ``quantize(gelu(h, approximate="tanh"))``
+without writing the activation, byte for byte: under the Triton interpreter (CPU; it has no libdevice, so the kernel's
+tanh there is ``1 - 2 / (exp(2x) + 1)`` and the reference repeats that arithmetic in NumPy), compiled ahead of time for
+SM90 / SM100 / SM120 (CPU), and on the GPU against diffusers' own torch op (``gpu``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed, so the GELU kernel tests did not run; they "
+                                               "run wherever Triton is installed, as in CI (pip install -e '.[test]')")
+from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
+from diffusers_nvfp4_fast.ops.gelu_quantize import gelu_quantize_reference  # noqa: E402
+from support.inputs import INPUT_KINDS, gelu_adversarial, global_scale_for, make_input  # noqa: E402
+from support.interpreter import run_interpreted  # noqa: E402
+
+WIDTHS = (12288, 3072)  # Qwen-Image's FC2 input; a narrower one
+ROWS = (1, 17, 512, 4096)
+
+
+def _same(got, want) -> None:
+    assert torch.equal(got[0], want[0]), f"packed: {(got[0] != want[0]).sum().item()} bytes differ"
+    assert torch.equal(got[1], want[1]), f"scales: {(got[1] != want[1]).sum().item()} bytes differ"
+
+
+def interpreter_gelu(h: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic under the interpreter, in NumPy FP32: torch's rounding steps, the interpreter's
+    ``tl.fma`` (a product and a sum, each rounded) and its tanh stand-in."""
+    from diffusers_nvfp4_fast.kernels.gelu_quantize import GELU_BETA, GELU_KAPPA
+
+    x = h.float().numpy()
+    f = np.float32
+    with np.errstate(over="ignore", invalid="ignore"):
+        inner = f(GELU_BETA.value) * (f(GELU_KAPPA.value) * ((x * x) * x) + x)
+        t = f(1) - f(2) / (np.exp(f(2) * inner) + f(1))
+        y = (f(0.5) * x) * (f(1) + t)
+    return torch.from_numpy(y.astype(np.float32)).to(h.dtype)
+
+
+def interpreted_gelu() -> dict:
+    from diffusers_nvfp4_fast.kernels import gelu_quantize_triton
+
+    result = {}
+    g = torch.tensor([2688 / 40.0])
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        h = gelu_adversarial(40, 96, device="cpu", seed=1).to(dtype)
+        wide = torch.cat([torch.zeros(40, 32, dtype=dtype), h], -1)[:, 32:]  # a row-strided view
+        equal = []
+        for x, block_c in ((h, 16), (h, 4), (wide, 8), (h[:3], 16)):
+            # Precise quantizer only: the fast-math one's rcp.approx is inline PTX, which the interpreter cannot run.
+            got = gelu_quantize_triton(x, g, fast_math=False, block_c=block_c)
+            want = reference_quantize(interpreter_gelu(x), g[0], fast_math=False)
+            equal.append(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+        result[name] = equal
+    return result
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_interpreted_kernel_matches_gelu_then_quantize(dtype):
+    result = run_interpreted(__name__, "interpreted_gelu")[dtype]
+    assert len(result) == 4 and all(result), result
+
+
+def test_reference_is_diffusers_gelu():
+    """The op's reference computes what diffusers' ``GELU`` module (tanh) computes after its projection, then the
+    unfused quantize."""
+    from diffusers.models.activations import GELU
+
+    h = gelu_adversarial(8, 64, device="cpu")
+    g = global_scale_for(make_input("randn", 8, 64, device="cpu"))
+    module_out = GELU(64, 64, approximate="tanh").gelu(h)
+    _same(gelu_quantize_reference(h, g, False), reference_quantize(module_out, g, fast_math=False))
+
+
+@pytest.mark.parametrize("capability", [90, 100, 120])
+@pytest.mark.parametrize("fast_math", [True, False])
+def test_compiles_ahead_of_time(capability, fast_math):
+    from sass_count import compile_kernel
+
+    compiled = compile_kernel("gelu", capability, fast_math, block_c=16)
+    ptx = compiled.asm["ptx"]
+    assert ("cvt.rn.satfinite.e2m1x2.f32" in ptx) == (capability >= 100)
+    # libdevice's tanhf is linked in (no tanh.approx), and the one FMA torch's nvcc build contracts is there.
+    assert "tanh.approx" not in ptx and "fma.rn.f32" in ptx
+    assert len(compiled.asm["cubin"]) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("kind", [*INPUT_KINDS, "gelu_adversarial"])
+def test_gpu_equals_diffusers_gelu_then_quantize(width, rows, kind):
+    from diffusers_nvfp4_fast.kernels import gelu_quantize_triton
+
+    h = gelu_adversarial(rows, width, seed=3) if kind == "gelu_adversarial" else make_input(kind, rows, width, seed=3)
+    g = global_scale_for(make_input("randn", rows, width, seed=4))
+    for fast in (False, True):
+        _same(gelu_quantize_triton(h, g, fast_math=fast), gelu_quantize_reference(h, g, fast))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gelu_equals_torch_on_every_value(dtype):
+    """All 65,536 bit patterns through the kernel's GELU alone against torch's CUDA GELU (before the quantize, so a
+    single differing value cannot hide in a block's rounding): what ``gelu_mismatch`` checks at run time. NaN outputs
+    must be NaN on both sides; their payloads are compared too (both round with ``cvt.rn``)."""
+    from diffusers_nvfp4_fast.kernels import gelu_triton
+    from diffusers_nvfp4_fast.ops.gelu_quantize import gelu_mismatch
+
+    assert gelu_mismatch(torch.device("cuda"), dtype) is None
+    x = torch.arange(65536, dtype=torch.int32, device="cuda").to(torch.int16).view(dtype)
+    got, want = gelu_triton(x).view(torch.int16), torch.nn.functional.gelu(x, approximate="tanh").view(torch.int16)
+    differ = (got != want).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} values differ, e.g. inputs {x[differ[:8]].float().tolist()}"
+
+
+def interpreted_mismatch() -> dict:
+    """``gelu_mismatch`` on the CPU under the interpreter, where the kernel's tanh is a stand-in: it must notice."""
+    from diffusers_nvfp4_fast.ops import gelu_quantize
+
+    return {"bf16": gelu_quantize.gelu_mismatch(torch.device("cpu"), torch.bfloat16)}
+
+
+def test_gelu_mismatch_reports_a_kernel_that_differs():
+    """The run-time check is not vacuous: with the interpreter's tanh stand-in the kernel's GELU differs from torch's
+    CPU GELU on some values, and the check says how many, with examples."""
+    reason = run_interpreted(__name__, "interpreted_mismatch")["bf16"]
+    assert reason is not None and "of 65536 torch.bfloat16 values differ from torch's GELU, e.g. [" in reason, reason
+
+
+@pytest.mark.gpu
+def test_gpu_strided_batched_and_fp16():
+    from diffusers_nvfp4_fast.kernels import gelu_quantize_triton
+
+    wide = gelu_adversarial(2 * 500, 12288 + 64, seed=5).reshape(2, 500, -1)
+    h = wide[..., 64:]  # strided rows
+    g = torch.tensor([2688 / 5.0], device="cuda")
+    for fast in (False, True):
+        _same(gelu_quantize_triton(h, g, fast_math=fast), gelu_quantize_reference(h, g, fast))
+        _same(gelu_quantize_triton(h.half(), g, fast_math=fast), gelu_quantize_reference(h.half(), g, fast))
