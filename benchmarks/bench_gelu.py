@@ -3,7 +3,9 @@
 Usage: python benchmarks/bench_gelu.py [--rows 512 4096] [--sweep]
 The site: FC2's input in a Qwen-Image feed-forward, ``gelu(h, approximate="tanh")`` with K = 12288, at the text (512
 rows) and image (4096 rows at 1024x1024) streams. Bytes moved by the fused kernel: read ``h``, write the packed
-values and the scales. Writes benchmarks/results/gelu-<device>.json.
+values and the scales. The ``"output": "fp16"`` cases time what runs on Hopper above 64 rows, where FC2's GEMM takes
+the decoded FP16 values: the fused kernel's decoded variant vs GELU + ``quantize_nvfp4_decoded`` (read ``h``, write
+FP16). Writes benchmarks/results/gelu-<device>.json.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ def case(rows: int, width: int, g: torch.Tensor, copy: float) -> list[dict]:
     exact = all(torch.equal(x, y) for x, y in zip(fused(), unfused(h, g)))
     us = {"fused": time_us(fused), "unfused": time_us(lambda: unfused(h, g)), "compiled": time_us(lambda: compiled(h))}
     compiled_exact = all(torch.equal(x, y) for x, y in zip(compiled(h), fused()))
-    return bandwidth_cases({"rows": rows, "K": width}, us, nbytes, copy, exact, compiled_exact)
+    cases = bandwidth_cases({"rows": rows, "K": width, "output": "packed"}, us, nbytes, copy, exact, compiled_exact)
+    fused16 = lambda: kernels.gelu_quantize_decoded_triton(h, g)  # noqa: E731
+    unfused16 = lambda: kernels.quantize_nvfp4_decoded(F.gelu(h, approximate="tanh"), g)  # noqa: E731
+    exact16 = torch.equal(fused16().view(torch.int16), unfused16().view(torch.int16))
+    us16 = {"fused": time_us(fused16), "unfused": time_us(unfused16)}
+    return cases + bandwidth_cases({"rows": rows, "K": width, "output": "fp16"}, us16, rows * width * 4, copy, exact16,
+                                   exact16)
 
 
 def sweep(width: int, g: torch.Tensor) -> list[dict]:

@@ -7,8 +7,9 @@
 #   native:   bench_native.py (diffusers' own NVFP4 modules vs enable_fast_paths) and the step profiles
 #   benches:  token-cat, SwiGLU, Qwen kernel, GEMM and launch benchmarks
 #   tiles:    the GEMM epilogue, tile-height and quantize-to-FP16 tests, then bench_gemm_tiles.py
-#   verify:   GEMM tests touched by the epilogue bias and tile heights, the GELU kernel tests, the Qwen-Image
-#             fast-path GPU tests, bench_gelu.py, the Qwen CUDA-graph step
+#   verify:   the GELU kernel tests, the Qwen-Image fast-path GPU tests, the Qwen steps (CUDA graph, eager),
+#             bench_gelu.py
+#   verify_gemm: GEMM tests touched by the epilogue bias and tile heights
 #   fusions:  the SwiGLU and rotary kernel tests, the FLUX.2 fast-path GPU tests, bench_swiglu.py, bench_rotary.py
 #   steps:    full-size FLUX.2-dev and Qwen-Image step benchmarks, eager and as CUDA-graph replays
 #   compiled: the same steps under torch.compile (inductor; the first calls compile for minutes)
@@ -52,11 +53,13 @@ for group in ${@:-kernels models}; do
       TAIL=8 step 200 t_tiles $P tests/test_gemm.py tests/test_quantize.py -k "bias or tile_heights or decoded or quantized_linear or sm90_kernel_equals" --durations=5
       TAIL=80 step 330 bench_gemm_tiles python3 benchmarks/bench_gemm_tiles.py ;;
     verify)
-      TAIL=6 step 200 t_gemm_touched $P tests/test_gemm.py -k "dtype2 or split_k or every_config or matches_emulation or padding or repeatable" --durations=3
-      TAIL=6 step 120 t_gelu $P tests/test_gelu_quantize.py --durations=3
-      TAIL=8 step 220 t_qwen $P tests/test_fast_paths.py tests/test_offload.py tests/test_lora.py -k "qwen" --durations=5
-      TAIL=8 step 60 bench_gelu python3 benchmarks/bench_gelu.py --sweep
-      TAIL=12 step 100 graph_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --cuda-graph --steps-timed 7 ;;
+      TAIL=6 step 150 t_gelu $P tests/test_gelu_quantize.py --durations=3
+      TAIL=8 step 240 t_qwen $P tests/test_fast_paths.py tests/test_offload.py tests/test_lora.py -k "qwen" --durations=5
+      TAIL=12 step 110 graph_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --cuda-graph --steps-timed 7
+      TAIL=12 step 130 step_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024 --steps-timed 21
+      TAIL=12 step 60 bench_gelu python3 benchmarks/bench_gelu.py --sweep ;;
+    verify_gemm)
+      TAIL=6 step 200 t_gemm_touched $P tests/test_gemm.py -k "dtype2 or split_k or every_config or matches_emulation or padding or repeatable" --durations=3 ;;
     fusions)
       TAIL=6 step 150 t_fused_kernels $P tests/test_swiglu_quantize.py tests/test_rotary.py --durations=3
       TAIL=8 step 240 t_flux2 $P tests/test_fast_paths.py tests/test_offload.py tests/test_budget.py -k "flux2 or full_size or leaf" --durations=5

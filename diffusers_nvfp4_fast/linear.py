@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .format import BLOCK_SIZE, ScaleLayout, fast_math_from_env, padded_scale_shape, swizzle_scales
-from .ops.linear import nvfp4_linear, quantized_linear
+from .ops.linear import linear_fp16_x, nvfp4_linear, quantized_linear, takes_decoded_activation
 from .ops.quantize import quantize
 
 
@@ -233,6 +233,18 @@ class NVFP4Linear(nn.Module):
             x_packed, x_scales, self.weight, self.weight_scale, self.alpha, self.bias, out_dtype,
             self.scale_layout == "128x4",
         )
+
+    def takes_decoded_input(self, x: torch.Tensor) -> bool:
+        """Whether this layer's GEMM for ``x`` (``[rows, K]``) multiplies the activation's decoded FP16 values, so a
+        fused producer may hand them over with ``forward_decoded`` instead of packed bytes."""
+        return not self.dynamic_input_scale and takes_decoded_activation(
+            x.shape[0], x.device, self.bias, x.dtype, self.scale_layout == "128x4")
+
+    def forward_decoded(self, x16: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x16: FP16 ``[M, K]``, the exact decoded values of an activation quantized with this layer's
+        ``input_scale_inv`` (only where ``takes_decoded_input``) -> ``[M, N]``, the bytes ``forward_prequantized``
+        gives for the packed form."""
+        return linear_fp16_x(x16, self.weight, self.weight_scale, self.alpha, self.bias, out_dtype)
 
     def extra_repr(self) -> str:
         return (

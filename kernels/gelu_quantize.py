@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .launch import INTERPRETING, launch
 from .nvfp4_epilogue import block_tile, load_blocks, quantize_blocks, store_blocks, unpack4
-from .quantize_nvfp4 import launch_block_quantize
+from .quantize_nvfp4 import launch_block_quantize, launch_decoded_quantize, store_decoded
 from .rounding import round_to_half
 
 try:
@@ -51,16 +51,23 @@ def gelu_word(q, IS_BF16: tl.constexpr):
 
 
 @triton.jit
+def _gelu_blocks(h_ptr, g_ptr, rows, kbs, row_stride, mask, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
+                 HW_E2M1: tl.constexpr):
+    """The tile's 16-blocks of ``gelu(h)``, quantized: (packed int64, E4M3 scale byte). Masked lanes load 0 and
+    gelu(0) is +0, so padding blocks get zero scales, as the plain quantize's do."""
+    q0, q1, q2, q3 = load_blocks(h_ptr, rows, kbs, row_stride, mask)
+    return quantize_blocks(gelu_word(q0, IS_BF16), gelu_word(q1, IS_BF16), gelu_word(q2, IS_BF16),
+                           gelu_word(q3, IS_BF16), tl.load(g_ptr), IS_BF16, FAST_MATH, HW_E2M1)
+
+
+@triton.jit
 def _gelu_quantize_kernel(
     h_ptr, g_ptr, packed_ptr, scales_ptr, M, K, row_stride, padded_cols, col_tiles,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
     HW_E2M1: tl.constexpr,
 ):
     rows, kbs, mask = block_tile(tl.program_id(0), col_tiles, M, K, BLOCK_R, BLOCK_C)
-    q0, q1, q2, q3 = load_blocks(h_ptr, rows, kbs, row_stride, mask)
-    # Masked lanes loaded 0 and gelu(0) is +0: padding blocks quantize to zero scales, as the plain quantize's do.
-    packed, sf_byte = quantize_blocks(gelu_word(q0, IS_BF16), gelu_word(q1, IS_BF16), gelu_word(q2, IS_BF16),
-                                      gelu_word(q3, IS_BF16), tl.load(g_ptr), IS_BF16, FAST_MATH, HW_E2M1)
+    packed, sf_byte = _gelu_blocks(h_ptr, g_ptr, rows, kbs, row_stride, mask, IS_BF16, FAST_MATH, HW_E2M1)
     store_blocks(packed, sf_byte, rows, kbs, packed_ptr, scales_ptr, M, K, padded_cols)
 
 
@@ -73,6 +80,28 @@ def gelu_quantize_triton(
     ``gelu(hidden, approximate="tanh")``."""
     h = hidden.reshape(-1, hidden.shape[-1])
     return launch_block_quantize(_gelu_quantize_kernel, h, global_scale, fast_math, block_r, block_c, num_warps)
+
+
+@triton.jit
+def _gelu_quantize_decoded_kernel(
+    h_ptr, g_ptr, out_ptr, M, K, row_stride, col_tiles,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
+    HW_E2M1: tl.constexpr,
+):
+    rows, kbs, mask = block_tile(tl.program_id(0), col_tiles, M, K, BLOCK_R, BLOCK_C)
+    packed, sf_byte = _gelu_blocks(h_ptr, g_ptr, rows, kbs, row_stride, mask, IS_BF16, FAST_MATH, HW_E2M1)
+    store_decoded(packed, sf_byte, rows, kbs, out_ptr, K, mask)
+
+
+def gelu_quantize_decoded_triton(
+    hidden: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True, block_r: int = 8, block_c: int = 16,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """``gelu_quantize_triton`` straight to the exact FP16 values the large-M GEMM multiplies (``decode_nvfp4_rows``
+    of its result, without the packed bytes in between): hidden ``[..., K]`` -> FP16 ``[R, K]``."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    return launch_decoded_quantize(_gelu_quantize_decoded_kernel, h, global_scale, fast_math, block_r, block_c,
+                                   num_warps)
 
 
 @triton.jit

@@ -87,6 +87,18 @@ def _decoded_words(packed, scale):
 
 
 @triton.jit
+def store_decoded(packed, sf_byte, rows, kbs, out_ptr, K, mask):
+    """Store quantized blocks as their exact FP16 values: ``out_ptr`` is the FP16 ``[M, K]`` output viewed as int64
+    (four values per word), ``mask`` the blocks inside the matrix."""
+    w0, w1, w2, w3 = _decoded_words(packed, e4m3_value(sf_byte))
+    p = out_ptr + rows[:, None].to(tl.int64) * (K // 4) + kbs[None, :] * 4
+    tl.store(p, w0, mask=mask)
+    tl.store(p + 1, w1, mask=mask)
+    tl.store(p + 2, w2, mask=mask)
+    tl.store(p + 3, w3, mask=mask)
+
+
+@triton.jit
 def _quantize_nvfp4_decoded_kernel(
     x_ptr, g_ptr, out_ptr, M, K, row_stride, col_tiles,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
@@ -95,12 +107,7 @@ def _quantize_nvfp4_decoded_kernel(
     rows, kbs, mask = block_tile(tl.program_id(0), col_tiles, M, K, BLOCK_R, BLOCK_C)
     q0, q1, q2, q3 = load_blocks(x_ptr, rows, kbs, row_stride, mask)
     packed, sf_byte = quantize_blocks(q0, q1, q2, q3, tl.load(g_ptr), IS_BF16, FAST_MATH, HW_E2M1)
-    w0, w1, w2, w3 = _decoded_words(packed, e4m3_value(sf_byte))
-    p = out_ptr + rows[:, None].to(tl.int64) * (K // 4) + kbs[None, :] * 4
-    tl.store(p, w0, mask=mask)
-    tl.store(p + 1, w1, mask=mask)
-    tl.store(p + 2, w2, mask=mask)
-    tl.store(p + 3, w3, mask=mask)
+    store_decoded(packed, sf_byte, rows, kbs, out_ptr, K, mask)
 
 
 def quantize_nvfp4_decoded(
@@ -120,17 +127,25 @@ def quantize_nvfp4_decoded(
     """
     if x.dim() != 2:
         raise ValueError(f"quantize_nvfp4_decoded wants a 2-D input, got shape {tuple(x.shape)}")
+    return launch_decoded_quantize(_quantize_nvfp4_decoded_kernel, x, global_scale, fast_math, block_r, block_c,
+                                   num_warps)
+
+
+def launch_decoded_quantize(
+    kernel, x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, block_r: int, block_c: int, num_warps: int,
+) -> torch.Tensor:
+    """Allocate the FP16 output of a 2-D ``x`` and launch ``kernel``, which takes the arguments of
+    ``_quantize_nvfp4_decoded_kernel`` (x as int64 words, g, out as int64 words, M, K, row stride, column tiles)."""
     m, k = x.shape
     if k % 16:
         raise ValueError(f"K={k} must be a multiple of 16")
     blocks, row_stride = as_block_rows(x)
     out = torch.empty((m, k), dtype=torch.float16, device=x.device)
     col_tiles = triton.cdiv(k // 16, block_c)
-    grid = (triton.cdiv(m, block_r) * col_tiles,)
     if m:
         launch(
-            _quantize_nvfp4_decoded_kernel, grid, blocks, global_scale, out.view(torch.int64), m, k, row_stride,
-            col_tiles, BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
+            kernel, (triton.cdiv(m, block_r) * col_tiles,), blocks, global_scale, out.view(torch.int64), m, k,
+            row_stride, col_tiles, BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
             **launch_options(x.device, fast_math, num_warps),
         )
     return out

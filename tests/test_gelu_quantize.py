@@ -40,7 +40,8 @@ def interpreter_gelu(h: torch.Tensor) -> torch.Tensor:
 
 
 def interpreted_gelu() -> dict:
-    from diffusers_nvfp4_fast.kernels import gelu_quantize_triton
+    from diffusers_nvfp4_fast.format import decode_nvfp4
+    from diffusers_nvfp4_fast.kernels import gelu_quantize_decoded_triton, gelu_quantize_triton
 
     result = {}
     g = torch.tensor([2688 / 40.0])
@@ -53,14 +54,18 @@ def interpreted_gelu() -> dict:
             got = gelu_quantize_triton(x, g, fast_math=False, block_c=block_c)
             want = reference_quantize(interpreter_gelu(x), g[0], fast_math=False)
             equal.append(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+            decoded = gelu_quantize_decoded_triton(x, g, fast_math=False, block_c=block_c)
+            equal.append(torch.equal(decoded.view(torch.int16),
+                                     decode_nvfp4(*want, dtype=torch.float16).view(torch.int16)))
         result[name] = equal
     return result
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_interpreted_kernel_matches_gelu_then_quantize(dtype):
+    """Packed bytes and scales, and the FP16 values of the decoded variant (signed zeros included)."""
     result = run_interpreted(__name__, "interpreted_gelu")[dtype]
-    assert len(result) == 4 and all(result), result
+    assert len(result) == 8 and all(result), result
 
 
 def test_reference_is_diffusers_gelu():
@@ -140,3 +145,18 @@ def test_gpu_strided_batched_and_fp16():
     for fast in (False, True):
         _same(gelu_quantize_triton(h, g, fast_math=fast), gelu_quantize_reference(h, g, fast))
         _same(gelu_quantize_triton(h.half(), g, fast_math=fast), gelu_quantize_reference(h.half(), g, fast))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [65, 512, 4096])
+def test_gpu_decoded_variant_equals_decode_of_the_packed_result(rows):
+    """The variant for a GEMM that multiplies FP16 values gives ``decode(gelu_quantize(h))``, bit for bit."""
+    from diffusers_nvfp4_fast.kernels import gelu_quantize_decoded_triton, gelu_quantize_triton
+    from diffusers_nvfp4_fast.kernels.nvfp4_gemm import decode_nvfp4_rows
+
+    h = gelu_adversarial(rows, 12288, seed=rows)
+    g = torch.tensor([2688 / 5.0], device="cuda")
+    for fast in (False, True):
+        want = decode_nvfp4_rows(*gelu_quantize_triton(h, g, fast_math=fast), torch.float16)
+        got = gelu_quantize_decoded_triton(h, g, fast_math=fast)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))

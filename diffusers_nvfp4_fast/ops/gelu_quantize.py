@@ -2,9 +2,10 @@
 
 ``hidden`` is a feed-forward's FC1 output ``[..., K]``; the result is FC2's quantized input. Reference:
 ``gelu_quantize_reference`` (diffusers' own op, then the unfused quantize; docs/design.md §6). Kernel:
-``kernels.gelu_quantize_triton``. Besides the first-use verification of each call shape, ``gelu_mismatch`` checks the
-kernel's GELU against torch's on all 65,536 values of the dtype, once per process and device: GELU is elementwise, so
-that check covers every input the fused op can see.
+``kernels.gelu_quantize_triton``; ``gelu_quantize_decoded_checked`` gives the exact FP16 values of that result
+instead, for an FC2 whose GEMM multiplies those (SM80-SM90, more than 64 rows). Besides the first-use verification of
+each call shape, ``gelu_mismatch`` checks the kernel's GELU against torch's on all 65,536 values of the dtype, once
+per process and device: GELU is elementwise, so that check covers every input the fused op can see.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
+from .. import format as nvfp4
 from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
 from .quantize import empty_quantized, quantize
 from .verify import run_checked
@@ -91,3 +93,41 @@ def gelu_quantize_checked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``gelu_quantize`` with first-use byte verification against the reference (``verify.run_checked``)."""
     return call_op(_gelu_checked_op, _gelu_checked_impl, hidden, global_scale, fast_math, stats_id, shape_class)
+
+
+def gelu_quantize_decoded_reference(hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> torch.Tensor:
+    """The unfused computation, then the decode: FP16 ``[R, K]``, each E2M1 value times its E4M3 block scale."""
+    return nvfp4.decode_nvfp4(*gelu_quantize_reference(hidden, global_scale, fast_math), dtype=torch.float16)
+
+
+def _gelu_decoded_impl(hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> torch.Tensor:
+    if triton_runs_on(hidden):
+        return cast(ModuleType, kernels).gelu_quantize_decoded_triton(hidden, global_scale, fast_math=fast_math)
+    return gelu_quantize_decoded_reference(hidden, global_scale, fast_math)
+
+
+def _gelu_decoded_fake(hidden, global_scale, fast_math, *_):
+    return hidden.new_empty((hidden.numel() // hidden.shape[-1], hidden.shape[-1]), dtype=torch.float16)
+
+
+def _gelu_decoded_checked_impl(
+    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str,
+) -> torch.Tensor:
+    return run_checked(
+        stats_id, KIND, shape_class + ",decoded", ("decoded",),
+        lambda: (_gelu_decoded_impl(hidden, global_scale, fast_math),),
+        lambda: (gelu_quantize_decoded_reference(hidden, global_scale, fast_math),),
+    )[0]
+
+
+_gelu_decoded_op, _gelu_decoded_checked_op = custom_op_pair(
+    "gelu_quantize_decoded", _gelu_decoded_impl, _gelu_decoded_checked_impl, _gelu_decoded_fake)
+
+
+def gelu_quantize_decoded_checked(
+    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str,
+) -> torch.Tensor:
+    """hidden ``[..., K]`` -> FP16 ``[R, K]``: the decoded values of ``gelu_quantize``'s result, with first-use byte
+    verification against the reference (``verify.run_checked``)."""
+    return call_op(_gelu_decoded_checked_op, _gelu_decoded_checked_impl, hidden, global_scale, fast_math, stats_id,
+                   shape_class)

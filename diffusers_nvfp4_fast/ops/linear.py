@@ -85,12 +85,45 @@ def nvfp4_linear(
     return call_op(_linear_op, _linear_impl, x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
 
 
+def takes_decoded_activation(
+    rows: int, device: torch.device, bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool
+) -> bool:
+    """Whether the GEMM for ``rows`` activation rows on ``device`` multiplies the activation's decoded FP16 values
+    (SM80-SM90 with more than 64 rows), so that a producer may hand it those (``linear_fp16_x``) instead of packed
+    bytes."""
+    return (device.type == "cuda" and w_swizzled and gemm_backend(device) == "triton"
+            and _kernel_takes_bias(bias, out_dtype) and rows > cast(ModuleType, kernels).PREDECODE_MAX_M)
+
+
+def _linear_fp16_x_impl(
+    x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return cast(ModuleType, kernels).nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
+
+
+_linear_fp16_x_op = torch.library.custom_op("nvfp4_fast::linear_fp16_x", mutates_args=())(_linear_fp16_x_impl)
+
+
+@_linear_fp16_x_op.register_fake
+def _(x16, w_packed, w_scales, alpha, bias, out_dtype):
+    return x16.new_empty((x16.shape[0], w_packed.shape[0]), dtype=out_dtype)
+
+
+def linear_fp16_x(
+    x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``nvfp4_linear`` on an activation already decoded to its exact FP16 values ``[M, K]`` (where
+    ``takes_decoded_activation`` holds): the same bytes as passing its packed form."""
+    return call_op(_linear_fp16_x_op, _linear_fp16_x_impl, x16, w_packed, w_scales, alpha, bias, out_dtype)
+
+
 def _quantized_linear_impl(
     x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, w_packed: torch.Tensor, w_scales: torch.Tensor,
     alpha: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool,
 ) -> torch.Tensor:
-    if (x.is_cuda and w_swizzled and gemm_backend(x.device) == "triton" and _kernel_takes_bias(bias, out_dtype)
-            and x.shape[0] > cast(ModuleType, kernels).PREDECODE_MAX_M):
+    if takes_decoded_activation(x.shape[0], x.device, bias, out_dtype, w_swizzled):
         # The large-M GEMM multiplies the activation's exact FP16 values: quantize straight to them (one pass, no
         # packed bytes in between); decode(quantize(x)) has the same bytes (GPU-tested).
         k = cast(ModuleType, kernels)

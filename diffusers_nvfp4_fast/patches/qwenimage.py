@@ -25,7 +25,7 @@ from ..format import fast_math_from_env
 from ..linear import NVFP4Linear
 from ..ops.dispatch import triton_runs_on
 from ..ops.gelu_quantize import KIND as KIND_GELU
-from ..ops.gelu_quantize import gelu_mismatch, gelu_quantize_checked
+from ..ops.gelu_quantize import gelu_mismatch, gelu_quantize_checked, gelu_quantize_decoded_checked
 from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs, kernel_runs_on, qwen_resnorm_quantize_checked
 from ..ops.verify import failed_kind_reason, record_fallback, stats_for
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
@@ -248,9 +248,12 @@ class GeluInput(NamedTuple):
     shape_class: str
 
     def run_on(self, layer: NVFP4Linear) -> torch.Tensor:
-        packed, scales = gelu_quantize_checked(self.hidden.reshape(-1, self.hidden.shape[-1]), layer.input_scale_inv,
-                                               fast_math_from_env(), self.stats_id, self.shape_class)
-        return layer.forward_prequantized(packed, scales, self.hidden.dtype)
+        h = self.hidden.reshape(-1, self.hidden.shape[-1])
+        args = (h, layer.input_scale_inv, fast_math_from_env(), self.stats_id, self.shape_class)
+        if layer.takes_decoded_input(h):  # its GEMM multiplies FP16 values: hand it those, no packed bytes between
+            return layer.forward_decoded(gelu_quantize_decoded_checked(*args), h.dtype)
+        packed, scales = gelu_quantize_checked(*args)
+        return layer.forward_prequantized(packed, scales, h.dtype)
 
 
 def _gelu_fc2(ff: nn.Module, y: torch.Tensor, stats_id: int) -> torch.Tensor:
