@@ -12,6 +12,7 @@ benchmarks/results/profile_step-<model>-<device>.json and prints the tables that
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import re
 import sys
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 CLASSES = (  # first match wins
-    ("fused kernels", r"token_cat|qwen_resnorm|layer_norm_kernel_exact"),
+    ("fused kernels", r"token_cat|qwen_resnorm|layer_norm_kernel_exact|gelu_quantize|swiglu|rotary"),
     ("NVFP4 GEMM", r"nvfp4_gemm|split_reduce"),
     ("activation decode", r"decode_rows"),
     ("quantize", r"quantize_nvfp4"),
@@ -66,6 +67,27 @@ def gemm_ranges():
         NVFP4Linear.forward_prequantized, NVFP4Linear._forward = original
 
 
+def kernel_time_in_ranges(events) -> Counter:
+    """ms of GPU kernels inside each ``gemm M=...`` range's GPU-side span, summed per range name.
+
+    Kernel time, not the span's length (which includes the GPU's idle time in an eager step), and each range counted
+    once: before 2026-12-01 the span and the CPU range's own device total were added together (docs/profile.md).
+    Triton launches are not tied to the CPU range, so kernels are matched to the span by their time on the GPU."""
+    cuda = torch.autograd.DeviceType.CUDA
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == cuda and e.name.startswith("gemm M="))
+    kernel_list = sorted((e.time_range.start, e.time_range.end) for e in events
+                         if e.device_type == cuda and not e.name.startswith("gemm M="))
+    starts = [k[0] for k in kernel_list]
+    shapes: Counter = Counter()
+    for start, end, name in spans:
+        i = bisect.bisect_left(starts, start)
+        while i < len(kernel_list) and kernel_list[i][1] <= end:
+            shapes[name] += (kernel_list[i][1] - kernel_list[i][0]) / 1e3
+            i += 1
+    return shapes
+
+
 def profile(model, inputs, device) -> dict:
     from bench_transformer_step import forward
 
@@ -80,16 +102,13 @@ def profile(model, inputs, device) -> dict:
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - start) * 1e3
     kernels: Counter = Counter()
-    shapes: Counter = Counter()
     for event in prof.key_averages():
         device_us = getattr(event, "self_device_time_total", 0.0)
-        if event.key.startswith("gemm M="):
-            # The CPU range's kernels only: the profiler also lists a GPU-side copy of each range, whose span (first
-            # kernel start to last kernel end, idle gaps included) counted twice before 2026-12-01 (docs/profile.md).
-            if event.device_type == torch.autograd.DeviceType.CPU:
-                shapes[event.key] += getattr(event, "device_time_total", 0.0) / 1e3
-        elif device_us > 0 and event.device_type == torch.autograd.DeviceType.CUDA:
+        if event.key.startswith("gemm M=") or event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if device_us > 0:
             kernels[event.key] += device_us / 1e3
+    shapes = kernel_time_in_ranges(prof.events())
     classes: Counter = Counter()
     for name, ms in kernels.items():
         classes[kernel_class(name)] += ms
