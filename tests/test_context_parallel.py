@@ -17,7 +17,8 @@ import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
-FUSED = {"flux2": {"flux2_swiglu", "flux2_token_cat_swiglu", "flux2_rotary"}, "qwen": {"qwen_resnorm", "qwen_gelu"}}
+FUSED = {"flux2": {"flux2_swiglu", "flux2_token_cat_swiglu", "flux2_rotary", "flux2_resnorm"},
+         "qwen": {"qwen_resnorm", "qwen_gelu"}}
 
 
 def _launch(tmp_path, *args: str) -> list[dict]:
@@ -64,5 +65,6 @@ def test_benchmark_dry_run(tmp_path):
     assert {(c["rank"], c["gpus"], c["variant"]) for c in cases} == {
         (r, g, v) for r in (0, 1) for g in (1, 2) for v in ("nvfp4_fast_off", "nvfp4_fast_on")}
     assert all(c["exact_on_equals_off"] for c in cases)
-    assert all(c["fused_calls"] == {"flux2_swiglu": 2, "flux2_token_cat_swiglu": 2, "flux2_rotary": 6}
+    assert all(c["fused_calls"] == {"flux2_swiglu": 2, "flux2_token_cat_swiglu": 2, "flux2_rotary": 6,
+                                    "flux2_resnorm": 2}
                for c in cases if c["variant"] == "nvfp4_fast_on")

@@ -29,10 +29,12 @@ from support.modelopt_exports import nvfp4_pipeline
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
-FLUX2_SITES = {"flux2_token_cat": 2, "flux2_rotary": 3, "flux2_swiglu": 2}  # 2 single blocks; 1 double: ff, ff_context
+# 2 single blocks; 1 double block: ff and ff_context (SwiGLU, residual-norm), its attention (rotary)
+FLUX2_SITES = {"flux2_token_cat": 2, "flux2_rotary": 3, "flux2_swiglu": 2, "flux2_resnorm": 2}
 QWEN_SITES = {"qwen_resnorm": 2, "qwen_gelu": 4}  # 2 NVFP4 Qwen blocks, 2 feed-forwards each
 SITES = {"flux2": FLUX2_SITES, "klein": FLUX2_SITES, "qwen": QWEN_SITES}
-FLUX2_CALLS = {"flux2_token_cat_swiglu": 2, "flux2_swiglu": 2, "flux2_rotary": 6}  # per forward (query and key)
+FLUX2_CALLS = {"flux2_token_cat_swiglu": 2, "flux2_swiglu": 2, "flux2_rotary": 6,  # per forward (query and key)
+               "flux2_resnorm": 2}
 CALLS_PER_FORWARD = {"flux2": FLUX2_CALLS, "klein": FLUX2_CALLS,
                      "qwen": {"qwen_resnorm": 4, "qwen_gelu": 4}}  # qwen: 2 streams
 
@@ -149,7 +151,7 @@ def test_verification_mismatch_falls_back_with_a_warning(modelopt_exports, monke
     assert on == off
     assert report["verifications"]["failed"] == 1 and "flux2_token_cat_swiglu" not in report["fused_calls"]
     # the later 5 of 6 single-stream calls run the plain token-cat
-    assert report["fused_calls"] == {"flux2_swiglu": 6, "flux2_rotary": 18, "flux2_token_cat": 5}
+    assert report["fused_calls"] == {"flux2_swiglu": 6, "flux2_rotary": 18, "flux2_token_cat": 5, "flux2_resnorm": 6}
     assert report["fallbacks"] == {"flux2_token_cat_swiglu: verification failed earlier in this process": 5}
 
 
@@ -175,7 +177,8 @@ def test_token_cat_mismatch_falls_back_to_diffusers(modelopt_exports, monkeypatc
     for handle in handles:
         handle.remove()
     assert on == off
-    assert report["verifications"]["failed"] == 1 and report["fused_calls"] == {"flux2_swiglu": 6, "flux2_rotary": 18}
+    assert report["verifications"]["failed"] == 1
+    assert report["fused_calls"] == {"flux2_swiglu": 6, "flux2_rotary": 18, "flux2_resnorm": 6}
     assert report["fallbacks"]["flux2_token_cat_swiglu: hook on act_fn: torch forward hook"] == 6
     assert report["fallbacks"]["flux2_token_cat: verification failed earlier in this process"] == 5
 
@@ -256,9 +259,10 @@ def test_torch_compile_fullgraph_keeps_fast_paths(which, modelopt_exports):
     disable_fast_paths(model)
     assert on == off
     # Under compile FLUX.2 keeps diffusers' SwiGLU and rotary embedding and Qwen-Image its GELU (inductor rounds them
-    # its own way); token-cat and the Qwen residual-norm kernel stay fused. Gates do not count fallbacks while
+    # its own way); token-cat and the residual-norm kernel stay fused. Gates do not count fallbacks while
     # tracing (see the next test).
-    assert report["fused_calls"] == {"flux2": {"flux2_token_cat": 6}, "qwen": {"qwen_resnorm": 12}}[which]
+    assert report["fused_calls"] == {"flux2": {"flux2_token_cat": 6, "flux2_resnorm": 6},
+                                     "qwen": {"qwen_resnorm": 12}}[which]
     assert report["fallbacks"] == {}
 
 
@@ -360,7 +364,7 @@ def test_qwen_attention_bias_moves_into_the_kernel(modelopt_exports, monkeypatch
     """NVFP4 output projections with a bias skip it and the fused kernel adds it: PNG bytes unchanged, the kernel
     gets the bias, training-mode dropout keeps the bias in the projection, and disable restores the processor."""
     from diffusers_nvfp4_fast.linear import NVFP4Linear
-    from diffusers_nvfp4_fast.patches import qwenimage
+    from diffusers_nvfp4_fast.patches import qwenimage, resnorm
 
     pipe, kwargs = _pipeline("qwen", modelopt_exports)
     model = pipe.transformer
@@ -369,8 +373,8 @@ def test_qwen_attention_bias_moves_into_the_kernel(modelopt_exports, monkeypatch
     assert all(isinstance(b.attn.to_out[0], NVFP4Linear) and b.attn.to_out[0].bias is not None for b in blocks)
     originals = [b.attn.processor for b in blocks]
     seen_bias = []
-    checked = qwenimage.qwen_resnorm_quantize_checked
-    monkeypatch.setattr(qwenimage, "qwen_resnorm_quantize_checked",
+    checked = resnorm.qwen_resnorm_quantize_checked
+    monkeypatch.setattr(resnorm, "qwen_resnorm_quantize_checked",
                         lambda inputs, *rest: seen_bias.append(inputs.bias is not None) or checked(inputs, *rest))
     enable_fast_paths(pipe)
     assert all(isinstance(b.attn.processor, qwenimage.QwenDeferredBiasAttnProcessor) for b in blocks)
@@ -500,8 +504,8 @@ def test_gpu_full_size_flux2_dev_single_block_identical():
 @pytest.mark.gpu
 @torch.inference_mode()
 def test_gpu_full_size_flux2_dev_double_block_identical():
-    """SwiGLU quantize in both feed-forwards and the rotary embedding of a FLUX.2-dev double-stream block (4096 image
-    + 512 text rows)."""
+    """The residual-norm kernel and SwiGLU quantize in both feed-forwards and the rotary embedding of a FLUX.2-dev
+    double-stream block (4096 image + 512 text rows)."""
     from diffusers.models.transformers.transformer_flux2 import Flux2TransformerBlock
 
     torch.manual_seed(0)
@@ -516,8 +520,8 @@ def test_gpu_full_size_flux2_dev_double_block_identical():
         txt = torch.randn(batch, 512, dim, device="cuda", dtype=torch.bfloat16)
         temb = torch.randn(batch, 6 * dim, device="cuda", dtype=torch.bfloat16) * 0.1
         stats, off, on = _on_off(holder, patch_flux2, lambda: block(img, txt, temb, temb, image_rotary_emb=rotary),
-                                 {"flux2_swiglu": 2, "flux2_rotary": 1})
-        for kind in ("flux2_swiglu", "flux2_rotary"):  # ff and ff_context; query and key
+                                 {"flux2_swiglu": 2, "flux2_rotary": 1, "flux2_resnorm": 2})
+        for kind in ("flux2_swiglu", "flux2_rotary", "flux2_resnorm"):  # ff and ff_context; query and key
             assert stats.fused_calls[kind] == 2 and stats.verified[kind] == 2, stats
         assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
 

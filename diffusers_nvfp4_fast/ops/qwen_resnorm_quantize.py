@@ -16,6 +16,7 @@ from .quantize import empty_quantized, quantize
 from .verify import run_checked
 
 KIND = "qwen_resnorm"
+FLUX2_KIND = "flux2_resnorm"  # the same fused op in FLUX.2 double-stream blocks (before ff / ff_context)
 
 
 class ResNormInputs(NamedTuple):
@@ -83,10 +84,11 @@ def _fake(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math, *
 def _checked_impl(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
     shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool, stats_id: int, shape_class: str,
+    kind: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     inputs = ResNormInputs(residual, x, bias, gate, scale, shift)
     return cast("tuple[torch.Tensor, torch.Tensor, torch.Tensor]", run_checked(
-        stats_id, KIND, shape_class, ("residual_out", "packed", "scales"),
+        stats_id, kind, shape_class, ("residual_out", "packed", "scales"),
         lambda: _impl(*inputs, global_scale, eps, fast_math),
         lambda: qwen_resnorm_quantize_reference(inputs, global_scale, eps, fast_math),
     ))
@@ -110,7 +112,9 @@ def qwen_resnorm_quantize(
 
 
 def qwen_resnorm_quantize_checked(
-    inputs: ResNormInputs, global_scale: torch.Tensor, eps: float, fast_math: bool, stats_id: int, shape_class: str
+    inputs: ResNormInputs, global_scale: torch.Tensor, eps: float, fast_math: bool, stats_id: int, shape_class: str,
+    kind: str = KIND,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``qwen_resnorm_quantize`` with first-use byte verification against the eager chain + standalone quantize."""
-    return call_op(_checked_op, _checked_impl, *inputs, global_scale, eps, fast_math, stats_id, shape_class)
+    """``qwen_resnorm_quantize`` with first-use byte verification against the eager chain + standalone quantize,
+    counted under site ``kind``."""
+    return call_op(_checked_op, _checked_impl, *inputs, global_scale, eps, fast_math, stats_id, shape_class, kind)

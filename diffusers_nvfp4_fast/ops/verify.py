@@ -81,6 +81,13 @@ def record_fallback(stats: FastPathStats, kind: str, reason: str) -> None:
     stats.fallbacks[f"{kind}: {reason}"] += 1
 
 
+def count_fallback(stats_id: int, kind: str, reason: str) -> None:
+    """``record_fallback`` on the stats of ``stats_id``, if they still exist (a gate's one-line fallback count)."""
+    stats = _STATS.get(stats_id)
+    if stats is not None:
+        record_fallback(stats, kind, reason)
+
+
 def failed_kind_reason(kind: str) -> str | None:
     """Non-None once a verification of ``kind`` has failed in this process."""
     return _FAILED_KINDS.get(kind)

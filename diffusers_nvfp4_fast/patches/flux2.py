@@ -10,6 +10,9 @@
   embedding to query and key in one kernel each (``flux2_rotary``).
 - Double-stream feed-forwards: ``linear_out(swiglu(linear_in(x)))`` quantizes ``linear_in``'s output through
   SwiGLU in one kernel (``flux2_swiglu``), installed per feed-forward with ``swap_forward``.
+- Double-stream blocks: ``residual + gate * attn -> norm2 -> modulate`` and ``linear_in``'s quantize run as one
+  kernel (``flux2_resnorm``), the one Qwen-Image uses (``resnorm.py``): both models round the same ops in the same
+  order. ``fused_double_block_forward`` is diffusers' block forward with that section replaced, installed per block.
 
 SwiGLU and the rotary embedding stay diffusers' ops under ``torch.compile``: inductor computes SiLU as
 ``x * sigmoid(x)`` and contracts the rotary multiply-adds, which round differently from the eager ops the kernels
@@ -18,7 +21,8 @@ reproduce, and compiled on must equal compiled off.
 
 from __future__ import annotations
 
-from typing import NamedTuple, cast
+import types
+from typing import Any, NamedTuple, cast
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -27,12 +31,14 @@ from torch import nn
 
 from ..format import fast_math_from_env
 from ..linear import NVFP4Linear
+from ..ops.qwen_resnorm_quantize import FLUX2_KIND, ResNormInputs
 from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_checked
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
-from ..ops.verify import failed_kind_reason, record_fallback, stats_for
+from ..ops.verify import count_fallback, failed_kind_reason, record_fallback, stats_for
 from .flux2_attention import HALF_DTYPES, Flux2FusedAttnProcessor, on_original, rotate
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
+from .resnorm import fused_residual_norm, resnorm_gate
 from .swap import current_inner_forward, swap_forward, swap_processor
 
 
@@ -161,28 +167,94 @@ def _qkv_mlp(attn, hidden_states, image_rotary_emb, stats_id: int):
     return query, key, value, mlp
 
 
+def swiglu_out(ff: nn.Module, hidden: torch.Tensor, stats_id: int) -> torch.Tensor:
+    """``linear_out(act_fn(hidden))`` of a ``Flux2FeedForward`` on ``linear_in``'s output, with SwiGLU folded into
+    ``linear_out``'s quantize where the gates allow (site ``flux2_swiglu``)."""
+    linear_out, act_fn = cast(nn.Module, ff.linear_out), cast(nn.Module, ff.act_fn)
+    reason = consumer_reason(linear_out, "linear_out") or swiglu_fold_reason(act_fn, hidden, KIND_FF)
+    if reason is not None:
+        count_fallback(stats_id, KIND_FF, reason)
+        return linear_out(act_fn(hidden))
+    shape_class = f"H={hidden.shape[-1] // 2},{hidden.dtype},{hidden.device}"
+    out = linear_out(SwiGLUInput(hidden, None, stats_id, KIND_FF, shape_class))
+    return out.reshape(*hidden.shape[:-1], cast(NVFP4Linear, linear_out).out_features)  # consumer_reason passed
+
+
 def fused_feed_forward(ff: nn.Module, stats_id: int):
     """``Flux2FeedForward.forward`` with SwiGLU and the quantize of ``linear_out``'s input in one kernel."""
     original = current_inner_forward(ff)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        linear_out = cast(nn.Module, ff.linear_out)
-        reason = consumer_reason(linear_out, "linear_out")
-        hidden = None
-        if reason is None:
-            hidden = cast(nn.Module, ff.linear_in)(x)
-            reason = swiglu_fold_reason(cast(nn.Module, ff.act_fn), hidden, KIND_FF)
+        reason = consumer_reason(cast(nn.Module, ff.linear_out), "linear_out")
         if reason is not None:
-            stats = stats_for(stats_id)
-            if stats is not None:
-                record_fallback(stats, KIND_FF, reason)
-            return original(x) if hidden is None else linear_out(cast(nn.Module, ff.act_fn)(hidden))
-        h = cast(torch.Tensor, hidden)
-        shape_class = f"H={h.shape[-1] // 2},{h.dtype},{h.device}"
-        out = linear_out(SwiGLUInput(h, None, stats_id, KIND_FF, shape_class))
-        return out.reshape(*h.shape[:-1], cast(NVFP4Linear, linear_out).out_features)  # consumer_reason passed
+            count_fallback(stats_id, KIND_FF, reason)
+            return original(x)
+        return swiglu_out(ff, cast(nn.Module, ff.linear_in)(x), stats_id)
 
     return forward
+
+
+def _ff_stream_reason(block: nn.Module, ff: nn.Module, norm: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor,
+                      params: tuple[torch.Tensor, ...]) -> str | None:
+    """Why this stream's norm2 section cannot run as the residual-norm kernel (``flux2_resnorm``), or None."""
+    if not isinstance(ff, flux2_module.Flux2FeedForward):
+        return f"feed-forward is {type(ff).__name__}, not Flux2FeedForward"
+    if any(p.dtype != torch.bfloat16 or p.dim() != 3 or p.shape[:2] != (residual.shape[0], 1) for p in params):
+        return "modulation parameters are not per sample [B, 1, D] bf16"
+    bypassed = {"norm2": norm, "feed-forward": ff}
+    return resnorm_gate(cast(nn.Module, ff.linear_in), bypassed, norm, residual, attn_out, None, FLUX2_KIND)
+
+
+def _ff_stream(block: nn.Module, ff: nn.Module, norm: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor,
+               gate_msa: torch.Tensor, shift_mlp: torch.Tensor, scale_mlp: torch.Tensor,
+               gate_mlp: torch.Tensor) -> torch.Tensor:
+    """``residual + gate_msa*attn_out``, then norm2 + modulate + feed-forward + gate_mlp residual, with the first
+    part and ``linear_in``'s quantize in one kernel where the gate allows."""
+    stats_id = cast(int, block._nvfp4_stats_id)
+    reason = _ff_stream_reason(block, ff, norm, residual, attn_out, (gate_msa, scale_mlp, shift_mlp))
+    if reason is not None:
+        count_fallback(stats_id, FLUX2_KIND, reason)
+        hidden = residual + gate_msa * attn_out
+        norm_hidden = norm(hidden) * (1 + scale_mlp) + shift_mlp
+        return hidden + gate_mlp * ff(norm_hidden)
+    inputs = ResNormInputs(residual, attn_out, None, gate_msa, scale_mlp, shift_mlp)
+    hidden, y = fused_residual_norm(cast(NVFP4Linear, ff.linear_in), norm, inputs, stats_id, FLUX2_KIND)
+    return hidden + gate_mlp * swiglu_out(ff, y, stats_id)
+
+
+# Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, Flux2TransformerBlock.forward: the same
+# code, with each stream's norm2 section handed to _ff_stream.
+def fused_double_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb_mod_img: torch.Tensor,
+    temb_mod_txt: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    split = flux2_module.Flux2Modulation.split
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split(temb_mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split(temb_mod_txt, 2)
+
+    norm_hidden_states = self.norm1(hidden_states)
+    norm_hidden_states = (1 + scale_msa) * norm_hidden_states + shift_msa
+    norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states)
+    norm_encoder_hidden_states = (1 + c_scale_msa) * norm_encoder_hidden_states + c_shift_msa
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+    hidden_states = _ff_stream(self, self.ff, self.norm2, hidden_states, attn_output, gate_msa, shift_mlp, scale_mlp,
+                               gate_mlp)
+    encoder_hidden_states = _ff_stream(self, self.ff_context, self.norm2_context, encoder_hidden_states,
+                                       context_attn_output, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
 
 
 class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
@@ -249,6 +321,18 @@ _REPLACEMENTS: dict[type, type[Flux2FusedParallelSelfAttnProcessor | Flux2FusedK
 }
 
 
+def _swap_block_forward(block: nn.Module, stats_id: int):
+    """Install ``fused_double_block_forward`` on ``block``; returns the undo callable."""
+    block._nvfp4_stats_id = stats_id  # type: ignore[assignment]  # nn.Module takes any attribute
+    undo = swap_forward(block, types.MethodType(fused_double_block_forward, block))
+
+    def restore_block():
+        undo()
+        del block._nvfp4_stats_id
+
+    return restore_block
+
+
 def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
     """Install fused processors on every single-stream attention whose ``to_out`` is NVFP4 and on every double-stream
     attention (its rotary embedding), and fused forwards on every double-stream feed-forward whose ``linear_out`` is
@@ -258,12 +342,17 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
     Appends undo callables to ``restore``; each puts back the original object unless the user replaced the fused one
     meanwhile.
     """
-    count = {KIND: 0, KIND_ROTARY: 0, KIND_FF: 0}
+    count = {KIND: 0, KIND_ROTARY: 0, KIND_FF: 0, FLUX2_KIND: 0}
     for block in getattr(model, "transformer_blocks", []):
         for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)):
             if isinstance(ff, flux2_module.Flux2FeedForward) and nvfp4_layer(ff.linear_out) is not None:
                 restore.append(swap_forward(ff, fused_feed_forward(ff, stats_id)))
                 count[KIND_FF] += 1
+        resnorm_sites = sum(isinstance(ff, flux2_module.Flux2FeedForward) and nvfp4_layer(ff.linear_in) is not None
+                            for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)))
+        if isinstance(block, flux2_module.Flux2TransformerBlock) and resnorm_sites:
+            restore.append(_swap_block_forward(block, stats_id))
+            count[FLUX2_KIND] += resnorm_sites
         attn = getattr(block, "attn", None)
         if attn is not None and type(attn.processor) is flux2_module.Flux2AttnProcessor:
             restore.append(swap_processor(attn, Flux2FusedAttnProcessor(attn.processor, stats_id)))

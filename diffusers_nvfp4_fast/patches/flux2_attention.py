@@ -16,7 +16,7 @@ from diffusers.models.transformers import transformer_flux2 as flux2_module
 
 from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.rotary import rotary_checked
-from ..ops.verify import failed_kind_reason, record_fallback, stats_for
+from ..ops.verify import count_fallback, failed_kind_reason
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # what the fused kernels take
 
@@ -44,9 +44,7 @@ def rotate(x: torch.Tensor, rotary_emb, stats_id: int) -> torch.Tensor:
     """``apply_rotary_emb(x, rotary_emb, sequence_dim=1)``, as one kernel where the gate allows."""
     reason = rotary_reason(x, rotary_emb)
     if reason is not None:
-        stats = stats_for(stats_id)
-        if stats is not None:
-            record_fallback(stats, KIND_ROTARY, reason)
+        count_fallback(stats_id, KIND_ROTARY, reason)
         return cast(torch.Tensor, apply_rotary_emb(x, rotary_emb, sequence_dim=1))  # (diffusers annotates a tuple)
     cos, sin = rotary_emb
     return rotary_checked(x, cos, sin, stats_id, f"D={x.shape[-1]},{x.dtype},{x.device}")

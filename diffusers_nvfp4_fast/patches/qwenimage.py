@@ -26,9 +26,10 @@ from ..linear import NVFP4Linear
 from ..ops.dispatch import triton_runs_on
 from ..ops.gelu_quantize import KIND as KIND_GELU
 from ..ops.gelu_quantize import gelu_mismatch, gelu_quantize_checked, gelu_quantize_decoded_checked
-from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs, kernel_runs_on, qwen_resnorm_quantize_checked
-from ..ops.verify import failed_kind_reason, record_fallback, stats_for
+from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs
+from ..ops.verify import count_fallback, failed_kind_reason
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
+from .resnorm import fused_residual_norm, resnorm_gate
 from .swap import swap_forward, swap_processor
 
 BIAS_KIND = "qwen_bias_deferral"  # the attention output projections' bias add moved into the fused kernel
@@ -124,55 +125,6 @@ def _bias_can_be_deferred(attn: nn.Module) -> bool:
     return all(isinstance(p, NVFP4Linear) and p.bias is not None for p in projections)
 
 
-def resnorm_gate(
-    ff: nn.Module, norm: nn.Module, residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
-) -> str | None:
-    """None when the fused path applies to this stream's call, else the reason it does not."""
-    fc1 = _fc1(ff)
-    reason = consumer_reason(fc1, "FC1") if fc1 is not None else "FC1 is not an NVFP4Linear"
-    if reason is not None:
-        return reason
-    # The fused path runs norm2, the feed-forward and its GELU module's work itself, so no hook may sit on them.
-    for label, module in (("norm2", norm), ("feed-forward", ff), ("feed-forward GELU", cast(nn.ModuleList, ff.net)[0])):
-        reason = call_changed_reason(label, module)
-        if reason is not None:
-            return reason
-    if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
-        return "norm2 is not an affine-free LayerNorm"
-    if residual.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
-        return f"dtype {residual.dtype} (bf16 only)"
-    if bias is not None and bias.dtype != torch.bfloat16:
-        return f"attention output bias dtype {bias.dtype} (bf16 only)"
-    if residual.dim() != 3 or x.shape != residual.shape:
-        return f"shapes {tuple(residual.shape)} / {tuple(x.shape)}"
-    if residual.shape[-1] % 16:
-        return f"hidden size {residual.shape[-1]} not a multiple of 16"
-    if residual.is_cuda and not kernel_runs_on(residual):
-        return "no Triton kernel for this GPU"
-    if residual.is_cuda and residual.shape[-1] % 512:
-        return (f"hidden size {residual.shape[-1]} not a multiple of 512 (the kernel reproduces torch's LayerNorm "
-                "there only)")
-    if failed_kind_reason(KIND) is not None:
-        return "verification failed earlier in this process"
-    return None
-
-
-class ResNormInput(NamedTuple):
-    """What the fused path hands FC1: the stream's tensors before the residual add. The layer runs the fused kernel
-    with its own ``input_scale_inv`` once its hooks have run, and returns ``(residual_out, FC1 output [rows, N])``."""
-
-    inputs: ResNormInputs
-    eps: float
-    stats_id: int
-    shape_class: str
-
-    def run_on(self, layer: NVFP4Linear) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, packed, scales = qwen_resnorm_quantize_checked(
-            self.inputs, layer.input_scale_inv, self.eps, fast_math_from_env(), self.stats_id, self.shape_class,
-        )
-        return hidden, layer.forward_prequantized(packed, scales, hidden.dtype)
-
-
 def _mod_params(mod: torch.Tensor, index: torch.Tensor | None):
     """(shift, scale, gate2) for the kernel, and gate2 shaped as ``QwenImageTransformerBlock._modulate`` returns it.
 
@@ -194,24 +146,20 @@ def _mlp_stream(
 ) -> torch.Tensor:
     """``residual + gate1*(attn_out + attn_bias)``, then norm2 + modulate + MLP + gate2 residual, fused where the
     gate allows. ``attn_bias`` is the projection bias the attention deferred (None if ``attn_out`` has it)."""
-    reason = resnorm_gate(ff, norm, residual, attn_out, attn_bias)
+    fc1 = _fc1(ff)
+    bypassed = {"norm2": norm, "feed-forward": ff, "feed-forward GELU": cast(nn.ModuleList, ff.net)[0]}
+    reason = resnorm_gate(fc1, bypassed, norm, residual, attn_out, attn_bias)
     if reason is not None:
-        stats = stats_for(cast(int, block._nvfp4_stats_id))
-        if stats is not None:
-            record_fallback(stats, KIND, reason)
+        count_fallback(cast(int, block._nvfp4_stats_id), KIND, reason)
         if attn_bias is not None:
             attn_out = attn_out + attn_bias  # the projection's own bias add, deferred to here
         hidden = residual + gate1 * attn_out
         modulated, gate2 = cast(Any, block)._modulate(norm(hidden), mod2, index)
         return hidden + gate2 * ff(modulated)
     shift, scale, gate2 = _mod_params(mod2, index)
-    fc1 = cast(NVFP4Linear, _fc1(ff))  # the gate passed: FC1 is an NVFP4Linear, norm an nn.LayerNorm
-    shape_class = f"D={residual.shape[-1]},eps={norm.eps},{residual.device}"
     # gate1 is _modulate's [B, 1, D] (or per-token [B, L, D]): the kernel takes either as it is.
     inputs = ResNormInputs(residual, attn_out, attn_bias, gate1, scale, shift)
-    hidden, y = fc1(ResNormInput(inputs, float(cast(nn.LayerNorm, norm).eps), cast(int, block._nvfp4_stats_id),
-                                 shape_class))
-    y = y.reshape(*residual.shape[:-1], fc1.out_features)
+    hidden, y = fused_residual_norm(cast(NVFP4Linear, fc1), norm, inputs, cast(int, block._nvfp4_stats_id))
     return hidden + gate2 * _gelu_fc2(ff, y, cast(int, block._nvfp4_stats_id))
 
 
@@ -262,9 +210,7 @@ def _gelu_fc2(ff: nn.Module, y: torch.Tensor, stats_id: int) -> torch.Tensor:
     net = list(cast(nn.ModuleList, ff.net))
     reason = gelu_fc2_gate(ff, y)
     if reason is not None:
-        stats = stats_for(stats_id)
-        if stats is not None:
-            record_fallback(stats, KIND_GELU, reason)
+        count_fallback(stats_id, KIND_GELU, reason)
         y = cast(Any, net[0]).gelu(y)
         for module in net[1:]:
             y = module(y)
@@ -282,9 +228,7 @@ def _bias_deferred(block: nn.Module) -> bool:
     counts the reason."""
     reason = bias_deferral_reason(cast(nn.Module, block.attn))
     if reason is not None and block._nvfp4_bias_site:
-        stats = stats_for(cast(int, block._nvfp4_stats_id))
-        if stats is not None:
-            record_fallback(stats, BIAS_KIND, reason)
+        count_fallback(cast(int, block._nvfp4_stats_id), BIAS_KIND, reason)
     return reason is None
 
 

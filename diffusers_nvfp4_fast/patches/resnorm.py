@@ -1,0 +1,82 @@
+"""The residual-norm site shared by Qwen-Image and FLUX.2 double-stream blocks: ``residual + gate * attn ->
+LayerNorm -> x * (1 + scale) + shift`` feeding a feed-forward's first NVFP4 projection. Both models round the same
+ops in the same order (docs/design.md §6), so one kernel (``ops.qwen_resnorm_quantize``) serves both; each model
+reports its own site kind."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, cast
+
+import torch
+from torch import nn
+
+from ..format import fast_math_from_env
+from ..linear import NVFP4Linear
+from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs, kernel_runs_on, qwen_resnorm_quantize_checked
+from ..ops.verify import failed_kind_reason
+from .hooks import call_changed_reason, consumer_reason
+
+
+def resnorm_gate(
+    fc1: nn.Module | None, bypassed: dict[str, nn.Module], norm: nn.Module, residual: torch.Tensor, x: torch.Tensor,
+    bias: torch.Tensor | None = None, kind: str = KIND,
+) -> str | None:
+    """None when the fused residual-norm path applies to this stream's call, else the reason it does not.
+
+    fc1: the projection that takes the quantized activation; bypassed: label -> module whose call the fused path
+    replaces (no hook may sit on them); x: the attention output ``[B, L, D]`` (without ``bias`` where it is given).
+    """
+    reason = consumer_reason(fc1, "FC1") if fc1 is not None else "FC1 is not an NVFP4Linear"
+    if reason is not None:
+        return reason
+    for label, module in bypassed.items():
+        reason = call_changed_reason(label, module)
+        if reason is not None:
+            return reason
+    if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
+        return "norm2 is not an affine-free LayerNorm"
+    if residual.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
+        return f"dtype {residual.dtype} (bf16 only)"
+    if bias is not None and bias.dtype != torch.bfloat16:
+        return f"attention output bias dtype {bias.dtype} (bf16 only)"
+    if residual.dim() != 3 or x.shape != residual.shape:
+        return f"shapes {tuple(residual.shape)} / {tuple(x.shape)}"
+    if residual.shape[-1] % 16:
+        return f"hidden size {residual.shape[-1]} not a multiple of 16"
+    if residual.is_cuda and not kernel_runs_on(residual):
+        return "no Triton kernel for this GPU"
+    if residual.is_cuda and residual.shape[-1] % 512:
+        return (f"hidden size {residual.shape[-1]} not a multiple of 512 (the kernel reproduces torch's LayerNorm "
+                "there only)")
+    if failed_kind_reason(kind) is not None:
+        return "verification failed earlier in this process"
+    return None
+
+
+class ResNormInput(NamedTuple):
+    """What the fused path hands FC1: the stream's tensors before the residual add. The layer runs the fused kernel
+    with its own ``input_scale_inv`` once its hooks have run, and returns ``(residual_out, FC1 output [rows, N])``."""
+
+    inputs: ResNormInputs
+    eps: float
+    stats_id: int
+    shape_class: str
+    kind: str = KIND
+
+    def run_on(self, layer: NVFP4Linear) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, packed, scales = qwen_resnorm_quantize_checked(
+            self.inputs, layer.input_scale_inv, self.eps, fast_math_from_env(), self.stats_id, self.shape_class,
+            self.kind,
+        )
+        return hidden, layer.forward_prequantized(packed, scales, hidden.dtype)
+
+
+def fused_residual_norm(
+    fc1: NVFP4Linear, norm: nn.Module, inputs: ResNormInputs, stats_id: int, kind: str = KIND
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the fused path (its gate passed) through ``fc1``'s call: (residual_out ``[B, L, D]``, FC1's output
+    ``[B, L, N]``)."""
+    residual = inputs.residual
+    shape_class = f"D={residual.shape[-1]},eps={cast(nn.LayerNorm, norm).eps},{residual.device}"
+    hidden, y = fc1(ResNormInput(inputs, float(cast(nn.LayerNorm, norm).eps), stats_id, shape_class, kind))
+    return hidden, y.reshape(*residual.shape[:-1], fc1.out_features)
