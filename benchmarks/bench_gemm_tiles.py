@@ -6,9 +6,9 @@ Writes benchmarks/results/gemm_tiles-<device>.json and prints a table.
 
 Why another GEMM benchmark: ``bench_gemm.py`` times with ``do_bench``, whose figure for a call shorter than its host
 cost is the host cost (~50-150 µs per ``nvfp4_gemm`` call), so it cannot see the text streams (M = 512) or the
-modulation (M = 1) on the GPU. Here each figure is a CUDA-graph replay of ``R`` calls over ``R`` distinct weights
-(at least 160 MB of weights per replay, more than the 50 MB L2, as in a step where each weight is read once), divided
-by ``R``. Variants per (M, N, K):
+modulation (M = 1) on the GPU. Here each figure is a CUDA-graph replay of passes of ``R`` calls over ``R`` distinct
+weights (at least 160 MB of weights per pass, more than the 50 MB L2, as in a step where each weight is read once),
+divided by ``R``. Variants per (M, N, K):
 
 * ``sm90_bm<h>``: the Gluon kernel on the decoded FP16 activation with ``h`` tokens per tile (M > 64 only).
 * ``nvfp4_layer``: what ``NVFP4Linear`` runs per call: ``ops.linear.quantized_linear`` from BF16 X with a BF16 bias.
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth_gbps, header, write_result  # noqa: E402
+from common import copy_bandwidth_gbps, header, time_us, write_result  # noqa: E402
 
 SHAPES = {  # (N, K) of the transformer blocks' Linears
     "qwen-image": [(3072, 3072), (12288, 3072), (3072, 12288), (18432, 3072)],
@@ -38,26 +38,9 @@ SHAPES = {  # (N, K) of the transformer blocks' Linears
 STREAM_BYTES = 160 << 20
 
 
-def graph_us(calls: list, rounds: int = 7) -> float:
-    """Median GPU µs per call of a CUDA graph replaying ``calls`` once each."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
-    return sorted(times)[rounds // 2]
+def graph_us(calls: list) -> float:
+    """Median GPU µs per call of CUDA-graph replays of passes over ``calls`` (``common.time_us``)."""
+    return time_us(lambda: [c() for c in calls], warmup=1) / len(calls)
 
 
 def nvfp4_weights(n: int, k: int, count: int):
@@ -118,7 +101,8 @@ def main() -> None:
     t0 = time.time()
     copy = copy_bandwidth_gbps()
     out = header("gemm_tiles", copy)
-    out["timing"] = f"CUDA-graph replay, >= {STREAM_BYTES >> 20} MB of distinct weights per replay, median of 7"
+    out["timing"] = (f"CUDA-graph replay (common.time_us), >= {STREAM_BYTES >> 20} MB of distinct weights per pass "
+                     "over the calls")
     for model in args.models:
         for n, k in SHAPES[model]:
             for m in args.m:

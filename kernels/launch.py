@@ -62,6 +62,16 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: GEMM launches ask on every call)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def hardware_e2m1(device: torch.device) -> bool:
     """cvt.rn.satfinite.e2m1x2.f32 exists from SM100 on (ptxas rejects it for SM90)."""
     if device.type != "cuda":

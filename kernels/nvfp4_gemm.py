@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETING, cdiv, launch, next_power_of_2
+from .launch import INTERPRETING, cdiv, launch, next_power_of_2, sm_count
 from .rounding import SOFT_CONVERT, narrow_bf16, widen_bf16
 
 __all__ = ["nvfp4_gemm", "nvfp4_gemm_fp16_x", "decode_nvfp4_rows", "gemm_configs", "split_k_for", "PREDECODE_MAX_M"]
@@ -458,11 +458,6 @@ def sm90_kernel_for(m: int, k: int, w_packed: torch.Tensor, w_scales: torch.Tens
     return sm90 if sm90 is not None and sm90.sm90_supported(k, w_packed, w_scales) else None
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def split_k_for(m: int, n: int, k: int, sm_count: int) -> tuple[int, int]:
     """(splits, K elements per split) for the small-M kernel; (1, K) when splitting would not help.
 
@@ -493,8 +488,7 @@ def _check_gemm_args(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype, x
                          f"{tuple(x_packed.shape)} and {tuple(w_packed.shape)}")
     if x_packed.dtype != torch.uint8 or w_packed.dtype != torch.uint8:
         raise TypeError("nvfp4_gemm: packed operands must be uint8")
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"nvfp4_gemm: unsupported out_dtype {out_dtype}")
+    _check_out_and_alpha("nvfp4_gemm", out_dtype, alpha, x_packed.device)
     if x_decode not in ("auto", "in_kernel", "predecode"):
         raise ValueError(f"nvfp4_gemm: x_decode must be 'auto', 'in_kernel' or 'predecode', got {x_decode!r}")
     if kernel not in ("auto", "triton", "sm90"):
@@ -508,12 +502,17 @@ def _check_gemm_args(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype, x
         raise ValueError(f"nvfp4_gemm: K={k} is not a multiple of 16")
     _check_scales(x_scales, m, k, "x_scales")
     _check_scales(w_scales, n, k, "w_scales")
-    if alpha.numel() != 1 or alpha.dtype != torch.float32 or alpha.device != x_packed.device:
-        raise ValueError(f"nvfp4_gemm: alpha must be a one-element float32 tensor on {x_packed.device}, got "
-                         f"{alpha.dtype} {tuple(alpha.shape)} on {alpha.device}")
     if not (x_scales.device == w_packed.device == w_scales.device == x_packed.device):
         raise ValueError("nvfp4_gemm: all operands must be on the same device")
     return m, n, k
+
+
+def _check_out_and_alpha(fn: str, out_dtype: torch.dtype, alpha: torch.Tensor, device: torch.device) -> None:
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"{fn}: unsupported out_dtype {out_dtype}")
+    if alpha.numel() != 1 or alpha.dtype != torch.float32 or alpha.device != device:
+        raise ValueError(f"{fn}: alpha must be a one-element float32 tensor on {device}, got "
+                         f"{alpha.dtype} {tuple(alpha.shape)} on {alpha.device}")
 
 
 def check_bias(bias: torch.Tensor | None, n: int, out_dtype: torch.dtype, device: torch.device) -> None:
@@ -537,8 +536,7 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, 
         splits, chunk = 1, k
     else:
         x_arg, xs_arg, stride_x = x_packed, _scale_words(x_scales), x_packed.stride(0)
-        sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else 132
+        sms = sm_count(device) if device.type == "cuda" else 132
         splits, chunk = split_k_for(m, n, k, sms)
         if split_k is not None:
             chunk = cdiv(cdiv(k, max(1, split_k)), _SPLIT_QUANTUM) * _SPLIT_QUANTUM
@@ -665,10 +663,7 @@ def nvfp4_gemm_fp16_x(
                          f"{tuple(w_packed.shape)} {w_packed.dtype}")
     n = w_packed.shape[0]
     _check_scales(w_scales, n, k, "w_scales")
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise TypeError(f"nvfp4_gemm_fp16_x: unsupported out_dtype {out_dtype}")
-    if alpha.numel() != 1 or alpha.dtype != torch.float32 or alpha.device != x16.device:
-        raise ValueError(f"nvfp4_gemm_fp16_x: alpha must be a one-element float32 tensor on {x16.device}")
+    _check_out_and_alpha("nvfp4_gemm_fp16_x", out_dtype, alpha, x16.device)
     check_bias(bias, n, out_dtype, x16.device)
     w_packed = w_packed if w_packed.stride(1) == 1 else w_packed.contiguous()
     out = torch.empty((m, n), dtype=out_dtype, device=x16.device)

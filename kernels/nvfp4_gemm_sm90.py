@@ -60,7 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .launch import cdiv, cuda_capability, launch
+from .launch import cdiv, cuda_capability, launch, sm_count
 from .nvfp4_gemm import grouped_tile
 
 __all__ = ["nvfp4_gemm_sm90", "sm90_supported", "sm90_block_m", "SM90_STAGES", "SM90_GROUP_N", "SM90_TILE_COST"]
@@ -304,11 +304,6 @@ def sm90_supported(k: int, w_packed: torch.Tensor, w_scales: torch.Tensor) -> bo
             and w_packed.data_ptr() % 16 == 0 and w_scales.data_ptr() % 16 == 0)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
                     out: torch.Tensor, stages: int = SM90_STAGES, group_n: int = SM90_GROUP_N,
                     bias: torch.Tensor | None = None, block_m: int | None = None) -> torch.Tensor:
@@ -332,8 +327,7 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
     m, k = x16.shape
     n = w_packed.shape[0]
     if block_m is None:
-        block_m = sm90_block_m(m, n, _sm_count(x16.device.index if x16.device.index is not None
-                                               else torch.cuda.current_device()))
+        block_m = sm90_block_m(m, n, sm_count(x16.device))
     if block_m not in SM90_TILE_COST:
         raise ValueError(f"nvfp4_gemm_sm90: block_m={block_m}; it must be one of {sorted(SM90_TILE_COST)}")
     x_desc = TensorDescriptor.from_tensor(x16, [block_m, BLOCK_K], _x_layout(block_m))

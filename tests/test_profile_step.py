@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import profile_step  # benchmarks/ is on the test path (pyproject.toml)
 import pytest
 import torch
-
-profile_step = pytest.importorskip("profile_step")
 
 CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 

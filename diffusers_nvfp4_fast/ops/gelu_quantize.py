@@ -42,9 +42,9 @@ def gelu_mismatch(device: torch.device, dtype: torch.dtype) -> str | None:
         want = F.gelu(values, approximate="tanh")
         differ = (got.view(torch.int16) != want.view(torch.int16)) & ~(got.isnan() & want.isnan())
         n = int(differ.sum())
-        example = values[differ][:4].float().tolist()
+        examples = values[differ][:4].float().tolist() if n else []
         with _lock:
-            _MISMATCH[key] = None if n == 0 else f"{n} of 65536 {dtype} values differ from torch's GELU, e.g. {example}"
+            _MISMATCH[key] = f"{n} of 65536 {dtype} values differ from torch's GELU, e.g. {examples}" if n else None
     return _MISMATCH[key]
 
 

@@ -91,8 +91,9 @@ def takes_decoded_activation(
     """Whether the GEMM for ``rows`` activation rows on ``device`` multiplies the activation's decoded FP16 values
     (SM80-SM90 with more than 64 rows), so that a producer may hand it those (``linear_fp16_x``) instead of packed
     bytes."""
-    return (device.type == "cuda" and w_swizzled and gemm_backend(device) == "triton"
-            and _kernel_takes_bias(bias, out_dtype) and rows > cast(ModuleType, kernels).PREDECODE_MAX_M)
+    # The cheap tests first: small-M calls then go on to _linear_impl without asking for the backend twice.
+    return (device.type == "cuda" and w_swizzled and kernels is not None and rows > kernels.PREDECODE_MAX_M
+            and _kernel_takes_bias(bias, out_dtype) and gemm_backend(device) == "triton")
 
 
 def _linear_fp16_x_impl(

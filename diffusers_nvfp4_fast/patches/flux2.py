@@ -194,7 +194,7 @@ def fused_feed_forward(ff: nn.Module, stats_id: int):
     return forward
 
 
-def _ff_stream_reason(block: nn.Module, ff: nn.Module, norm: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor,
+def _ff_stream_reason(ff: nn.Module, norm: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor,
                       params: tuple[torch.Tensor, ...]) -> str | None:
     """Why this stream's norm2 section cannot run as the residual-norm kernel (``flux2_resnorm``), or None."""
     if not isinstance(ff, flux2_module.Flux2FeedForward):
@@ -211,7 +211,7 @@ def _ff_stream(block: nn.Module, ff: nn.Module, norm: nn.Module, residual: torch
     """``residual + gate_msa*attn_out``, then norm2 + modulate + feed-forward + gate_mlp residual, with the first
     part and ``linear_in``'s quantize in one kernel where the gate allows."""
     stats_id = cast(int, block._nvfp4_stats_id)
-    reason = _ff_stream_reason(block, ff, norm, residual, attn_out, (gate_msa, scale_mlp, shift_mlp))
+    reason = _ff_stream_reason(ff, norm, residual, attn_out, (gate_msa, scale_mlp, shift_mlp))
     if reason is not None:
         count_fallback(stats_id, FLUX2_KIND, reason)
         hidden = residual + gate_msa * attn_out
@@ -335,21 +335,24 @@ def _swap_block_forward(block: nn.Module, stats_id: int):
 
 def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
     """Install fused processors on every single-stream attention whose ``to_out`` is NVFP4 and on every double-stream
-    attention (its rotary embedding), and fused forwards on every double-stream feed-forward whose ``linear_out`` is
-    NVFP4. Returns ``{site kind: count}`` (a single-stream site runs ``flux2_token_cat_swiglu`` or, where SwiGLU
-    cannot be folded in, ``flux2_token_cat``).
+    attention (its rotary embedding), fused forwards on every double-stream feed-forward whose ``linear_out`` is
+    NVFP4, and the fused block forward on every double-stream block with an NVFP4 ``linear_in``. Returns
+    ``{site kind: count}`` (a single-stream site runs ``flux2_token_cat_swiglu`` or, where SwiGLU cannot be folded in,
+    ``flux2_token_cat``).
 
     Appends undo callables to ``restore``; each puts back the original object unless the user replaced the fused one
     meanwhile.
     """
     count = {KIND: 0, KIND_ROTARY: 0, KIND_FF: 0, FLUX2_KIND: 0}
     for block in getattr(model, "transformer_blocks", []):
+        resnorm_sites = 0
         for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)):
-            if isinstance(ff, flux2_module.Flux2FeedForward) and nvfp4_layer(ff.linear_out) is not None:
+            if not isinstance(ff, flux2_module.Flux2FeedForward):
+                continue
+            if nvfp4_layer(ff.linear_out) is not None:
                 restore.append(swap_forward(ff, fused_feed_forward(ff, stats_id)))
                 count[KIND_FF] += 1
-        resnorm_sites = sum(isinstance(ff, flux2_module.Flux2FeedForward) and nvfp4_layer(ff.linear_in) is not None
-                            for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)))
+            resnorm_sites += nvfp4_layer(ff.linear_in) is not None
         if isinstance(block, flux2_module.Flux2TransformerBlock) and resnorm_sites:
             restore.append(_swap_block_forward(block, stats_id))
             count[FLUX2_KIND] += resnorm_sites

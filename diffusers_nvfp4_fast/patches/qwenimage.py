@@ -19,6 +19,7 @@ import types
 from typing import Any, NamedTuple, cast
 
 import torch
+from diffusers.models.activations import GELU
 from torch import nn
 
 from ..format import fast_math_from_env
@@ -166,8 +167,6 @@ def _mlp_stream(
 def gelu_fc2_gate(ff: nn.Module, y: torch.Tensor) -> str | None:
     """None when GELU and FC2's quantize can run as one kernel on FC1's output ``y``, else the reason they cannot.
     (``resnorm_gate`` already checked the feed-forward and its GELU module for hooks.)"""
-    from diffusers.models.activations import GELU
-
     net = list(cast(nn.ModuleList, ff.net))  # not ff.net[...] slices (see _DeferredBiasView.to_out)
     if len(net) < 3 or type(net[0]) is not GELU or not isinstance(net[1], nn.Dropout):
         return "feed-forward is not GELU, Dropout, FC2"

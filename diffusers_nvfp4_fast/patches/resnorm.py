@@ -76,7 +76,7 @@ def fused_residual_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the fused path (its gate passed) through ``fc1``'s call: (residual_out ``[B, L, D]``, FC1's output
     ``[B, L, N]``)."""
-    residual = inputs.residual
-    shape_class = f"D={residual.shape[-1]},eps={cast(nn.LayerNorm, norm).eps},{residual.device}"
-    hidden, y = fc1(ResNormInput(inputs, float(cast(nn.LayerNorm, norm).eps), stats_id, shape_class, kind))
+    residual, eps = inputs.residual, float(cast(nn.LayerNorm, norm).eps)
+    shape_class = f"D={residual.shape[-1]},eps={eps},{residual.device}"
+    hidden, y = fc1(ResNormInput(inputs, eps, stats_id, shape_class, kind))
     return hidden, y.reshape(*residual.shape[:-1], fc1.out_features)
