@@ -65,7 +65,18 @@ def _e2m1_times(code, scale):
 
 
 @triton.jit
-def _decoded_words(packed, scale):
+def fp16x4_word(codes, scale):
+    """Four E2M1 codes (bits 0..15 of an int64, element i in bits 4i; higher bits ignored) times FP32 ``scale`` ->
+    int64 holding their four FP16 values, element i in bits 16i."""
+    w = tl.zeros_like(codes)
+    for i in tl.static_range(4):
+        v = _e2m1_times((codes >> (4 * i)) & 0xF, scale).to(tl.float16)
+        w |= (v.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF) << (16 * i)
+    return w
+
+
+@triton.jit
+def decoded_words(packed, scale):
     """A block's packed int64 (16 nibbles, element i in bits 4i..4i+3) and its FP32 scale -> four int64 words of
     four FP16 values each, element 4j + i in bits 16i of word j (the layout ``load_blocks`` reads)."""
     w0 = tl.zeros_like(packed)
@@ -90,7 +101,7 @@ def _decoded_words(packed, scale):
 def store_decoded(packed, sf_byte, rows, kbs, out_ptr, K, mask):
     """Store quantized blocks as their exact FP16 values: ``out_ptr`` is the FP16 ``[M, K]`` output viewed as int64
     (four values per word), ``mask`` the blocks inside the matrix."""
-    w0, w1, w2, w3 = _decoded_words(packed, e4m3_value(sf_byte))
+    w0, w1, w2, w3 = decoded_words(packed, e4m3_value(sf_byte))
     p = out_ptr + rows[:, None].to(tl.int64) * (K // 4) + kbs[None, :] * 4
     tl.store(p, w0, mask=mask)
     tl.store(p + 1, w1, mask=mask)

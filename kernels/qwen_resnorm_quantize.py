@@ -55,9 +55,11 @@ from .nvfp4_epilogue import (
     block_scale_and_factor,
     e2m1_half_words,
     e2m1_words,
+    e4m3_value,
     quantize_block_halves,
     swizzled_scale_offset,
 )
+from .quantize_nvfp4 import decoded_words, fp16x4_word
 from .rounding import narrow_bf16, widen_bf16
 
 THREADS = tl.constexpr(128)  # torch's LayerNorm block: 32 x 4 threads
@@ -270,9 +272,10 @@ def _modulate(r, scale, shift, row_mean, rstd, SOFT_BF16: tl.constexpr):
 @triton.jit
 def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, col, g, packed_ptr, scales_ptr,
                       D: tl.constexpr, padded_cols, VEC2: tl.constexpr, SOFT_BF16: tl.constexpr,
-                      FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
+                      FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, DECODED: tl.constexpr):
     """Pass 2 for the ``128 * VEC2`` columns from ``col``, thread t taking ``VEC2`` consecutive ones, so 16 / VEC2
     threads share a 16-block: the block maximum crosses threads, and every holder of a block has its scale byte.
+    With ``DECODED`` each thread stores its elements' exact FP16 values instead (``packed_ptr``: FP16 as int64).
 
     Storing a scale tensor in that replicated layout makes Triton exchange it through shared memory (barriers
     included); on the GPU each holder stores the byte itself with ``st.global.b8`` instead (the same byte, twice or
@@ -286,19 +289,30 @@ def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, col, g
     sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
     x = m * factor[:, None, None]
     t = tl.reshape(tl.arange(0, THREADS), [NB, 16 // VEC2])  # the thread's share: VEC2 / 2 packed bytes
-    if VEC2 == 8:
-        tl.store(packed_ptr + r64 * (D // 8) + col // 8 + t, e2m1_words(x, HW_E2M1))
+    if DECODED:  # FP16 output viewed as int64: four values per word, no scale bytes
+        block_scale = e4m3_value(sf_byte)[:, None]
+        if VEC2 == 8:
+            codes = e2m1_words(x, HW_E2M1).to(tl.uint32).to(tl.int64)
+            dst = packed_ptr + r64 * (D // 4) + col // 4 + t * 2
+            tl.store(dst, fp16x4_word(codes, block_scale))
+            tl.store(dst + 1, fp16x4_word(codes >> 16, block_scale))
+        else:
+            codes = e2m1_half_words(x, HW_E2M1).to(tl.int64)
+            tl.store(packed_ptr + r64 * (D // 4) + col // 4 + t, fp16x4_word(codes, block_scale))
     else:
-        half_words = packed_ptr.to(tl.pointer_type(tl.int16)) + r64 * (D // 4) + col // 4 + t
-        tl.store(half_words, e2m1_half_words(x, HW_E2M1).to(tl.int16))
-    offs_sf = scales_ptr + swizzled_scale_offset(r64, col // 16 + tl.arange(0, NB), padded_cols)
-    if INLINE_PTX:
-        tl.inline_asm_elementwise(
-            "{ st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r", [offs_sf, sf_byte], dtype=tl.int32, is_pure=False,
-            pack=1,
-        )
-    else:
-        tl.store(offs_sf, sf_byte.to(tl.uint8))
+        if VEC2 == 8:
+            tl.store(packed_ptr + r64 * (D // 8) + col // 8 + t, e2m1_words(x, HW_E2M1))
+        else:
+            half_words = packed_ptr.to(tl.pointer_type(tl.int16)) + r64 * (D // 4) + col // 4 + t
+            tl.store(half_words, e2m1_half_words(x, HW_E2M1).to(tl.int16))
+        offs_sf = scales_ptr + swizzled_scale_offset(r64, col // 16 + tl.arange(0, NB), padded_cols)
+        if INLINE_PTX:
+            tl.inline_asm_elementwise(
+                "{ st.global.b8 [$1], $2; mov.b32 $0, 0; }", "=r,l,r", [offs_sf, sf_byte], dtype=tl.int32,
+                is_pure=False, pack=1,
+            )
+        else:
+            tl.store(offs_sf, sf_byte.to(tl.uint8))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,8 +328,11 @@ def _qwen_resnorm_quantize_kernel(
     padded_cols,
     D: tl.constexpr, HAS_BIAS: tl.constexpr, APPROX_RSQRT: tl.constexpr, SOFT_BF16: tl.constexpr,
     MEAN_FMA: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, ONE_SAMPLE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, DECODED: tl.constexpr,
 ):
-    # One program per row of the padded scale matrix: rows >= M only write their zero scale bytes.
+    # One program per row of the padded scale matrix: rows >= M only write their zero scale bytes. Without
+    # HAS_RESIDUAL the LayerNorm reads x itself (no residual add, no residual_out); with DECODED the FC1 input is
+    # stored as its exact FP16 values (packed_ptr: FP16 [M, D] as int64) and no scales are written (grid: M rows).
     row = tl.program_id(0)
     if row < M:
         offs = _vector_offsets()
@@ -342,28 +359,38 @@ def _qwen_resnorm_quantize_kernel(
         NCHUNK: tl.constexpr = D // CHUNK
         mean = tl.zeros([THREADS], tl.float32)
         m2 = tl.zeros([THREADS], tl.float32)
-        x0, res0, b0, gt0 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, 0, HAS_BIAS)
-        x1, res1, b1, gt1 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, min(1, NCHUNK - 1) * CHUNK, HAS_BIAS)
-        x2, res2, b2, gt2 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, min(2, NCHUNK - 1) * CHUNK, HAS_BIAS)
-        for j in tl.static_range(NCHUNK):
-            ahead = min(j + 3, NCHUNK - 1) * CHUNK
-            x3, res3, b3, gt3 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, ahead, HAS_BIAS)
-            a = widen_bf16(x0, SOFT_BF16)
-            if HAS_BIAS:
-                a = _bf16(a + widen_bf16(b0, SOFT_BF16), SOFT_BF16)
-            r = narrow_bf16(widen_bf16(res0, SOFT_BF16) + _bf16(widen_bf16(gt0, SOFT_BF16) * a, SOFT_BF16), SOFT_BF16)
-            tl.store(out_row + j * CHUNK + offs, r)
-            mean, m2 = _welford_vector(mean, m2, _widen_for_fp32(r, SOFT_BF16), j * VEC)
-            x0, res0, b0, gt0 = x1, res1, b1, gt1
-            x1, res1, b1, gt1 = x2, res2, b2, gt2
-            x2, res2, b2, gt2 = x3, res3, b3, gt3
+        if HAS_RESIDUAL:
+            x0, res0, b0, gt0 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, 0, HAS_BIAS)
+            x1, res1, b1, gt1 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, min(1, NCHUNK - 1) * CHUNK,
+                                            HAS_BIAS)
+            x2, res2, b2, gt2 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, min(2, NCHUNK - 1) * CHUNK,
+                                            HAS_BIAS)
+            for j in tl.static_range(NCHUNK):
+                ahead = min(j + 3, NCHUNK - 1) * CHUNK
+                x3, res3, b3, gt3 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, ahead, HAS_BIAS)
+                a = widen_bf16(x0, SOFT_BF16)
+                if HAS_BIAS:
+                    a = _bf16(a + widen_bf16(b0, SOFT_BF16), SOFT_BF16)
+                r = narrow_bf16(widen_bf16(res0, SOFT_BF16) + _bf16(widen_bf16(gt0, SOFT_BF16) * a, SOFT_BF16),
+                                SOFT_BF16)
+                tl.store(out_row + j * CHUNK + offs, r)
+                mean, m2 = _welford_vector(mean, m2, _widen_for_fp32(r, SOFT_BF16), j * VEC)
+                x0, res0, b0, gt0 = x1, res1, b1, gt1
+                x1, res1, b1, gt1 = x2, res2, b2, gt2
+                x2, res2, b2, gt2 = x3, res3, b3, gt3
+            src_row = out_row
+        else:  # nothing is stored in this pass, so the compiler may hoist the loads itself
+            for j in tl.static_range(NCHUNK):
+                v = tl.load(x_row + j * CHUNK + offs)
+                mean, m2 = _welford_vector(mean, m2, _widen_for_fp32(v, SOFT_BF16), j * VEC)
+            src_row = x_row
         row_mean, rstd = _row_mean_rstd(mean, m2, eps, D, APPROX_RSQRT, MEAN_FMA)
 
-        # Pass 2 reads residual_out back (cache-resident, written by this program) instead of recomputing it; the
-        # barrier makes every thread's pass-1 stores visible to the whole program (same CTA). Pass 2 is elementwise
-        # up to the quantizer, so it need not follow torch's thread order. While 128 whole 16-blocks remain, each
-        # thread takes one (2048 elements per step): its maximum, scale byte and packed words stay in the thread.
-        # The rest (1024 or 512 elements) is split: 8 or 4 consecutive elements per thread.
+        # Pass 2 reads residual_out back (cache-resident, written by this program) instead of recomputing it, or x
+        # again without HAS_RESIDUAL; the barrier makes every thread's pass-1 stores visible to the whole program.
+        # Pass 2 is elementwise up to the quantizer, so it need not follow torch's thread order. While 128 whole
+        # 16-blocks remain, each thread takes one (2048 elements per step): its maximum, scale byte and packed words
+        # stay in the thread. The rest (1024 or 512 elements) is split: 8 or 4 consecutive elements per thread.
         tl.debug_barrier()
         NFULL: tl.constexpr = D // 2048
         REST: tl.constexpr = D - NFULL * 2048
@@ -371,21 +398,31 @@ def _qwen_resnorm_quantize_kernel(
         half = t[:, None] * 16 + tl.arange(0, 8)[None, :]  # [128, 8]: first half of thread t's block
         for j in tl.static_range(NFULL):
             col = j * 2048
-            r_a, sc_a, sh_a = _load_pass2(out_row, scale_row, shift_row, half, col)
-            r_b, sc_b, sh_b = _load_pass2(out_row, scale_row, shift_row, half, col + 8)
+            r_a, sc_a, sh_a = _load_pass2(src_row, scale_row, shift_row, half, col)
+            r_b, sc_b, sh_b = _load_pass2(src_row, scale_row, shift_row, half, col + 8)
             m_a = _modulate(r_a, sc_a, sh_a, row_mean, rstd, SOFT_BF16)
             m_b = _modulate(r_b, sc_b, sh_b, row_mean, rstd, SOFT_BF16)
             words, sf_byte = quantize_block_halves(m_a, m_b, g, FAST_MATH, HW_E2M1)
             kb = col // 16 + t
-            tl.store(packed_ptr + r64 * (D // 8) + kb[:, None] * 2 + tl.arange(0, 2)[None, :], words)
-            tl.store(scales_ptr + swizzled_scale_offset(r64, kb, padded_cols), sf_byte.to(tl.uint8))
+            if DECODED:  # the block's 16 codes as one int64, decoded to four words of four FP16 values
+                lo, hi = tl.split(words)
+                w0, w1, w2, w3 = decoded_words(lo.to(tl.uint32).to(tl.int64) | (hi.to(tl.int64) << 32),
+                                               e4m3_value(sf_byte))
+                dst = packed_ptr + r64 * (D // 4) + kb * 4
+                tl.store(dst, w0)
+                tl.store(dst + 1, w1)
+                tl.store(dst + 2, w2)
+                tl.store(dst + 3, w3)
+            else:
+                tl.store(packed_ptr + r64 * (D // 8) + kb[:, None] * 2 + tl.arange(0, 2)[None, :], words)
+                tl.store(scales_ptr + swizzled_scale_offset(r64, kb, padded_cols), sf_byte.to(tl.uint8))
         if REST >= 1024:
-            _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, NFULL * 2048, g, packed_ptr,
-                              scales_ptr, D, padded_cols, 8, SOFT_BF16, FAST_MATH, HW_E2M1)
+            _split_block_step(src_row, scale_row, shift_row, row_mean, rstd, r64, NFULL * 2048, g, packed_ptr,
+                              scales_ptr, D, padded_cols, 8, SOFT_BF16, FAST_MATH, HW_E2M1, DECODED)
         if REST % 1024 == 512:
-            _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, D - 512, g, packed_ptr,
-                              scales_ptr, D, padded_cols, 4, SOFT_BF16, FAST_MATH, HW_E2M1)
-    else:
+            _split_block_step(src_row, scale_row, shift_row, row_mean, rstd, r64, D - 512, g, packed_ptr,
+                              scales_ptr, D, padded_cols, 4, SOFT_BF16, FAST_MATH, HW_E2M1, DECODED)
+    elif not DECODED:
         # Padding row of the 128x4 scale layout: its scale bytes are 0 (D % 512 == 0, so D/16 == padded_cols and
         # every k-block is covered by the chunks).
         for j in tl.static_range(D // CHUNK):
@@ -475,7 +512,8 @@ def qwen_resnorm_quantize_triton(
     eps: float,
     fast_math: bool = True,
     approx_rsqrt: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    decoded: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Fused ``residual + gate * (x + bias) -> LayerNorm -> * (1 + scale) + shift -> NVFP4``.
 
     Args:
@@ -487,46 +525,81 @@ def qwen_resnorm_quantize_triton(
         eps: the LayerNorm's eps (used as FP32, like torch).
         fast_math: the NVFP4 quantize recipe (docs/design.md §3).
         approx_rsqrt: None = ``rsqrt.approx.f32`` unless running under ``TRITON_INTERPRET=1`` (see module docstring).
+        decoded: return the quantized FC1 input as its exact FP16 values ``[B*L, D]`` (what the large-M GEMM
+            multiplies) instead of packed bytes and scales.
 
     Returns:
-        residual_out ``[B, L, D]`` bfloat16 contiguous, packed uint8 ``[B*L, D/2]`` and 128x4 scales uint8
-        ``[round_up(B*L, 128), round_up(D/16, 4)]`` (padding written as 0).
+        residual_out ``[B, L, D]`` bfloat16 contiguous, then packed uint8 ``[B*L, D/2]`` and 128x4 scales uint8
+        ``[round_up(B*L, 128), round_up(D/16, 4)]`` (padding written as 0), or with ``decoded`` the FP16 values.
     """
     if residual.dim() != 3 or x.shape != residual.shape:
         raise ValueError(f"residual and x must both be [B, L, D], got {tuple(residual.shape)} and {tuple(x.shape)}")
-    if residual.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
-        raise TypeError(f"residual and x must be bfloat16, got {residual.dtype} and {x.dtype}")
-    if residual.stride(-1) != 1 or x.stride(-1) != 1:
-        raise ValueError("residual and x need a contiguous last dim")
-    b, l_len, d = residual.shape
-    _check_hidden_size(d)
+    if residual.dtype != torch.bfloat16 or residual.stride(-1) != 1:
+        raise TypeError(f"residual must be bfloat16 with a contiguous last dim, got {residual.dtype} "
+                        f"strides {residual.stride()}")
+    d = residual.shape[-1]
     if bias is not None and (bias.dtype != torch.bfloat16 or tuple(bias.shape) != (d,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be a contiguous bfloat16 [{d}] tensor, got {tuple(bias.shape)} {bias.dtype}")
+    out = torch.empty(residual.shape, dtype=torch.bfloat16, device=residual.device)
+    return (out, *_launch(x, (residual, bias, gate, out), scale, shift, global_scale, eps, fast_math, approx_rsqrt,
+                          decoded))
+
+
+def adaln_quantize_triton(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    shift: torch.Tensor,
+    global_scale: torch.Tensor,
+    *,
+    eps: float,
+    fast_math: bool = True,
+    approx_rsqrt: bool | None = None,
+    decoded: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Fused ``LayerNorm(x) -> * (1 + scale) + shift -> NVFP4`` (adaptive LayerNorm before a projection): the kernel
+    of ``qwen_resnorm_quantize_triton`` without the residual add. Arguments as there (``x`` is the LayerNorm's
+    input). Returns packed uint8 ``[B*L, D/2]`` and 128x4 scales, or with ``decoded`` the FP16 values ``[B*L, D]``.
+    """
+    return _launch(x, None, scale, shift, global_scale, eps, fast_math, approx_rsqrt, decoded)
+
+
+def _launch(x, residual_args, scale, shift, global_scale, eps, fast_math, approx_rsqrt, decoded):
+    """Check the common arguments, allocate the FC1 input and launch the kernel; ``residual_args`` is
+    ``(residual, bias, gate, residual_out)`` or None (no residual add)."""
+    if x.dim() != 3 or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        raise TypeError(f"x must be a bfloat16 [B, L, D] tensor with a contiguous last dim, got {tuple(x.shape)} "
+                        f"{x.dtype} strides {x.stride()}")
+    b, l_len, d = x.shape
+    _check_hidden_size(d)
     if global_scale.numel() != 1 or global_scale.dtype != torch.float32:
         raise ValueError(f"global_scale must be a 1-element float32 tensor, got {tuple(global_scale.shape)} "
                          f"{global_scale.dtype}")
-    strides = [s for p, name in ((gate, "gate"), (scale, "scale"), (shift, "shift"))
-               for s in _row_strides(p, name, b, l_len, d)]
+    residual, bias, gate, out = residual_args if residual_args is not None else (x, None, scale, x)
+    params = ((gate, "gate"), (scale, "scale"), (shift, "shift"))
+    strides = [s for p, name in params for s in _row_strides(p, name, b, l_len, d)]
     m = b * l_len
-    out = torch.empty((b, l_len, d), dtype=torch.bfloat16, device=residual.device)
-    packed = torch.empty((m, d // 2), dtype=torch.uint8, device=residual.device)
-    scales = torch.empty(padded_scale_shape(m, d), dtype=torch.uint8, device=residual.device)
+    if decoded:
+        x16 = torch.empty((m, d), dtype=torch.float16, device=x.device)
+        outputs, packed, scales, rows = (x16,), x16.view(torch.int64), x16, m
+    else:
+        packed_bytes = torch.empty((m, d // 2), dtype=torch.uint8, device=x.device)
+        scales = torch.empty(padded_scale_shape(m, d), dtype=torch.uint8, device=x.device)
+        outputs, packed, rows = (packed_bytes, scales), packed_bytes.view(torch.int32), scales.shape[0]
     if m == 0:
-        return out, packed, scales
+        return outputs
     if approx_rsqrt is None:
         approx_rsqrt = not INTERPRETING
     launch(
-        _qwen_resnorm_quantize_kernel, (scales.shape[0],),
-        residual, x, x if bias is None else bias, gate, scale, shift, global_scale, out,
-        packed.view(torch.int32), scales,
+        _qwen_resnorm_quantize_kernel, (rows,),
+        residual, x, x if bias is None else bias, gate, scale, shift, global_scale, out, packed, scales,
         m, l_len, float(eps),
         residual.stride(0), residual.stride(1), x.stride(0), x.stride(1), *strides,
-        scales.shape[1],
+        scales.shape[1] if not decoded else 0,
         D=d, HAS_BIAS=bias is not None, APPROX_RSQRT=bool(approx_rsqrt), SOFT_BF16=INTERPRETING,
-        MEAN_FMA=TORCH_MEAN_FMA, ONE_SAMPLE=b == 1, maxnreg=MAX_REGISTERS,
-        **launch_options(residual.device, fast_math),
+        MEAN_FMA=TORCH_MEAN_FMA, ONE_SAMPLE=b == 1, HAS_RESIDUAL=residual_args is not None, DECODED=decoded,
+        maxnreg=MAX_REGISTERS, **launch_options(x.device, fast_math),
     )
-    return out, packed, scales
+    return outputs
 
 
 def layer_norm_torch_exact(

@@ -7,7 +7,8 @@ on every lane, then the shared-memory merge of warps 2,3 into 0,1 and 1 into 0. 
 ``rsqrt.approx.f32``, so both the kernel (``approx_rsqrt=False``) and the emulation use a correctly rounded rsqrt,
 and the kernel emulates the GPU's single-rounding FMA there (some Triton interpreters round ``tl.fma`` twice).
 Compared byte for byte: residual_out (also against torch's eager chain), packed values and every scale byte
-(against ``format.quantize_nvfp4`` of the emulated ``m``, precise mode), and the FP32 statistics.
+(against ``format.quantize_nvfp4`` of the emulated ``m``, precise mode), and the FP32 statistics; the decoded-output
+and residual-free (adaptive LayerNorm) variants the same way.
 
 CPU, ahead of time: the kernel builds for SM90 / SM100 / SM120, and its SM90 build keeps everything in registers.
 
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="Triton is not installed, so the Qwen kernel tests did not run; they run "
                                      "wherever Triton is installed, as in CI (pip install -e '.[test]')")
+from diffusers_nvfp4_fast.format import decode_nvfp4  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
 from diffusers_nvfp4_fast.kernels import qwen_resnorm_quantize as qmod  # noqa: E402
 from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import quantize_nvfp4_triton  # noqa: E402
@@ -45,13 +47,18 @@ DISTRIBUTIONS = ("randn", "activation-like", "large-offset", "edge-rows")
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("capability", [90, 100, 120])
-def test_compiles_ahead_of_time(capability):
-    """The fused Qwen kernel (whole-block and split-block quantize paths) builds for Hopper and both Blackwell targets,
-    with the hardware E2M1 conversion exactly on SM100+; it runs only where such a GPU exists."""
+@pytest.mark.parametrize("capability,variant", [
+    (90, "resnorm"), (90, "resnorm-decoded"), (90, "adaln"), (90, "adaln-decoded"), (100, "resnorm"),
+    (100, "adaln-decoded"), (120, "resnorm"), (120, "adaln-decoded"),
+])
+def test_compiles_ahead_of_time(capability, variant):
+    """The fused Qwen kernel (whole-block and split-block quantize paths), with and without the residual add, packed
+    or decoded, builds for Hopper and both Blackwell targets, with the hardware E2M1 conversion exactly on SM100+; it
+    runs only where such a GPU exists."""
     from sass_count import compile_qwen_resnorm
 
-    compiled = compile_qwen_resnorm(3072, capability)
+    compiled = compile_qwen_resnorm(3072, capability, has_residual=variant.startswith("resnorm"),
+                                    decoded=variant.endswith("decoded"))
     assert ("cvt.rn.satfinite.e2m1x2.f32" in compiled.asm["ptx"]) == (capability >= 100)
     assert len(compiled.asm["cubin"]) > 0
 
@@ -165,6 +172,13 @@ def emulated_reference(residual, x, bias, gate, scale, shift, g, eps):
     return r, packed, scales
 
 
+def emulated_adaln_reference(x, scale, shift, g, eps):
+    """norm1 + modulate with the emulated CUDA LayerNorm, then the precise standalone quantize."""
+    n = cuda_layer_norm_emulation(x.reshape(-1, x.shape[-1]), eps).reshape(x.shape)
+    m = n * (1 + broadcast_rows(scale, n)) + broadcast_rows(shift, n)
+    return reference_quantize(m.reshape(-1, m.shape[-1]), g, scale_layout="128x4", fast_math=False)
+
+
 def edge_rows(x: torch.Tensor) -> torch.Tensor:
     """Rows that stress the statistics: zero, constant, tiny, huge, a single spike, BF16 subnormals."""
     x = x.clone()
@@ -206,7 +220,14 @@ def make_inputs(b, l_len, d, dist, per_token, seed):
 def interpreted_qwen_resnorm() -> dict:
     import warnings
 
-    from diffusers_nvfp4_fast.kernels.qwen_resnorm_quantize import layer_norm_torch_exact, qwen_resnorm_quantize_triton
+    from diffusers_nvfp4_fast.kernels.qwen_resnorm_quantize import (
+        adaln_quantize_triton,
+        layer_norm_torch_exact,
+        qwen_resnorm_quantize_triton,
+    )
+
+    def decoded(packed, scales):
+        return decode_nvfp4(packed, scales, scale_layout="128x4", dtype=torch.float16).view(torch.int16)
 
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # 1/0 on all-zero blocks, masked by the epilogue
 
@@ -253,6 +274,18 @@ def interpreted_qwen_resnorm() -> dict:
             "packed_mismatch": int((packed != ep).sum()) if packed.shape == ep.shape else -1,
             "scale_shape": list(scales.shape),
         }
+        if name not in VARIANT_CASES:
+            continue
+        # The same kernel writing FC1's input as FP16 values: the decode of the packed result, residual unchanged.
+        r16, x16 = qwen_resnorm_quantize_triton(residual, x, bias, gate, scale, shift, g, eps=EPS, fast_math=False,
+                                                decoded=True)
+        results[name]["decoded"] = torch.equal(r16, r) and torch.equal(x16.view(torch.int16), decoded(packed, scales))
+        # Without the residual add (adaptive LayerNorm): the LayerNorm reads the residual stream itself.
+        ap, ascales = adaln_quantize_triton(residual, scale, shift, g, eps=EPS, fast_math=False)
+        ref_p, ref_s = emulated_adaln_reference(residual, scale, shift, g, EPS)
+        (a16,) = adaln_quantize_triton(residual, scale, shift, g, eps=EPS, fast_math=False, decoded=True)
+        results[name]["adaln"] = torch.equal(ap, ref_p) and torch.equal(ascales, ref_s)
+        results[name]["adaln_decoded"] = torch.equal(a16.view(torch.int16), decoded(ap, ascales))
 
     gen = torch.Generator().manual_seed(7)
     ln_in = {
@@ -302,19 +335,31 @@ def test_fma32_is_exact():
     assert fma32(a, a, np.array([-(2.0**-60)], np.float32))[0] == np.float32(1.0 + 2.0**-11)
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        "b2-randn-bias", "b1-large-offset-nobias-pertoken-d1024", "b2-activation-strided", "b1-129rows-two-scale-tiles",
-        "b2-edge-rows-pertoken", "b2-edge-rows-d3072", "b1-activation-pertoken-d2560",
-    ],
-)
+# The decoded and adaptive-LayerNorm variants run on cases that reach every pass-2 path (4 threads per block at
+# D = 512, 8 at D = 1024, whole blocks then 4 at D = 2560), with strided rows, per-token parameters and scale padding
+# rows (the interpreter is slow: the other cases add time, not paths).
+VARIANT_CASES = ["b2-activation-strided", "b1-large-offset-nobias-pertoken-d1024", "b1-activation-pertoken-d2560"]
+INTERPRETED_CASES = [
+    "b2-randn-bias", "b1-large-offset-nobias-pertoken-d1024", "b2-activation-strided", "b1-129rows-two-scale-tiles",
+    "b2-edge-rows-pertoken", "b2-edge-rows-d3072", "b1-activation-pertoken-d2560",
+]
+
+
+@pytest.mark.parametrize("case", INTERPRETED_CASES)
 def test_fused_kernel_matches_cuda_emulation(interpreter_results, case):
     res = interpreter_results[case]
     assert res["residual_vs_eager"], res
     assert res["residual"], res
     assert res["packed"], res
     assert res["scales"], res
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES)
+def test_decoded_and_adaln_variants_match(interpreter_results, case):
+    """The same kernel writing FP16 values (the decode of its packed result), and without the residual add (norm1
+    of the residual stream itself, against the emulated chain), packed and decoded."""
+    res = interpreter_results[case]
+    assert res["decoded"] and res["adaln"] and res["adaln_decoded"], res
 
 
 @pytest.mark.parametrize("dist", ["randn", "large-offset", "edge-rows"])
