@@ -11,6 +11,14 @@ from .format import BLOCK_SIZE, ScaleLayout, fast_math_from_env, padded_scale_sh
 from .ops.linear import linear_fp16_x, nvfp4_linear, quantized_linear, takes_decoded_activation
 from .ops.quantize import quantize
 
+_SCALE_LOADS = [0]  # bumped whenever any layer's input/weight scales are (re)loaded; see scale_loads()
+
+
+def scale_loads() -> int:
+    """How many times any ``NVFP4Linear`` has (re)computed its derived scales in this process: a fused path that
+    relies on a fact about scales checked earlier (two layers' input scales are equal) re-validates when it moved."""
+    return _SCALE_LOADS[0]
+
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
@@ -161,6 +169,7 @@ class NVFP4Linear(nn.Module):
     @torch.no_grad()
     def refresh_derived_scales_(self) -> NVFP4Linear:
         """Recompute ``alpha`` and ``input_scale_inv`` in place (their tensor objects stay, for offloading hooks)."""
+        _SCALE_LOADS[0] += 1
         derived = {"alpha": self.input_scale * self.weight_scale_2, "input_scale_inv": 1.0 / self.input_scale}
         for name, value in derived.items():
             current = cast(torch.Tensor, self._buffers[name])  # registered in __init__, never None here
@@ -237,8 +246,12 @@ class NVFP4Linear(nn.Module):
     def takes_decoded_input(self, x: torch.Tensor) -> bool:
         """Whether this layer's GEMM for ``x`` (``[rows, K]``) multiplies the activation's decoded FP16 values, so a
         fused producer may hand them over with ``forward_decoded`` instead of packed bytes."""
+        return self.takes_decoded_rows(x.shape[0], x.device, x.dtype)
+
+    def takes_decoded_rows(self, rows: int, device: torch.device, dtype: torch.dtype) -> bool:
+        """``takes_decoded_input`` for an activation of ``rows`` rows of ``dtype`` on ``device`` (no tensor needed)."""
         return not self.dynamic_input_scale and takes_decoded_activation(
-            x.shape[0], x.device, self.bias, x.dtype, self.scale_layout == "128x4")
+            rows, device, self.bias, dtype, self.scale_layout == "128x4")
 
     def forward_decoded(self, x16: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x16: FP16 ``[M, K]``, the exact decoded values of an activation quantized with this layer's

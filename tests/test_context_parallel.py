@@ -17,8 +17,8 @@ import pytest
 import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
-FUSED = {"flux2": {"flux2_swiglu", "flux2_token_cat_swiglu", "flux2_rotary", "flux2_resnorm"},
-         "qwen": {"qwen_resnorm", "qwen_gelu"}}
+FUSED = {"flux2": {"flux2_swiglu", "flux2_token_cat_swiglu", "flux2_rotary", "flux2_resnorm", "flux2_adaln"},
+         "qwen": {"qwen_resnorm", "qwen_gelu", "qwen_adaln"}}
 
 
 def _launch(tmp_path, *args: str) -> list[dict]:
@@ -66,5 +66,5 @@ def test_benchmark_dry_run(tmp_path):
         (r, g, v) for r in (0, 1) for g in (1, 2) for v in ("nvfp4_fast_off", "nvfp4_fast_on")}
     assert all(c["exact_on_equals_off"] for c in cases)
     assert all(c["fused_calls"] == {"flux2_swiglu": 2, "flux2_token_cat_swiglu": 2, "flux2_rotary": 6,
-                                    "flux2_resnorm": 2}
+                                    "flux2_resnorm": 2, "flux2_adaln": 4}
                for c in cases if c["variant"] == "nvfp4_fast_on")

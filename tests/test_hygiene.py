@@ -54,7 +54,9 @@ def test_200_enable_disable_cycles_leak_nothing(which, modelopt_exports):
     cycled = _cycles(pipe, kwargs, 200, 20, cuda=False)
     assert cycled[40][1] == cycled[200][1] == registry_before
     growth, baseline = cycled[200][0] - cycled[40][0], plain[200][0] - plain[40][0]
-    assert growth - baseline < 16, f"{growth - baseline} more Python objects after 160 enable/disable cycles"
+    # A baseline that shrank (objects of earlier tests freed meanwhile) is no allowance for growth; count it as 0.
+    extra = growth - max(baseline, 0)
+    assert extra < 16, f"{extra} more Python objects after 160 enable/disable cycles"
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """Qwen-Image residual-norm quantize: ``residual + gate * attn -> LayerNorm -> modulate -> quantize`` in one pass.
 
 Reference: ``qwen_resnorm_quantize_reference``, diffusers' eager ops followed by the standalone quantize
-(docs/design.md §6). Kernel: ``kernels.qwen_resnorm_quantize_triton``.
+(docs/design.md §6). Kernel: ``kernels.qwen_resnorm_quantize_triton``. The ``_decoded`` variant gives FC1's input as
+its exact FP16 values, for an FC1 whose GEMM multiplies those (SM80-SM90, more than 64 rows).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import NamedTuple, cast
 import torch
 import torch.nn.functional as F
 
+from .. import format as nvfp4
 from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
 from .quantize import empty_quantized, quantize
 from .verify import run_checked
@@ -118,3 +120,59 @@ def qwen_resnorm_quantize_checked(
     """``qwen_resnorm_quantize`` with first-use byte verification against the eager chain + standalone quantize,
     counted under site ``kind``."""
     return call_op(_checked_op, _checked_impl, *inputs, global_scale, eps, fast_math, stats_id, shape_class, kind)
+
+
+def qwen_resnorm_quantize_decoded_reference(
+    inputs: ResNormInputs, global_scale: torch.Tensor, eps: float, fast_math: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference, then the decode: (residual_out, FP16 ``[B*L, D]`` = each E2M1 value times its block scale)."""
+    r, packed, scales = qwen_resnorm_quantize_reference(inputs, global_scale, eps, fast_math)
+    return r, nvfp4.decode_nvfp4(packed, scales, dtype=torch.float16)
+
+
+def _decoded_impl(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math):
+    if kernel_runs_on(x):
+        return kernels.qwen_resnorm_quantize_triton(residual, x, bias, gate, scale, shift, global_scale, eps=eps,
+                                                    fast_math=fast_math, decoded=True)
+    return qwen_resnorm_quantize_decoded_reference(ResNormInputs(residual, x, bias, gate, scale, shift), global_scale,
+                                                   eps, fast_math)
+
+
+def _decoded_checked_impl(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
+    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool, stats_id: int, shape_class: str,
+    kind: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inputs = ResNormInputs(residual, x, bias, gate, scale, shift)
+    return cast("tuple[torch.Tensor, torch.Tensor]", run_checked(
+        stats_id, kind, shape_class + ",decoded", ("residual_out", "decoded"),
+        lambda: _decoded_impl(*inputs, global_scale, eps, fast_math),
+        lambda: qwen_resnorm_quantize_decoded_reference(inputs, global_scale, eps, fast_math),
+    ))
+
+
+def _decoded_op_impl(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
+    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _decoded_impl(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
+
+
+def _decoded_fake(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math, *_):
+    d = residual.shape[-1]
+    return (torch.empty_like(residual, memory_format=torch.contiguous_format),
+            residual.new_empty((residual.numel() // d, d), dtype=torch.float16))
+
+
+_decoded_op, _decoded_checked_op = custom_op_pair(
+    "qwen_resnorm_quantize_decoded", _decoded_op_impl, _decoded_checked_impl, _decoded_fake)
+
+
+def qwen_resnorm_quantize_decoded_checked(
+    inputs: ResNormInputs, global_scale: torch.Tensor, eps: float, fast_math: bool, stats_id: int, shape_class: str,
+    kind: str = KIND,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (residual_out ``[B, L, D]``, FP16 ``[B*L, D]``): the decoded values of ``qwen_resnorm_quantize``'s FC1 input,
+    for an FC1 whose GEMM multiplies those; first-use byte verification as ``qwen_resnorm_quantize_checked``."""
+    return call_op(_decoded_checked_op, _decoded_checked_impl, *inputs, global_scale, eps, fast_math, stats_id,
+                   shape_class, kind)

@@ -13,6 +13,9 @@
 - Double-stream blocks: ``residual + gate * attn -> norm2 -> modulate`` and ``linear_in``'s quantize run as one
   kernel (``flux2_resnorm``), the one Qwen-Image uses (``resnorm.py``): both models round the same ops in the same
   order. ``fused_double_block_forward`` is diffusers' block forward with that section replaced, installed per block.
+- Every block's ``norm1 -> modulate`` before its attention and the input quantize of the projections that read it
+  (query/key/value, or the single-stream fused input projection) run as one kernel (``flux2_adaln``, ``adaln.py``);
+  ``fused_single_block_forward`` is diffusers' single-stream block forward with that section replaced.
 
 SwiGLU and the rotary embedding stay diffusers' ops under ``torch.compile``: inductor computes SiLU as
 ``x * sigmoid(x)`` and contracts the rotary multiply-adds, which round differently from the eager ops the kernels
@@ -31,11 +34,13 @@ from torch import nn
 
 from ..format import fast_math_from_env
 from ..linear import NVFP4Linear
+from ..ops.adaln_quantize import FLUX2_KIND as KIND_ADALN
 from ..ops.qwen_resnorm_quantize import FLUX2_KIND, ResNormInputs
 from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_checked
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
 from ..ops.verify import count_fallback, failed_kind_reason, record_fallback, stats_for
+from .adaln import AdaLNInput, AdaLNSite, norm_params_input
 from .flux2_attention import HALF_DTYPES, Flux2FusedAttnProcessor, on_original, rotate
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .resnorm import fused_residual_norm, resnorm_gate
@@ -213,7 +218,8 @@ def _ff_stream(block: nn.Module, ff: nn.Module, norm: nn.Module, residual: torch
     stats_id = cast(int, block._nvfp4_stats_id)
     reason = _ff_stream_reason(ff, norm, residual, attn_out, (gate_msa, scale_mlp, shift_mlp))
     if reason is not None:
-        count_fallback(stats_id, FLUX2_KIND, reason)
+        if nvfp4_layer(getattr(ff, "linear_in", None)) is not None:  # a site that could not fuse this call
+            count_fallback(stats_id, FLUX2_KIND, reason)
         hidden = residual + gate_msa * attn_out
         norm_hidden = norm(hidden) * (1 + scale_mlp) + shift_mlp
         return hidden + gate_mlp * ff(norm_hidden)
@@ -222,8 +228,33 @@ def _ff_stream(block: nn.Module, ff: nn.Module, norm: nn.Module, residual: torch
     return hidden + gate_mlp * swiglu_out(ff, y, stats_id)
 
 
+def _attention_input(block: nn.Module, stream: str, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor,
+                     shift: torch.Tensor) -> torch.Tensor | AdaLNInput:
+    """The attention's input for this stream: diffusers' ``(1 + scale) * norm(x) + shift``, or an ``AdaLNInput``
+    that the projections after it quantize in one kernel (site ``flux2_adaln``)."""
+    site = cast(dict, block._nvfp4_adaln).get(stream)
+    if site is not None:
+        stats_id = cast(int, block._nvfp4_stats_id)
+        fused = (_processor_reason(cast(nn.Module, block.attn), site)
+                 or norm_params_input(site, norm, x, scale, shift, stats_id, KIND_ADALN))
+        if isinstance(fused, AdaLNInput):
+            return fused
+        count_fallback(stats_id, KIND_ADALN, fused)
+    return (1 + scale) * norm(x) + shift
+
+
+def _processor_reason(attn: nn.Module, site: AdaLNSite) -> str | None:
+    """None when the attention's processor is one of this package's (their code reads the inputs only through the
+    projections' calls and ``shape``) and calls the projections the site recorded."""
+    if type(attn.processor) not in _ADALN_PROCESSORS:
+        return f"attention processor is {type(attn.processor).__name__}"
+    if getattr(attn, "fused_projections", False) != ("to_qkv" in site.consumers):
+        return "query/key/value projections fused or unfused after enable_fast_paths"
+    return call_changed_reason("attention", attn)
+
+
 # Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, Flux2TransformerBlock.forward: the same
-# code, with each stream's norm2 section handed to _ff_stream.
+# code, with each stream's norm1 section handed to _attention_input and its norm2 section to _ff_stream.
 def fused_double_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -238,10 +269,9 @@ def fused_double_block_forward(
     (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split(temb_mod_img, 2)
     (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split(temb_mod_txt, 2)
 
-    norm_hidden_states = self.norm1(hidden_states)
-    norm_hidden_states = (1 + scale_msa) * norm_hidden_states + shift_msa
-    norm_encoder_hidden_states = self.norm1_context(encoder_hidden_states)
-    norm_encoder_hidden_states = (1 + c_scale_msa) * norm_encoder_hidden_states + c_shift_msa
+    norm_hidden_states = _attention_input(self, "img", self.norm1, hidden_states, scale_msa, shift_msa)
+    norm_encoder_hidden_states = _attention_input(self, "txt", self.norm1_context, encoder_hidden_states, c_scale_msa,
+                                                  c_shift_msa)
     attn_output, context_attn_output = self.attn(
         hidden_states=norm_hidden_states,
         encoder_hidden_states=norm_encoder_hidden_states,
@@ -255,6 +285,34 @@ def fused_double_block_forward(
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
+
+
+# Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, Flux2SingleTransformerBlock.forward: the
+# same code, with the norm section handed to _attention_input.
+def fused_single_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    temb_mod: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+    split_hidden_states: bool = False,
+    text_seq_len: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    mod_shift, mod_scale, mod_gate = flux2_module.Flux2Modulation.split(temb_mod, 1)[0]
+    norm_hidden_states = _attention_input(self, "joint", self.norm, hidden_states, mod_scale, mod_shift)
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attn_output = self.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                            **joint_attention_kwargs)
+    hidden_states = hidden_states + mod_gate * attn_output
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    if split_hidden_states:
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
 
 
 class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
@@ -321,14 +379,30 @@ _REPLACEMENTS: dict[type, type[Flux2FusedParallelSelfAttnProcessor | Flux2FusedK
 }
 
 
-def _swap_block_forward(block: nn.Module, stats_id: int):
-    """Install ``fused_double_block_forward`` on ``block``; returns the undo callable."""
+_ADALN_PROCESSORS = (Flux2FusedAttnProcessor, *_REPLACEMENTS.values())
+
+
+def _adaln_sites(attn: nn.Module, streams: dict[str, tuple[str, ...]]) -> dict[str, AdaLNSite]:
+    """stream -> its norm1 site, for the streams whose projections can share one quantized input."""
+    sites = {stream: AdaLNSite(attn, names) for stream, names in streams.items()}
+    return {stream: site for stream, site in sites.items() if site.reason is None}
+
+
+def _double_block_sites(attn: nn.Module) -> dict[str, AdaLNSite]:
+    if getattr(attn, "fused_projections", False):
+        return _adaln_sites(attn, {"img": ("to_qkv",), "txt": ("to_added_qkv",)})
+    return _adaln_sites(attn, {"img": ("to_q", "to_k", "to_v"), "txt": ("add_q_proj", "add_k_proj", "add_v_proj")})
+
+
+def _swap_block_forward(block: nn.Module, forward, stats_id: int, sites: dict[str, AdaLNSite]):
+    """Install ``forward`` (a fused block forward) on ``block``; returns the undo callable."""
     block._nvfp4_stats_id = stats_id  # type: ignore[assignment]  # nn.Module takes any attribute
-    undo = swap_forward(block, types.MethodType(fused_double_block_forward, block))
+    block._nvfp4_adaln = sites  # type: ignore[assignment]  # (as above)
+    undo = swap_forward(block, types.MethodType(forward, block))
 
     def restore_block():
         undo()
-        del block._nvfp4_stats_id
+        del block._nvfp4_stats_id, block._nvfp4_adaln
 
     return restore_block
 
@@ -343,7 +417,7 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
     Appends undo callables to ``restore``; each puts back the original object unless the user replaced the fused one
     meanwhile.
     """
-    count = {KIND: 0, KIND_ROTARY: 0, KIND_FF: 0, FLUX2_KIND: 0}
+    count = {KIND: 0, KIND_ROTARY: 0, KIND_FF: 0, FLUX2_KIND: 0, KIND_ADALN: 0}
     for block in getattr(model, "transformer_blocks", []):
         resnorm_sites = 0
         for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)):
@@ -353,13 +427,16 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
                 restore.append(swap_forward(ff, fused_feed_forward(ff, stats_id)))
                 count[KIND_FF] += 1
             resnorm_sites += nvfp4_layer(ff.linear_in) is not None
-        if isinstance(block, flux2_module.Flux2TransformerBlock) and resnorm_sites:
-            restore.append(_swap_block_forward(block, stats_id))
-            count[FLUX2_KIND] += resnorm_sites
         attn = getattr(block, "attn", None)
+        sites = {}
         if attn is not None and type(attn.processor) is flux2_module.Flux2AttnProcessor:
             restore.append(swap_processor(attn, Flux2FusedAttnProcessor(attn.processor, stats_id)))
             count[KIND_ROTARY] += 1
+            sites = _double_block_sites(attn)
+        if isinstance(block, flux2_module.Flux2TransformerBlock) and (resnorm_sites or sites):
+            restore.append(_swap_block_forward(block, fused_double_block_forward, stats_id, sites))
+            count[FLUX2_KIND] += resnorm_sites
+            count[KIND_ADALN] += len(sites)
     for block in getattr(model, "single_transformer_blocks", []):
         attn = block.attn
         original = attn.processor
@@ -372,4 +449,8 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
         restore.append(swap_processor(attn, fused))
         count[KIND] += 1
         count[KIND_ROTARY] += 1
+        sites = _adaln_sites(attn, {"joint": ("to_qkv_mlp_proj",)})
+        if isinstance(block, flux2_module.Flux2SingleTransformerBlock) and sites:
+            restore.append(_swap_block_forward(block, fused_single_block_forward, stats_id, sites))
+            count[KIND_ADALN] += 1
     return {kind: n for kind, n in count.items() if n}

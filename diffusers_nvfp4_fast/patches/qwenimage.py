@@ -24,11 +24,13 @@ from torch import nn
 
 from ..format import fast_math_from_env
 from ..linear import NVFP4Linear
+from ..ops.adaln_quantize import QWEN_KIND as KIND_ADALN
 from ..ops.dispatch import triton_runs_on
 from ..ops.gelu_quantize import KIND as KIND_GELU
 from ..ops.gelu_quantize import gelu_mismatch, gelu_quantize_checked, gelu_quantize_decoded_checked
 from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs
 from ..ops.verify import count_fallback, failed_kind_reason
+from .adaln import AdaLNInput, AdaLNSite, norm_params_input
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .resnorm import fused_residual_norm, resnorm_gate
 from .swap import swap_forward, swap_processor
@@ -222,6 +224,36 @@ def _gelu_fc2(ff: nn.Module, y: torch.Tensor, stats_id: int) -> torch.Tensor:
     return y
 
 
+def _processor_takes_adaln_input(attn: nn.Module) -> str | None:
+    """None when the attention's processor is diffusers' own Qwen-Image processor (directly or in the bias wrapper):
+    its code reads the image and text inputs only through the projections' calls and their ``shape`` / ``device``,
+    which an ``AdaLNInput`` provides. Another processor could read the values, so it gets the modulated tensors."""
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    processor = attn.processor
+    if isinstance(processor, QwenDeferredBiasAttnProcessor):
+        processor = processor.processor
+    if type(processor) is not QwenDoubleStreamAttnProcessor2_0:
+        return f"attention processor is {type(processor).__name__}"
+    return call_changed_reason("attention", attn)
+
+
+def _attention_input(block: nn.Module, stream: str, norm: nn.Module, x: torch.Tensor, mod: torch.Tensor,
+                     index: torch.Tensor | None) -> tuple[torch.Tensor | AdaLNInput, torch.Tensor]:
+    """(the attention's input for this stream, gate1): diffusers' ``_modulate(norm1(x), mod, index)``, or an
+    ``AdaLNInput`` that the query/key/value projections quantize in one kernel (site ``qwen_adaln``)."""
+    site = cast(dict, block._nvfp4_adaln).get(stream)
+    if site is not None:
+        stats_id = cast(int, block._nvfp4_stats_id)
+        shift, scale, gate = _mod_params(mod, index)
+        fused = (_processor_takes_adaln_input(cast(nn.Module, block.attn))
+                 or norm_params_input(site, norm, x, scale, shift, stats_id, KIND_ADALN))
+        if isinstance(fused, AdaLNInput):
+            return fused, gate
+        count_fallback(stats_id, KIND_ADALN, fused)
+    return cast(tuple[torch.Tensor, torch.Tensor], cast(Any, block)._modulate(norm(x), mod, index))
+
+
 def _bias_deferred(block: nn.Module) -> bool:
     """Whether this call's attention returned its projections without bias; a deferral site that could not defer
     counts the reason."""
@@ -232,7 +264,7 @@ def _bias_deferred(block: nn.Module) -> bool:
 
 
 # Adapted from diffusers 0.42.1, models/transformers/transformer_qwenimage.py, QwenImageTransformerBlock.forward:
-# the same code, with each stream's norm2 section handed to _mlp_stream.
+# the same code, with each stream's norm1 section handed to _attention_input and its norm2 section to _mlp_stream.
 def fused_block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -248,8 +280,8 @@ def fused_block_forward(
         temb = torch.chunk(temb, 2, dim=0)[0]
     txt_mod1, txt_mod2 = self.txt_mod(temb).chunk(2, dim=-1)
 
-    img_modulated, img_gate1 = self._modulate(self.img_norm1(hidden_states), img_mod1, modulate_index)
-    txt_modulated, txt_gate1 = self._modulate(self.txt_norm1(encoder_hidden_states), txt_mod1)
+    img_modulated, img_gate1 = _attention_input(self, "img", self.img_norm1, hidden_states, img_mod1, modulate_index)
+    txt_modulated, txt_gate1 = _attention_input(self, "txt", self.txt_norm1, encoder_hidden_states, txt_mod1, None)
     img_attn_output, txt_attn_output = self.attn(
         hidden_states=img_modulated,
         encoder_hidden_states=txt_modulated,
@@ -278,7 +310,7 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
     """Swap the forward of every block whose image or text FC1 is NVFP4. Returns ``{site kind: count}``."""
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
-    count = gelu_sites = 0
+    count = gelu_sites = adaln_sites = 0
     for block in getattr(model, "transformer_blocks", []):
         if not isinstance(block, QwenImageTransformerBlock):
             continue
@@ -293,15 +325,21 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
         if _bias_can_be_deferred(attn) and img_fc1 is not None and txt_fc1 is not None:
             undo_processor = swap_processor(attn, QwenDeferredBiasAttnProcessor(attn.processor, attn))
         block._nvfp4_bias_site = undo_processor is not None  # type: ignore[assignment]  # (as above)
+        sites = {"img": AdaLNSite(attn, ("to_q", "to_k", "to_v")),
+                 "txt": AdaLNSite(attn, ("add_q_proj", "add_k_proj", "add_v_proj"))}
+        usable = {stream: site for stream, site in sites.items() if site.reason is None}
+        block._nvfp4_adaln = usable  # type: ignore[assignment]  # (as above)
+        adaln_sites += len(usable)
 
         def restore_block(block=block, undo=undo, undo_processor=undo_processor):
             if undo_processor is not None:
                 undo_processor()
             undo()
-            del block._nvfp4_stats_id, block._nvfp4_bias_site
+            del block._nvfp4_stats_id, block._nvfp4_bias_site, block._nvfp4_adaln
 
         restore.append(restore_block)
         count += 1
         gelu_sites += sum(fc1 is not None and len(ff.net) > 2 and nvfp4_layer(ff.net[2]) is not None
                           for fc1, ff in ((img_fc1, block.img_mlp), (txt_fc1, block.txt_mlp)))
-    return {KIND: count, **({KIND_GELU: gelu_sites} if gelu_sites else {})}
+    extra = {KIND_GELU: gelu_sites, KIND_ADALN: adaln_sites}
+    return {KIND: count, **{kind: n for kind, n in extra.items() if n}}

@@ -12,7 +12,13 @@ from torch import nn
 
 from ..format import fast_math_from_env
 from ..linear import NVFP4Linear
-from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs, kernel_runs_on, qwen_resnorm_quantize_checked
+from ..ops.qwen_resnorm_quantize import (
+    KIND,
+    ResNormInputs,
+    kernel_runs_on,
+    qwen_resnorm_quantize_checked,
+    qwen_resnorm_quantize_decoded_checked,
+)
 from ..ops.verify import failed_kind_reason
 from .hooks import call_changed_reason, consumer_reason
 
@@ -64,10 +70,13 @@ class ResNormInput(NamedTuple):
     kind: str = KIND
 
     def run_on(self, layer: NVFP4Linear) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, packed, scales = qwen_resnorm_quantize_checked(
-            self.inputs, layer.input_scale_inv, self.eps, fast_math_from_env(), self.stats_id, self.shape_class,
-            self.kind,
-        )
+        residual = self.inputs.residual
+        args = (self.inputs, layer.input_scale_inv, self.eps, fast_math_from_env(), self.stats_id, self.shape_class,
+                self.kind)
+        if layer.takes_decoded_rows(residual.numel() // residual.shape[-1], residual.device, residual.dtype):
+            hidden, x16 = qwen_resnorm_quantize_decoded_checked(*args)  # its GEMM multiplies FP16: no decode pass
+            return hidden, layer.forward_decoded(x16, hidden.dtype)
+        hidden, packed, scales = qwen_resnorm_quantize_checked(*args)
         return hidden, layer.forward_prequantized(packed, scales, hidden.dtype)
 
 

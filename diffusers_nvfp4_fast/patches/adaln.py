@@ -1,0 +1,152 @@
+"""Adaptive LayerNorm sites shared by Qwen-Image and FLUX.2 (``qwen_adaln``, ``flux2_adaln``): a block's
+``LayerNorm(x) * (1 + scale) + shift`` before its attention, and the input quantize of the projections that read it,
+as one kernel (``ops.adaln_quantize``); the modulated BF16 tensor is never written.
+
+The block forward hands the attention an ``AdaLNInput`` in place of the modulated tensor. The attention processor
+(diffusers' own Qwen-Image processor, or this package's FLUX.2 processors) passes it to each projection's call, where
+``NVFP4Linear.forward`` calls ``run_on``: the first projection runs the kernel with its own ``input_scale_inv`` (after
+its offloading hooks ran), the others reuse the result. That sharing is exact only while every projection has the
+same input scale: ``AdaLNSite`` checks that when the fast paths are enabled (ModelOpt calibrates the three projections
+on the same tensor, so their scales agree), and the gate re-checks that nothing was replaced or reloaded since.
+"""
+
+from __future__ import annotations
+
+from typing import cast
+
+import torch
+from torch import nn
+
+from ..format import fast_math_from_env
+from ..linear import NVFP4Linear, scale_loads
+from ..ops.adaln_quantize import AdaLNInputs, adaln_quantize_checked, adaln_quantize_decoded_checked
+from ..ops.qwen_resnorm_quantize import kernel_runs_on
+from ..ops.verify import failed_kind_reason
+from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
+
+
+class AdaLNSite:
+    """The projections of one stream that read the norm1 output, as found when the fast paths were enabled.
+
+    ``consumers``: attribute name -> module on ``owner`` (the attention); ``reason``: why the site cannot be fused at
+    all (projections not NVFP4, input scales differ or not loaded), else None.
+    """
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
+        self.owner = owner
+        self.consumers = {name: getattr(owner, name, None) for name in names}
+        self.loads = scale_loads()
+        self.reason = _shared_scale_reason(self.consumers)
+
+    def call_reason(self) -> str | None:
+        """Why this call cannot take the fused path (checked per call: the model may have changed since)."""
+        if self.reason is not None:
+            return self.reason
+        for name, module in self.consumers.items():
+            if getattr(self.owner, name, None) is not module:
+                return f"{name} was replaced after enable_fast_paths (LoRA?)"
+            reason = consumer_reason(cast(nn.Module, module), name)
+            if reason is not None:
+                return reason
+        if scale_loads() != self.loads:
+            return "NVFP4 scales were reloaded after enable_fast_paths (enable the fast paths again)"
+        return None
+
+
+def _shared_scale_reason(consumers: dict[str, nn.Module | None]) -> str | None:
+    layers = [nvfp4_layer(m) for m in consumers.values()]
+    if any(layer is None for layer in layers):
+        return "the projections after norm1 are not all NVFP4Linear"
+    scales = [cast(NVFP4Linear, layer).input_scale for layer in layers]
+    if any(s.is_meta for s in scales):
+        return "input scales not loaded yet (meta device) when the fast paths were enabled"
+    first = scales[0].detach().float().cpu()
+    if any(not torch.equal(first, s.detach().float().cpu()) for s in scales[1:]):
+        return f"the input scales of {', '.join(consumers)} differ (one quantized input cannot serve all)"
+    return None
+
+
+def adaln_reason(site: AdaLNSite | None, norm: nn.Module, x: torch.Tensor, params: tuple[torch.Tensor, ...],
+                 kind: str) -> str | None:
+    """None when ``norm(x)`` modulated by ``params`` (scale, shift) can be handed to the site's projections as one
+    fused kernel's output, else the reason."""
+    if site is None:
+        return "no NVFP4 projections after norm1"
+    reason = site.call_reason() or call_changed_reason("norm1", norm)
+    if reason is not None:
+        return reason
+    if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
+        return "norm1 is not an affine-free LayerNorm"
+    if x.dtype != torch.bfloat16 or x.dim() != 3 or x.shape[-1] % 16:
+        return f"input {tuple(x.shape)} {x.dtype} (bf16 [B, L, D], D a multiple of 16)"
+    b, l_len, d = x.shape
+    for p in params:
+        if p.dtype != torch.bfloat16 or p.shape[-1] != d or p.shape[0] != b or p.dim() not in (2, 3) or (
+                p.dim() == 3 and p.shape[1] not in (1, l_len)):
+            return f"modulation parameter {tuple(p.shape)} {p.dtype} (bf16 [B, D], [B, 1, D] or [B, L, D])"
+    rows = x.numel() // d
+    forms = {cast(NVFP4Linear, m).takes_decoded_rows(rows, x.device, x.dtype) for m in site.consumers.values()}
+    if len(forms) > 1:
+        return "the projections after norm1 take different activation forms (bias dtypes differ?)"
+    if x.is_cuda and not kernel_runs_on(x):
+        return "no Triton kernel for this GPU"
+    if x.is_cuda and d % 512:
+        return f"hidden size {d} not a multiple of 512 (the kernel reproduces torch's LayerNorm there only)"
+    if failed_kind_reason(kind) is not None:
+        return "verification failed earlier in this process"
+    return None
+
+
+class AdaLNInput:
+    """What the attention receives in place of the modulated norm1 output. ``shape``, ``dtype`` and ``device`` are
+    the modulated tensor's; only the site's projections read its values, through their calls."""
+
+    __slots__ = ("inputs", "eps", "stats_id", "kind", "_operand")
+
+    def __init__(self, inputs: AdaLNInputs, eps: float, stats_id: int, kind: str):
+        self.inputs = inputs
+        self.eps = eps
+        self.stats_id = stats_id
+        self.kind = kind
+        self._operand: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.inputs.x.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.inputs.x.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.inputs.x.device
+
+    def run_on(self, layer: NVFP4Linear) -> torch.Tensor:
+        """``layer`` applied to the modulated tensor: ``[B, L, N]``. The first call quantizes with ``layer``'s input
+        scale (equal for every projection of the site); later calls reuse that operand."""
+        x = self.inputs.x
+        rows = x.numel() // x.shape[-1]
+        decoded = layer.takes_decoded_rows(rows, x.device, x.dtype)
+        if self._operand is None:
+            shape_class = f"D={x.shape[-1]},eps={self.eps},{x.device}"
+            args = (self.inputs, layer.input_scale_inv, self.eps, fast_math_from_env(), self.stats_id, shape_class,
+                    self.kind)
+            self._operand = (adaln_quantize_decoded_checked(*args),) if decoded else adaln_quantize_checked(*args)
+        if decoded != (len(self._operand) == 1):
+            raise RuntimeError(f"{self.kind}: the projections after norm1 take different activation forms "
+                               "(packed and decoded); the site's gate should have kept it unfused")
+        if decoded:
+            y = layer.forward_decoded(self._operand[0], x.dtype)
+        else:
+            y = layer.forward_prequantized(self._operand[0], self._operand[1], x.dtype)
+        return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+def norm_params_input(site: AdaLNSite | None, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor,
+                      shift: torch.Tensor, stats_id: int, kind: str) -> AdaLNInput | str:
+    """The ``AdaLNInput`` for this call, or the reason the site stays unfused."""
+    reason = adaln_reason(site, norm, x, (scale, shift), kind)
+    if reason is not None:
+        return reason
+    return AdaLNInput(AdaLNInputs(x, scale, shift), float(cast(nn.LayerNorm, norm).eps), stats_id, kind)
