@@ -4,9 +4,12 @@ Usage:
     python benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024 [--steps-timed 5]
     python benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024
     python benchmarks/bench_transformer_step.py --model flux2-dev --compile  # under torch.compile (inductor)
+    python benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks  # compile_repeated_blocks
     python benchmarks/bench_transformer_step.py --model flux2-dev --tiny     # CPU dry run of the whole logic
-Writes benchmarks/results/transformer_step-<model>[-graph|-compile]-<device>.json (docs/design.md §10) and prints a
-table. With ``--compile`` fast paths off and on are timed in two phases (alternating would recompile at each switch)
+Writes benchmarks/results/transformer_step-<model>[-graph|-compile|-compile-blocks]-<device>.json (docs/design.md
+§10) and prints a table. ``--compile blocks`` compiles each transformer block as diffusers'
+``compile_repeated_blocks(fullgraph=True)`` does (regional compilation: one compile per block class, so minutes
+less). With ``--compile`` fast paths off and on are timed in two phases (alternating would recompile at each switch)
 with inductor's precision-cast emulation on, under which compiled on equals compiled off.
 
 How the NVFP4 model is built without ever holding the BF16 model: the diffusers model is created on the meta device
@@ -288,6 +291,14 @@ def time_off_then_on(runner, inputs: dict, warmup: int, timed: int, device, enab
     return runs
 
 
+def compiled(model: nn.Module, how: str | None) -> nn.Module:
+    """The callable to time: ``model`` itself (eager, or its blocks compiled in place) or ``torch.compile(model)``."""
+    if how == "blocks":
+        model.compile_repeated_blocks(fullgraph=True)
+        return model
+    return torch.compile(model) if how == "model" else model
+
+
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte equality (NaN-safe, unlike torch.equal on floats)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -335,13 +346,14 @@ def run(args) -> dict:
                         + ("; each variant captured once in a CUDA graph and replayed" if args.cuda_graph
                            else "; eager"))
     result["cuda_graph"] = args.cuda_graph
-    result["compile"] = args.compile
+    result["compile"] = args.compile or False
     if args.compile:
         import torch._inductor.config as inductor_config
 
         # On == off under inductor holds with its precision-cast emulation (docs/design.md §1), so time that.
         inductor_config.emulate_precision_casts = True
-        result["timing"] += "; torch.compile(transformer), inductor with emulate_precision_casts"
+        result["timing"] += ("; torch.compile(transformer)" if args.compile == "model" else
+                             "; compile_repeated_blocks(fullgraph=True)") + ", inductor with emulate_precision_casts"
     result["input_scale"] = f"fixed: amax {INPUT_AMAX} -> input_scale = {INPUT_AMAX}/2688"
     shape = {"model": args.model, **result["inputs"]}
     t_start = time.time()
@@ -361,7 +373,7 @@ def run(args) -> dict:
     result["layers"] = counts
     inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
 
-    runner = torch.compile(model) if args.compile else model  # the fast paths are switched on the model itself
+    runner = compiled(model, args.compile)  # the fast paths are switched on the model itself
     if enable_fast_paths is not None:
         switches = (lambda _: enable_fast_paths(model), lambda _: disable_fast_paths(model))
         if args.compile:
@@ -404,7 +416,7 @@ def run(args) -> dict:
         materialize(model, args.model, device, nvfp4=False)
         bf16_weight = utils.tensor_bytes(model)
         inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
-        runner = torch.compile(model) if args.compile else model
+        runner = compiled(model, args.compile)
         ms_bf16, peak_bf16, out_bf16 = time_steps(runner, inputs, args.warmup, args.steps_timed, device,
                                                   args.cuda_graph)
         log(f"BF16: {ms_bf16:.1f} ms/step, peak {peak_bf16:.1f} GB, weights {bf16_weight / 1e9:.2f} GB")
@@ -465,8 +477,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true",
                     help="tiny config on CPU (emulated GEMM): checks the logic, no timing value")
     ap.add_argument("--cuda-graph", action="store_true", help="replay each variant's step from a CUDA graph (GPU only)")
-    ap.add_argument("--compile", action="store_true",
-                    help="time torch.compile(transformer) (inductor, precision-cast emulation on) instead of eager")
+    ap.add_argument("--compile", nargs="?", const="model", choices=("model", "blocks"),
+                    help="time torch.compile(transformer) ('model', the default) or each block compiled as "
+                         "compile_repeated_blocks(fullgraph=True) does ('blocks'); inductor, precision-cast "
+                         "emulation on; instead of eager")
     args = ap.parse_args()
     if args.cuda_graph and args.tiny:
         sys.exit("--cuda-graph needs a GPU (CUDA graphs), not --tiny")
@@ -486,7 +500,7 @@ def main() -> None:
     else:
         import common
 
-        mode = "-graph" if args.cuda_graph else "-compile" if args.compile else ""
+        mode = "-graph" if args.cuda_graph else {"model": "-compile", "blocks": "-compile-blocks"}.get(args.compile, "")
         path = common.write_result(result, name=f"transformer_step-{args.model}{mode}")
         print(f"-> {path}")
     print(f"{'variant':16s} {'ms/step':>10s} {'peak GB':>8s} {'weight GB':>9s} {'exact':>6s}  speedup_vs")

@@ -5,14 +5,19 @@
 #   kernels:  quantize, token-cat, SwiGLU, rotary, GEMM and launch tests (gpu-marked)
 #   models:   Qwen kernel, fast-path, offload, LoRA and hygiene tests (gpu-marked)
 #   native:   bench_native.py (diffusers' own NVFP4 modules vs enable_fast_paths) and the step profiles
-#   benches:  token-cat, SwiGLU, Qwen kernel, GEMM and launch benchmarks
+#   benches:  token-cat, SwiGLU, Qwen kernel, adaptive LayerNorm, GEMM and launch benchmarks
 #   tiles:    the GEMM epilogue, tile-height and quantize-to-FP16 tests, then bench_gemm_tiles.py
 #   verify:   the GELU kernel tests, the Qwen-Image fast-path GPU tests, the Qwen steps (CUDA graph, eager),
 #             bench_gelu.py
 #   verify_gemm: GEMM tests touched by the epilogue bias and tile heights
 #   fusions:  the SwiGLU and rotary kernel tests, the FLUX.2 fast-path GPU tests, bench_swiglu.py, bench_rotary.py
+#   flux2_steps: the FLUX.2 fast-path GPU tests, then the FLUX.2-dev steps (eager, CUDA graph)
+#   adaln:    the adaptive-LayerNorm and decoded norm kernel tests, the full-size block and compile/graph GPU tests,
+#             the Qwen-Image steps (CUDA graph, eager)
+#   flux2_adaln: the FLUX.2-dev steps (eager, CUDA graph), then the adaptive-LayerNorm kernel tests
 #   steps:    full-size FLUX.2-dev and Qwen-Image step benchmarks, eager and as CUDA-graph replays
-#   compiled: the same steps under torch.compile (inductor; the first calls compile for minutes)
+#   compiled: the same steps, each block compiled as compile_repeated_blocks does (inductor)
+#   flux2_compiled: the FLUX.2 residual-norm and compile/graph GPU tests, FLUX.2-dev compiled steps, its profile
 #   budget_flux2, budget_qwen: whole pipelines under 24 and 32 GiB caps, NVFP4 and BF16 (bench_pipeline_budget.py)
 #   cp:       two GPUs (nvidia-h200-x2): context-parallel tests, then bench_context_parallel.py for both models, Ulysses
 #             and ring
@@ -42,6 +47,7 @@ for group in ${@:-kernels models}; do
       TAIL=10 step 90 bench_swiglu python3 benchmarks/bench_swiglu.py --sweep
       TAIL=8 step 60 bench_rotary python3 benchmarks/bench_rotary.py
       TAIL=10 step 90 bench_qwen python3 benchmarks/bench_qwen_resnorm.py
+      TAIL=24 step 120 bench_adaln python3 benchmarks/bench_adaln.py
       TAIL=3 step 90 bench_launch python3 benchmarks/bench_launch_overhead.py
       TAIL=40 step 420 bench_gemm python3 benchmarks/bench_gemm.py --sweep-configs ;;
     steps)
@@ -65,9 +71,26 @@ for group in ${@:-kernels models}; do
       TAIL=8 step 240 t_flux2 $P tests/test_fast_paths.py tests/test_offload.py tests/test_budget.py -k "flux2 or full_size or leaf" --durations=5
       TAIL=14 step 90 bench_swiglu python3 benchmarks/bench_swiglu.py --sweep
       TAIL=8 step 60 bench_rotary python3 benchmarks/bench_rotary.py ;;
+    flux2_steps)
+      TAIL=8 step 230 t_flux2 $P tests/test_fast_paths.py tests/test_offload.py tests/test_budget.py -k "flux2 or full_size or leaf" --durations=5
+      TAIL=12 step 110 step_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024
+      TAIL=12 step 150 graph_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --cuda-graph --steps-timed 15 ;;
+    adaln)
+      TAIL=6 step 150 t_adaln $P tests/test_adaln_quantize.py --durations=3
+      TAIL=8 step 260 t_blocks $P tests/test_fast_paths.py -k "full_size or norm_sites or compile_fullgraph or tiny_pipeline" --durations=5
+      TAIL=12 step 100 graph_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --cuda-graph --steps-timed 7
+      TAIL=12 step 80 step_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024 --steps-timed 11 ;;
+    flux2_adaln)
+      TAIL=12 step 150 step_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024
+      TAIL=12 step 170 graph_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --cuda-graph --steps-timed 15
+      TAIL=8 step 180 t_adaln $P tests/test_adaln_quantize.py -x --durations=5 ;;
     compiled)
-      TAIL=12 step 300 compile_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --compile
-      TAIL=12 step 280 compile_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --compile --steps-timed 11 ;;
+      TAIL=12 step 300 compile_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks
+      TAIL=12 step 280 compile_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --compile blocks --steps-timed 11 ;;
+    flux2_compiled)
+      TAIL=8 step 140 t_resnorm $P tests/test_fast_paths.py -k "flux2_resnorm or compile_fullgraph" --durations=3
+      TAIL=12 step 280 compile_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks
+      TAIL=24 step 110 profile_flux2 python3 benchmarks/profile_step.py --model flux2-dev ;;
     budget_flux2)
       TAIL=6 step 330 budget_flux2_nvfp4 python3 benchmarks/bench_pipeline_budget.py --model flux2-dev --dtype nvfp4
       TAIL=6 step 260 budget_flux2_bf16 python3 benchmarks/bench_pipeline_budget.py --model flux2-dev --dtype bf16 ;;
