@@ -11,14 +11,6 @@ from .format import BLOCK_SIZE, ScaleLayout, fast_math_from_env, padded_scale_sh
 from .ops.linear import linear_fp16_x, nvfp4_linear, quantized_linear, takes_decoded_activation
 from .ops.quantize import quantize
 
-_SCALE_LOADS = [0]  # bumped whenever any layer's input/weight scales are (re)loaded; see scale_loads()
-
-
-def scale_loads() -> int:
-    """How many times any ``NVFP4Linear`` has (re)computed its derived scales in this process: a fused path that
-    relies on a fact about scales checked earlier (two layers' input scales are equal) re-validates when it moved."""
-    return _SCALE_LOADS[0]
-
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
@@ -71,6 +63,7 @@ class NVFP4Linear(nn.Module):
     compute_dtype: torch.dtype
     dynamic_input_scale: bool
     input_scale_source: str  # set by the loaders ("checkpoint", "modelopt", "dynamic", ...); absent otherwise
+    scale_version: int  # bumped at every (re)load of the scales: a fused path relying on their values re-checks
 
     def __init__(
         self,
@@ -83,6 +76,7 @@ class NVFP4Linear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
+        self.scale_version = 0
         if in_features % BLOCK_SIZE:
             raise ValueError(f"NVFP4Linear needs in_features divisible by {BLOCK_SIZE}, got {in_features}")
         self.in_features = in_features
@@ -169,7 +163,7 @@ class NVFP4Linear(nn.Module):
     @torch.no_grad()
     def refresh_derived_scales_(self) -> NVFP4Linear:
         """Recompute ``alpha`` and ``input_scale_inv`` in place (their tensor objects stay, for offloading hooks)."""
-        _SCALE_LOADS[0] += 1
+        self.scale_version += 1
         derived = {"alpha": self.input_scale * self.weight_scale_2, "input_scale_inv": 1.0 / self.input_scale}
         for name, value in derived.items():
             current = cast(torch.Tensor, self._buffers[name])  # registered in __init__, never None here

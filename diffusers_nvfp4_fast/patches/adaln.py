@@ -7,7 +7,8 @@ The block forward hands the attention an ``AdaLNInput`` in place of the modulate
 ``NVFP4Linear.forward`` calls ``run_on``: the first projection runs the kernel with its own ``input_scale_inv`` (after
 its offloading hooks ran), the others reuse the result. That sharing is exact only while every projection has the
 same input scale: ``AdaLNSite`` checks that when the fast paths are enabled (ModelOpt calibrates the three projections
-on the same tensor, so their scales agree), and the gate re-checks that nothing was replaced or reloaded since.
+on the same tensor, so their scales agree), and the gate re-checks that nothing was replaced or reloaded since
+(``NVFP4Linear.scale_version``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from ..format import fast_math_from_env
-from ..linear import NVFP4Linear, scale_loads
+from ..linear import NVFP4Linear
 from ..ops.adaln_quantize import AdaLNInputs, adaln_quantize_checked, adaln_quantize_decoded_checked
 from ..ops.qwen_resnorm_quantize import kernel_runs_on
 from ..ops.verify import failed_kind_reason
@@ -35,7 +36,7 @@ class AdaLNSite:
     def __init__(self, owner: nn.Module, names: tuple[str, ...]):
         self.owner = owner
         self.consumers = {name: getattr(owner, name, None) for name in names}
-        self.loads = scale_loads()
+        self.versions = _scale_versions(self.consumers)
         self.reason = _shared_scale_reason(self.consumers)
 
     def call_reason(self) -> str | None:
@@ -48,9 +49,13 @@ class AdaLNSite:
             reason = consumer_reason(cast(nn.Module, module), name)
             if reason is not None:
                 return reason
-        if scale_loads() != self.loads:
+        if _scale_versions(self.consumers) != self.versions:
             return "NVFP4 scales were reloaded after enable_fast_paths (enable the fast paths again)"
         return None
+
+
+def _scale_versions(consumers: dict[str, nn.Module | None]) -> tuple[int, ...]:
+    return tuple(getattr(nvfp4_layer(m), "scale_version", -1) for m in consumers.values())
 
 
 def _shared_scale_reason(consumers: dict[str, nn.Module | None]) -> str | None:
