@@ -356,6 +356,34 @@ def test_compiled_transformer_is_traced_once(which, modelopt_exports):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+@pytest.mark.parametrize("which", ["flux2", "qwen"])
+def test_regional_compile_keeps_fast_paths_one_graph_per_block_class(which, modelopt_exports):
+    """diffusers' ``compile_repeated_blocks`` (what ``bench_transformer_step.py --compile blocks`` times): the fused
+    block forwards trace into one graph per block class, not one per block, and the image is unchanged."""
+    from torch._dynamo.utils import counters
+
+    pipe, kwargs = _pipeline(which, modelopt_exports)
+    model = pipe.transformer
+    off = _sha1(pipe, kwargs)
+    enable_fast_paths(model)
+    torch._dynamo.reset()
+    counters.clear()
+    model.compile_repeated_blocks(fullgraph=True, backend="aot_eager")
+    try:
+        on = _sha1(pipe, kwargs)
+        calls = fast_path_report(model)[type(model).__name__]["fused_calls"]
+    finally:
+        disable_fast_paths(model)
+        for block in model.modules():
+            if type(block).__name__ in model._repeated_blocks:
+                block._compiled_call_impl = None  # undo Module.compile
+        torch._dynamo.reset()
+    assert on == off
+    # FLUX.2: double- and single-stream blocks; Qwen-Image: its one block class (NVFP4 blocks fused, the rest not)
+    assert counters["stats"]["unique_graphs"] == {"flux2": 2, "qwen": 2}[which], dict(counters["stats"])
+    assert calls[{"flux2": "flux2_adaln", "qwen": "qwen_adaln"}[which]] > 0, calls
+
+
 @pytest.mark.slow
 def test_torch_compile_inductor_on_equals_off(modelopt_exports):
     """Inductor changes the numerics of the unfused BF16 ops by itself; with precision-cast emulation the compiled
