@@ -79,22 +79,8 @@ def fp16x4_word(codes, scale):
 def decoded_words(packed, scale):
     """A block's packed int64 (16 nibbles, element i in bits 4i..4i+3) and its FP32 scale -> four int64 words of
     four FP16 values each, element 4j + i in bits 16i of word j (the layout ``load_blocks`` reads)."""
-    w0 = tl.zeros_like(packed)
-    w1 = tl.zeros_like(packed)
-    w2 = tl.zeros_like(packed)
-    w3 = tl.zeros_like(packed)
-    for i in tl.static_range(16):
-        v = _e2m1_times((packed >> (4 * i)) & 0xF, scale).to(tl.float16)
-        h = (v.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF) << (16 * (i % 4))
-        if i // 4 == 0:
-            w0 |= h
-        elif i // 4 == 1:
-            w1 |= h
-        elif i // 4 == 2:
-            w2 |= h
-        else:
-            w3 |= h
-    return w0, w1, w2, w3
+    return (fp16x4_word(packed, scale), fp16x4_word(packed >> 16, scale), fp16x4_word(packed >> 32, scale),
+            fp16x4_word(packed >> 48, scale))
 
 
 @triton.jit

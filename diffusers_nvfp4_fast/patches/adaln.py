@@ -22,7 +22,7 @@ from ..format import fast_math_from_env
 from ..linear import NVFP4Linear
 from ..ops.adaln_quantize import AdaLNInputs, adaln_quantize_checked, adaln_quantize_decoded_checked
 from ..ops.qwen_resnorm_quantize import kernel_runs_on
-from ..ops.verify import failed_kind_reason
+from ..ops.verify import count_fallback, failed_kind_reason
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 
 
@@ -71,13 +71,11 @@ def _shared_scale_reason(consumers: dict[str, nn.Module | None]) -> str | None:
     return None
 
 
-def adaln_reason(site: AdaLNSite | None, norm: nn.Module, x: torch.Tensor, params: tuple[torch.Tensor, ...],
+def adaln_reason(site: AdaLNSite, norm: nn.Module, x: torch.Tensor, params: tuple[torch.Tensor, ...],
                  kind: str) -> str | None:
     """None when ``norm(x)`` modulated by ``params`` (scale, shift) can be handed to the site's projections as one
     fused kernel's output, else the reason."""
-    if site is None:
-        return "no NVFP4 projections after norm1"
-    reason = site.call_reason() or call_changed_reason("norm1", norm)
+    reason = site.call_reason() or call_changed_reason("attention", site.owner) or call_changed_reason("norm1", norm)
     if reason is not None:
         return reason
     if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
@@ -148,10 +146,14 @@ class AdaLNInput:
         return y.reshape(*x.shape[:-1], layer.out_features)
 
 
-def norm_params_input(site: AdaLNSite | None, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor,
-                      shift: torch.Tensor, stats_id: int, kind: str) -> AdaLNInput | str:
-    """The ``AdaLNInput`` for this call, or the reason the site stays unfused."""
-    reason = adaln_reason(site, norm, x, (scale, shift), kind)
+def fused_norm1_input(block: nn.Module, site: AdaLNSite, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor,
+                     shift: torch.Tensor, processor_reason: str | None, kind: str) -> AdaLNInput | None:
+    """The ``AdaLNInput`` for this call of ``block``'s norm1 site, or None after counting why it stays unfused.
+    ``processor_reason``: the model's check of the attention processor (None: its code reads the input only through
+    the projections' calls and ``shape``/``device``)."""
+    stats_id = cast(int, block._nvfp4_stats_id)
+    reason = processor_reason or adaln_reason(site, norm, x, (scale, shift), kind)
     if reason is not None:
-        return reason
+        count_fallback(stats_id, kind, reason)
+        return None
     return AdaLNInput(AdaLNInputs(x, scale, shift), float(cast(nn.LayerNorm, norm).eps), stats_id, kind)

@@ -40,7 +40,7 @@ from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_checked
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
 from ..ops.verify import count_fallback, failed_kind_reason, record_fallback, stats_for
-from .adaln import AdaLNInput, AdaLNSite, norm_params_input
+from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
 from .flux2_attention import HALF_DTYPES, Flux2FusedAttnProcessor, on_original, rotate
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .resnorm import fused_residual_norm, resnorm_gate
@@ -234,12 +234,10 @@ def _attention_input(block: nn.Module, stream: str, norm: nn.Module, x: torch.Te
     that the projections after it quantize in one kernel (site ``flux2_adaln``)."""
     site = cast(dict, block._nvfp4_adaln).get(stream)
     if site is not None:
-        stats_id = cast(int, block._nvfp4_stats_id)
-        fused = (_processor_reason(cast(nn.Module, block.attn), site)
-                 or norm_params_input(site, norm, x, scale, shift, stats_id, KIND_ADALN))
-        if isinstance(fused, AdaLNInput):
+        reason = _processor_reason(cast(nn.Module, block.attn), site)
+        fused = fused_norm1_input(block, site, norm, x, scale, shift, reason, KIND_ADALN)
+        if fused is not None:
             return fused
-        count_fallback(stats_id, KIND_ADALN, fused)
     return (1 + scale) * norm(x) + shift
 
 
@@ -250,7 +248,7 @@ def _processor_reason(attn: nn.Module, site: AdaLNSite) -> str | None:
         return f"attention processor is {type(attn.processor).__name__}"
     if getattr(attn, "fused_projections", False) != ("to_qkv" in site.consumers):
         return "query/key/value projections fused or unfused after enable_fast_paths"
-    return call_changed_reason("attention", attn)
+    return None
 
 
 # Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, Flux2TransformerBlock.forward: the same

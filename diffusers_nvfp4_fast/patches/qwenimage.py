@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, cast
 
 import torch
 from diffusers.models.activations import GELU
+from diffusers.models.transformers import transformer_qwenimage as qwen_module
 from torch import nn
 
 from ..format import fast_math_from_env
@@ -30,7 +31,7 @@ from ..ops.gelu_quantize import KIND as KIND_GELU
 from ..ops.gelu_quantize import gelu_mismatch, gelu_quantize_checked, gelu_quantize_decoded_checked
 from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs
 from ..ops.verify import count_fallback, failed_kind_reason
-from .adaln import AdaLNInput, AdaLNSite, norm_params_input
+from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .resnorm import fused_residual_norm, resnorm_gate
 from .swap import swap_forward, swap_processor
@@ -224,18 +225,16 @@ def _gelu_fc2(ff: nn.Module, y: torch.Tensor, stats_id: int) -> torch.Tensor:
     return y
 
 
-def _processor_takes_adaln_input(attn: nn.Module) -> str | None:
+def _processor_reason(attn: nn.Module) -> str | None:
     """None when the attention's processor is diffusers' own Qwen-Image processor (directly or in the bias wrapper):
     its code reads the image and text inputs only through the projections' calls and their ``shape`` / ``device``,
     which an ``AdaLNInput`` provides. Another processor could read the values, so it gets the modulated tensors."""
-    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
-
     processor = attn.processor
     if isinstance(processor, QwenDeferredBiasAttnProcessor):
         processor = processor.processor
-    if type(processor) is not QwenDoubleStreamAttnProcessor2_0:
+    if type(processor) is not qwen_module.QwenDoubleStreamAttnProcessor2_0:
         return f"attention processor is {type(processor).__name__}"
-    return call_changed_reason("attention", attn)
+    return None
 
 
 def _attention_input(block: nn.Module, stream: str, norm: nn.Module, x: torch.Tensor, mod: torch.Tensor,
@@ -244,13 +243,11 @@ def _attention_input(block: nn.Module, stream: str, norm: nn.Module, x: torch.Te
     ``AdaLNInput`` that the query/key/value projections quantize in one kernel (site ``qwen_adaln``)."""
     site = cast(dict, block._nvfp4_adaln).get(stream)
     if site is not None:
-        stats_id = cast(int, block._nvfp4_stats_id)
         shift, scale, gate = _mod_params(mod, index)
-        fused = (_processor_takes_adaln_input(cast(nn.Module, block.attn))
-                 or norm_params_input(site, norm, x, scale, shift, stats_id, KIND_ADALN))
-        if isinstance(fused, AdaLNInput):
+        reason = _processor_reason(cast(nn.Module, block.attn))
+        fused = fused_norm1_input(block, site, norm, x, scale, shift, reason, KIND_ADALN)
+        if fused is not None:
             return fused, gate
-        count_fallback(stats_id, KIND_ADALN, fused)
     return cast(tuple[torch.Tensor, torch.Tensor], cast(Any, block)._modulate(norm(x), mod, index))
 
 
@@ -308,11 +305,9 @@ def fused_block_forward(
 
 def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
     """Swap the forward of every block whose image or text FC1 is NVFP4. Returns ``{site kind: count}``."""
-    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-
     count = gelu_sites = adaln_sites = 0
     for block in getattr(model, "transformer_blocks", []):
-        if not isinstance(block, QwenImageTransformerBlock):
+        if not isinstance(block, qwen_module.QwenImageTransformerBlock):
             continue
         img_fc1, txt_fc1 = nvfp4_layer(_fc1(block.img_mlp)), nvfp4_layer(_fc1(block.txt_mlp))
         if img_fc1 is None and txt_fc1 is None:
