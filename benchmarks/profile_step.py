@@ -49,22 +49,26 @@ def gemm_ranges():
     """Wrap every ``NVFP4Linear`` GEMM in a profiler range named by its shape, for the per-shape split."""
     from diffusers_nvfp4_fast.linear import NVFP4Linear
 
-    original = NVFP4Linear.forward_prequantized, NVFP4Linear._forward
+    original = NVFP4Linear.forward_prequantized, NVFP4Linear._forward, NVFP4Linear.forward_decoded
 
     def prequantized(self, x_packed, x_scales, out_dtype=torch.bfloat16):
         with torch.profiler.record_function(f"gemm M={x_packed.shape[0]} N={self.out_features} K={self.in_features}"):
             return original[0](self, x_packed, x_scales, out_dtype)
 
-    def plain(self, x, bias):
+    def plain(self, x, bias):  # the range holds the activation quantize too
         rows = x.numel() // x.shape[-1]
         with torch.profiler.record_function(f"gemm M={rows} N={self.out_features} K={self.in_features}"):
             return original[1](self, x, bias)
 
-    NVFP4Linear.forward_prequantized, NVFP4Linear._forward = prequantized, plain
+    def decoded(self, x16, out_dtype=torch.bfloat16):  # fused producers that hand over FP16 values (§6)
+        with torch.profiler.record_function(f"gemm M={x16.shape[0]} N={self.out_features} K={self.in_features}"):
+            return original[2](self, x16, out_dtype)
+
+    NVFP4Linear.forward_prequantized, NVFP4Linear._forward, NVFP4Linear.forward_decoded = prequantized, plain, decoded
     try:
         yield
     finally:
-        NVFP4Linear.forward_prequantized, NVFP4Linear._forward = original
+        NVFP4Linear.forward_prequantized, NVFP4Linear._forward, NVFP4Linear.forward_decoded = original
 
 
 def kernel_time_in_ranges(events) -> Counter:

@@ -16,18 +16,19 @@ _PUBLIC = {
     "NVFP4Linear": "linear", "fit_to_budget": "budget",
     "load_nvfp4_transformer": "loaders", "NVFP4CheckpointError": "loaders",
     "quantize_nvfp4": "format", "dequantize_nvfp4": "format", "swizzle_scales": "format", "unswizzle_scales": "format",
-    "swap_nibbles": "format",
+    "swap_nibbles": "format", "exact_inductor": "inductor",
 }
 __all__ = [
     "NVFP4CheckpointError", "NVFP4Linear", "dequantize_nvfp4", "disable_fast_paths", "enable_fast_paths",
-    "fast_path_report", "fast_paths", "fit_to_budget", "load_nvfp4_transformer", "quantize_nvfp4", "swap_nibbles",
-    "swizzle_scales", "unswizzle_scales",
+    "exact_inductor", "fast_path_report", "fast_paths", "fit_to_budget", "load_nvfp4_transformer", "quantize_nvfp4",
+    "swap_nibbles", "swizzle_scales", "unswizzle_scales",
 ]
 
 if TYPE_CHECKING:
     from .api import disable_fast_paths, enable_fast_paths, fast_path_report, fast_paths
     from .budget import fit_to_budget
     from .format import dequantize_nvfp4, quantize_nvfp4, swap_nibbles, swizzle_scales, unswizzle_scales
+    from .inductor import exact_inductor
     from .linear import NVFP4Linear
     from .loaders import NVFP4CheckpointError, load_nvfp4_transformer
 

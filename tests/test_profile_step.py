@@ -29,3 +29,25 @@ def test_kernel_time_is_summed_inside_each_range_once():
     ]
     shapes = profile_step.kernel_time_in_ranges(events)
     assert shapes == {qkv: pytest.approx(0.12), mod: pytest.approx(0.01)}  # ms: (30 + 50 + 40) us and 10 us
+
+
+def test_every_gemm_entry_of_the_layer_opens_a_shape_range(monkeypatch):
+    """Fused producers reach the GEMM through ``forward_prequantized`` (packed) or ``forward_decoded`` (FP16 values);
+    a range missing on one of them left most of a step's GEMM time out of the per-shape split (2026-12-01)."""
+    from diffusers_nvfp4_fast import linear
+    from diffusers_nvfp4_fast.linear import NVFP4Linear
+    from diffusers_nvfp4_fast.ops.quantize import quantize
+
+    torch.manual_seed(0)
+    layer = NVFP4Linear.from_weight(torch.randn(32, 64, dtype=torch.bfloat16), None, 1.0 / 8)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    packed, scales = quantize(x, layer.input_scale_inv.reshape(1), True)
+    # the FP16-operand GEMM runs on Hopper-class GPUs only; the range around it is what is tested here
+    monkeypatch.setattr(linear, "linear_fp16_x", lambda x16, *args: x16.new_zeros(x16.shape[0], 32))
+    with profile_step.gemm_ranges(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        layer(x)
+        layer.forward_prequantized(packed, scales)
+        layer.forward_decoded(torch.randn(3, 64, dtype=torch.float16))
+    names = [e.name for e in prof.events() if e.name.startswith("gemm M=")]
+    assert names == ["gemm M=3 N=32 K=64"] * 3, names
+    assert NVFP4Linear.forward_decoded.__name__ == "forward_decoded"  # restored

@@ -22,6 +22,10 @@ from ..ops.qwen_resnorm_quantize import (
 from ..ops.verify import failed_kind_reason
 from .hooks import call_changed_reason, consumer_reason
 
+# Inductor lowers LayerNorm to its own reduction, whose bytes the kernel cannot reproduce; compiled on must equal
+# compiled off (docs/design.md §1), so compiled graphs keep diffusers' norm.
+COMPILE_REASON = "torch.compile (inductor computes LayerNorm its own way; its op is kept)"
+
 
 def resnorm_gate(
     fc1: nn.Module | None, bypassed: dict[str, nn.Module], norm: nn.Module, residual: torch.Tensor, x: torch.Tensor,
@@ -41,6 +45,8 @@ def resnorm_gate(
             return reason
     if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
         return "norm2 is not an affine-free LayerNorm"
+    if torch.compiler.is_compiling():
+        return COMPILE_REASON
     if residual.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
         return f"dtype {residual.dtype} (bf16 only)"
     if bias is not None and bias.dtype != torch.bfloat16:
