@@ -16,7 +16,10 @@
 #             the Qwen-Image steps (CUDA graph, eager)
 #   flux2_adaln: the FLUX.2-dev steps (eager, CUDA graph), then the adaptive-LayerNorm kernel tests
 #   steps:    full-size FLUX.2-dev and Qwen-Image step benchmarks, eager and as CUDA-graph replays
-#   compiled: the same steps, each block compiled as compile_repeated_blocks does (inductor)
+#   qk:       the Qwen-Image QK-norm + rotary kernel tests, bench_qk_norm_rotary.py (its probe of torch's
+#             arithmetic, then the timings), the full-size Qwen-Image block tests, the Qwen-Image CUDA-graph steps
+#   compiled: the full-size inductor on == off tests, then the steps with each block compiled as
+#             compile_repeated_blocks does (inductor, inside exact_inductor)
 #   flux2_compiled: the FLUX.2 residual-norm and compile/graph GPU tests, FLUX.2-dev compiled steps, its profile
 #   budget_flux2, budget_qwen: whole pipelines under 24 and 32 GiB caps, NVFP4 and BF16 (bench_pipeline_budget.py)
 #   cp:       two GPUs (nvidia-h200-x2): context-parallel tests, then bench_context_parallel.py for both models, Ulysses
@@ -84,7 +87,13 @@ for group in ${@:-kernels models}; do
       TAIL=12 step 150 step_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024
       TAIL=12 step 170 graph_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --cuda-graph --steps-timed 15
       TAIL=8 step 180 t_adaln $P tests/test_adaln_quantize.py -x --durations=5 ;;
+    qk)
+      TAIL=6 step 150 t_qk $P tests/test_qk_norm_rotary.py --durations=3
+      TAIL=30 step 150 bench_qk python3 benchmarks/bench_qk_norm_rotary.py
+      TAIL=8 step 200 t_qwen_block $P tests/test_fast_paths.py -k "full_size_qwen" --durations=3
+      TAIL=12 step 100 graph_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --cuda-graph --steps-timed 7 ;;
     compiled)
+      TAIL=8 step 200 t_inductor $P tests/test_fast_paths.py -k "inductor_on_equals_off or norm_sites" --durations=3
       TAIL=12 step 300 compile_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks
       TAIL=12 step 280 compile_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --compile blocks --steps-timed 11 ;;
     flux2_compiled)

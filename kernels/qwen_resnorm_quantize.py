@@ -60,7 +60,7 @@ from .nvfp4_epilogue import (
     swizzled_scale_offset,
 )
 from .quantize_nvfp4 import decoded_words, fp16x4_word
-from .rounding import narrow_bf16, widen_bf16
+from .rounding import fma_rn, narrow_bf16, rsqrt_like_torch, sum_of_products, widen_bf16
 
 THREADS = tl.constexpr(128)  # torch's LayerNorm block: 32 x 4 threads
 VEC = tl.constexpr(4)  # torch's vec_size: each thread reads 4 consecutive elements at a time
@@ -102,43 +102,12 @@ def _bf16(x, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _rsqrt(x, APPROX_RSQRT: tl.constexpr):
-    if APPROX_RSQRT:
-        # c10::cuda::compat::rsqrt -> rsqrtf -> rsqrt.approx.f32 (torch is built without -ftz): the same instruction.
-        return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    else:
-        # Interpreter stand-in: correctly rounded 1/sqrt (FP64, then one rounding to FP32). Not always equal to the
-        # approximate instruction in the last bit; see the module docstring.
-        return (1.0 / tl.sqrt(x.to(tl.float64))).to(tl.float32)
-
-
-@triton.jit
-def _fma(a, b, c):
-    """``fma.rn.f32``: one rounding. Some Triton interpreters evaluate ``tl.fma`` as ``a*b + c`` in FP32 (two roundings;
-    Triton 3.8), so there the single rounding is emulated: the FP64 product is exact, the FP64 sum is rounded to odd
-    (TwoSum tells whether it was exact), and rounding that to FP32 gives the correctly rounded result."""
-    if INLINE_PTX:
-        return tl.fma(a, b, c)
-    else:
-        p = a.to(tl.float64) * b.to(tl.float64)
-        c64 = c.to(tl.float64)
-        s = p + c64
-        bb = s - p
-        err = (p - (s - bb)) + (c64 - bb)
-        bits = s.to(tl.int64, bitcast=True)
-        toward = tl.where((s > 0) == (err > 0), 1, -1).to(tl.int64)  # one ulp towards the exact sum
-        odd = tl.where((err != 0) & ((bits & 1) == 0), bits + toward, bits)
-        return odd.to(tl.float64, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _welford_step(mean, m2, v, COUNT: tl.constexpr):
     """cuWelfordOnlineSum for the COUNT-th element of every thread; ``1/COUNT`` is a correctly rounded FP32 constant
     (the Python double 1/COUNT rounded to FP32: double rounding is innocuous for a quotient)."""
     delta = v - mean
-    new_mean = _fma(delta, tl.full(v.shape, 1.0 / COUNT, tl.float32), mean)
-    new_m2 = _fma(delta, v - new_mean, m2)
+    new_mean = fma_rn(delta, tl.full(v.shape, 1.0 / COUNT, tl.float32), mean)
+    new_m2 = fma_rn(delta, v - new_mean, m2)
     return new_mean, new_m2
 
 
@@ -171,13 +140,8 @@ def _welford_combine(own_m, own_s, other_m, other_s, COUNT: tl.constexpr, MEAN_F
     n_other = cnt * coef
     n_own = cnt * coef
     delta = own_m - other_m
-    if MEAN_FMA == 1:
-        mean = _fma(n_other, other_m, n_own * own_m)
-    elif MEAN_FMA == 2:
-        mean = _fma(n_own, own_m, n_other * other_m)
-    else:
-        mean = n_other * other_m + n_own * own_m
-    m2 = _fma((delta * delta) * cnt, n_own, other_s + own_s)  # nvcc contracts the last multiply-add
+    mean = sum_of_products(n_other, other_m, n_own, own_m, MEAN_FMA)
+    m2 = fma_rn((delta * delta) * cnt, n_own, other_s + own_s)  # nvcc contracts the last multiply-add
     return mean, m2
 
 
@@ -232,7 +196,7 @@ def _row_mean_rstd(mean, m2, eps, D: tl.constexpr, APPROX_RSQRT: tl.constexpr, M
     m13, s13 = _welford_combine(w1[0], w1[1], w3[0], w3[1], PER_THREAD * 32, MEAN_FMA)
     m, s = _welford_combine(m02, s02, m13, s13, PER_THREAD * 64, MEAN_FMA)
     var = tl.math.div_rn(s, tl.full([4, 32], D, tl.float32))  # sigma2 / float(N): IEEE division
-    rstd = _rsqrt(var + eps, APPROX_RSQRT)
+    rstd = rsqrt_like_torch(var + eps, APPROX_RSQRT)
     return tl.reshape(m, [THREADS, 1]), tl.reshape(rstd, [THREADS, 1])
 
 

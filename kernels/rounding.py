@@ -1,5 +1,7 @@
-"""FP32 -> BF16 / FP16 rounding as torch's eager CUDA kernels round, for kernels that reproduce a chain of torch ops
-in registers. On the GPU it is the instruction torch uses from SM80 on (``cvt.rn.bf16.f32`` / ``cvt.rn.f16.f32``:
+"""Arithmetic as torch's eager CUDA kernels do it, for kernels that reproduce a chain of torch ops in registers:
+FP32 -> BF16 / FP16 rounding, ``rsqrtf`` and a single-rounding FMA.
+
+Rounding: On the GPU it is the instruction torch uses from SM80 on (``cvt.rn.bf16.f32`` / ``cvt.rn.f16.f32``:
 nearest, ties to even, NaN to the canonical 0x7FFF). Under the interpreter BF16 is rounded in integer arithmetic
 (same values; NaN becomes 0x7FC0, as torch's CPU and pre-SM80 code make it)."""
 
@@ -48,3 +50,47 @@ def half_value(bits, IS_BF16: tl.constexpr):
         return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def rsqrt_like_torch(x, APPROX_RSQRT: tl.constexpr):
+    """FP32 ``1/sqrt(x)`` as torch's CUDA kernels compute it (LayerNorm's ``rstd``, ``torch.rsqrt``)."""
+    if APPROX_RSQRT:
+        # c10::cuda::compat::rsqrt -> rsqrtf -> rsqrt.approx.f32 (torch is built without -ftz): the same instruction.
+        return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        # Interpreter stand-in (inline PTX cannot run there): correctly rounded 1/sqrt (FP64, then one rounding to
+        # FP32). Not always equal to the approximate instruction in the last bit.
+        return (1.0 / tl.sqrt(x.to(tl.float64))).to(tl.float32)
+
+
+@triton.jit
+def fma_rn(a, b, c):
+    """``fma.rn.f32``: one rounding. Some Triton interpreters evaluate ``tl.fma`` as ``a*b + c`` in FP32 (two roundings;
+    Triton 3.8), so there the single rounding is emulated: the FP64 product is exact, the FP64 sum is rounded to odd
+    (TwoSum tells whether it was exact), and rounding that to FP32 gives the correctly rounded result."""
+    if not SOFT_CONVERT:
+        return tl.fma(a, b, c)
+    else:
+        p = a.to(tl.float64) * b.to(tl.float64)
+        c64 = c.to(tl.float64)
+        s = p + c64
+        bb = s - p
+        err = (p - (s - bb)) + (c64 - bb)
+        bits = s.to(tl.int64, bitcast=True)
+        toward = tl.where((s > 0) == (err > 0), 1, -1).to(tl.int64)  # one ulp towards the exact sum
+        odd = tl.where((err != 0) & ((bits & 1) == 0), bits + toward, bits)
+        return odd.to(tl.float64, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def sum_of_products(x, y, z, w, FORM: tl.constexpr):
+    """``x*y + z*w`` as nvcc may have compiled it: FORM 0 = no contraction, 1 = ``fma(x, y, z*w)``, 2 = ``fma(z, w,
+    x*y)`` (which product the compiler fused is read off torch's results, docs/design.md §6)."""
+    if FORM == 1:
+        return fma_rn(x, y, z * w)
+    elif FORM == 2:
+        return fma_rn(z, w, x * y)
+    else:
+        return x * y + z * w

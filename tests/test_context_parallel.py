@@ -18,7 +18,7 @@ import torch
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "context_parallel.py"
 FUSED = {"flux2": {"flux2_swiglu", "flux2_token_cat_swiglu", "flux2_rotary", "flux2_resnorm", "flux2_adaln"},
-         "qwen": {"qwen_resnorm", "qwen_gelu", "qwen_adaln"}}
+         "qwen": {"qwen_resnorm", "qwen_gelu", "qwen_adaln", "qwen_qk_rotary"}}
 
 
 def _launch(tmp_path, *args: str) -> list[dict]:

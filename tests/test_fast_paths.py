@@ -33,13 +33,15 @@ pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 # 2 single blocks; 1 double block: ff and ff_context (SwiGLU, residual-norm), its attention (rotary); norm1 of
 # each single block and of both double-block streams (adaptive LayerNorm)
 FLUX2_SITES = {"flux2_token_cat": 2, "flux2_rotary": 3, "flux2_swiglu": 2, "flux2_resnorm": 2, "flux2_adaln": 4}
-# 2 NVFP4 Qwen blocks: 2 feed-forwards each (GELU), 2 streams' query/key/value each (adaptive LayerNorm)
-QWEN_SITES = {"qwen_resnorm": 2, "qwen_gelu": 4, "qwen_adaln": 4}
+# 2 NVFP4 Qwen blocks: 2 feed-forwards each (GELU), 2 streams' query/key/value each (adaptive LayerNorm), one
+# attention processor each (query/key norm + rotary)
+QWEN_SITES = {"qwen_resnorm": 2, "qwen_gelu": 4, "qwen_adaln": 4, "qwen_qk_rotary": 2}
 SITES = {"flux2": FLUX2_SITES, "klein": FLUX2_SITES, "qwen": QWEN_SITES}
 FLUX2_CALLS = {"flux2_token_cat_swiglu": 2, "flux2_swiglu": 2, "flux2_rotary": 6,  # per forward (query and key)
                "flux2_resnorm": 2, "flux2_adaln": 4}
 CALLS_PER_FORWARD = {"flux2": FLUX2_CALLS, "klein": FLUX2_CALLS,
-                     "qwen": {"qwen_resnorm": 4, "qwen_gelu": 4, "qwen_adaln": 4}}  # qwen: 2 streams
+                     "qwen": {"qwen_resnorm": 4, "qwen_gelu": 4, "qwen_adaln": 4,  # qwen: 2 streams,
+                              "qwen_qk_rotary": 8}}  # query and key of each
 
 
 def _pipeline(which, modelopt_exports):
@@ -313,6 +315,24 @@ def test_flux2_adaln_falls_back_when_a_projection_is_replaced(modelopt_exports):
     assert on == off
     assert report["fallbacks"] == {"flux2_adaln: to_v was replaced after enable_fast_paths (LoRA?)": 1}
     assert report["fused_calls"]["flux2_adaln"] == 3  # 2 single blocks + the text stream
+
+
+def test_qwen_qk_rotary_falls_back_where_a_hook_observes_the_norm(modelopt_exports):
+    """A hook on a query/key norm must see the norm's own call: that tensor keeps diffusers' norm and rotary ops,
+    counted with the reason; the other seven tensors stay fused and the image is unchanged."""
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    seen = []
+    norm = pipe.transformer.transformer_blocks[2].attn.norm_added_k
+    off = _sha1(pipe, kwargs)
+    enable_fast_paths(pipe)
+    handle = norm.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    on = _sha1(pipe, kwargs)
+    report = fast_path_report(pipe)["QwenImageTransformer2DModel"]
+    handle.remove()
+    disable_fast_paths(pipe)
+    assert on == off and len(seen) == 1
+    assert report["fallbacks"] == {"qwen_qk_rotary: hook on query/key norm: torch forward hook": 1}
+    assert report["fused_calls"]["qwen_qk_rotary"] == 7
 
 
 @pytest.mark.parametrize("which", ["flux2", "qwen"])
@@ -646,9 +666,10 @@ def test_gpu_full_size_qwen_block_identical():
         txt = torch.randn(batch, 512, dim, device="cuda", dtype=torch.bfloat16)
         temb = torch.randn(batch, dim, device="cuda", dtype=torch.bfloat16)
         stats, off, on = _on_off(holder, patch_qwenimage, lambda: block(img, txt, None, temb),
-                                 {"qwen_resnorm": 1, "qwen_gelu": 2, "qwen_adaln": 2})
+                                 {"qwen_resnorm": 1, "qwen_gelu": 2, "qwen_adaln": 2, "qwen_qk_rotary": 1})
         for kind in ("qwen_resnorm", "qwen_gelu", "qwen_adaln"):  # both streams
             assert stats.fused_calls[kind] == 2 and stats.verified[kind] == 2, stats
+        assert stats.fused_calls["qwen_qk_rotary"] == 4 and stats.verified["qwen_qk_rotary"] == 4, stats  # q, k
         assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
 
 

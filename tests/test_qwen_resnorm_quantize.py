@@ -35,6 +35,7 @@ from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # 
 from diffusers_nvfp4_fast.kernels import qwen_resnorm_quantize as qmod  # noqa: E402
 from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import quantize_nvfp4_triton  # noqa: E402
 from diffusers_nvfp4_fast.ops.qwen_resnorm_quantize import ResNormInputs, broadcast_rows, qwen_residual_chain  # noqa: E402
+from support.emulation import fma32  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
 
 EPS = 1e-6  # Qwen-Image's LayerNorm eps
@@ -79,18 +80,6 @@ def test_sm90_build_prefetches_and_does_not_spill():
 # ---------------------------------------------------------------------------------------------------------------
 # Emulation of torch's CUDA LayerNorm (bf16 in, FP32 statistics, bf16 out), independent of the kernel's code.
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def fma32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """Exact FP32 fused multiply-add: a*b is exact in FP64; the FP64 sum is rounded to odd, then to FP32 (correct)."""
-    p = a.astype(np.float64) * b.astype(np.float64)
-    c64 = c.astype(np.float64)
-    s = p + c64
-    bb = s - p
-    err = (p - (s - bb)) + (c64 - bb)  # TwoSum: p + c == s + err exactly
-    even = (s.view(np.int64) & 1) == 0
-    odd_s = np.where((err != 0) & even, np.nextafter(s, np.where(err > 0, np.inf, -np.inf)), s)
-    return odd_s.astype(np.float32)
 
 
 def _combine(own, other, mean_fma=0):

@@ -33,6 +33,8 @@ from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs
 from ..ops.verify import count_fallback, failed_kind_reason
 from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
+from .qwen_attention import KIND as KIND_QK
+from .qwen_attention import QwenFusedAttnProcessor
 from .resnorm import fused_residual_norm, resnorm_gate
 from .swap import swap_forward, swap_processor
 
@@ -232,7 +234,7 @@ def _processor_reason(attn: nn.Module) -> str | None:
     processor = attn.processor
     if isinstance(processor, QwenDeferredBiasAttnProcessor):
         processor = processor.processor
-    if type(processor) is not qwen_module.QwenDoubleStreamAttnProcessor2_0:
+    if type(processor) not in (qwen_module.QwenDoubleStreamAttnProcessor2_0, QwenFusedAttnProcessor):
         return f"attention processor is {type(processor).__name__}"
     return None
 
@@ -304,8 +306,9 @@ def fused_block_forward(
 
 
 def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
-    """Swap the forward of every block whose image or text FC1 is NVFP4. Returns ``{site kind: count}``."""
-    count = gelu_sites = adaln_sites = 0
+    """Swap the forward of every block whose image or text FC1 is NVFP4 (and diffusers' attention processor for
+    the fused query/key norm and rotary embedding). Returns ``{site kind: count}``."""
+    count = gelu_sites = adaln_sites = qk_sites = 0
     for block in getattr(model, "transformer_blocks", []):
         if not isinstance(block, qwen_module.QwenImageTransformerBlock):
             continue
@@ -315,7 +318,10 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
         block._nvfp4_stats_id = stats_id  # type: ignore[assignment]  # nn.Module takes any attribute
         undo = swap_forward(block, types.MethodType(fused_block_forward, block))
         attn = block.attn
-        undo_processor = None
+        undo_qk = undo_processor = None
+        if type(attn.processor) is qwen_module.QwenDoubleStreamAttnProcessor2_0:
+            undo_qk = swap_processor(attn, QwenFusedAttnProcessor(attn.processor, stats_id))
+            qk_sites += 1
         # Both streams' FC1 must be fused to consume both unbiased outputs without an extra pass.
         if _bias_can_be_deferred(attn) and img_fc1 is not None and txt_fc1 is not None:
             undo_processor = swap_processor(attn, QwenDeferredBiasAttnProcessor(attn.processor, attn))
@@ -326,9 +332,10 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
         block._nvfp4_adaln = usable  # type: ignore[assignment]  # (as above)
         adaln_sites += len(usable)
 
-        def restore_block(block=block, undo=undo, undo_processor=undo_processor):
-            if undo_processor is not None:
-                undo_processor()
+        def restore_block(block=block, undo=undo, undo_processor=undo_processor, undo_qk=undo_qk):
+            for undo_swap in (undo_processor, undo_qk):  # the wrapper first: it holds the fused processor
+                if undo_swap is not None:
+                    undo_swap()
             undo()
             del block._nvfp4_stats_id, block._nvfp4_bias_site, block._nvfp4_adaln
 
@@ -336,5 +343,5 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
         count += 1
         gelu_sites += sum(fc1 is not None and len(ff.net) > 2 and nvfp4_layer(ff.net[2]) is not None
                           for fc1, ff in ((img_fc1, block.img_mlp), (txt_fc1, block.txt_mlp)))
-    extra = {KIND_GELU: gelu_sites, KIND_ADALN: adaln_sites}
+    extra = {KIND_GELU: gelu_sites, KIND_ADALN: adaln_sites, KIND_QK: qk_sites}
     return {KIND: count, **{kind: n for kind, n in extra.items() if n}}

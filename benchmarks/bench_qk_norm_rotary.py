@@ -1,0 +1,122 @@
+"""Qwen-Image query/key RMSNorm + rotary embedding: which arithmetic torch's CUDA ops use, and the fused kernel vs
+diffusers' chain (eager) vs ``torch.compile`` of it.
+
+Usage: python benchmarks/bench_qk_norm_rotary.py [--seq 512 4096] [--heads 24]
+Probe (exactness, before timing): each stage of the kernel's arithmetic against torch itself on this GPU: the mean of
+squares (reduction tree), ``torch.rsqrt`` on every positive finite FP32 value, the complex product for each FMA form,
+and the whole chain for each form (mismatching bytes; the kernel's default form must give 0). Bytes moved by the
+kernel: read x and write the result (BF16), read the FP32 rotary table once. Writes
+benchmarks/results/qk_norm_rotary-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import bandwidth_cases, copy_bandwidth_gbps, header, print_bandwidth_cases, time_us, write_result  # noqa: E402,E501
+
+from diffusers_nvfp4_fast.kernels import qk_norm_rotary_triton  # noqa: E402
+from diffusers_nvfp4_fast.kernels.qk_norm_rotary import FMA_FORMS, _complex_product  # noqa: E402
+from diffusers_nvfp4_fast.kernels.rounding import rsqrt_like_torch  # noqa: E402
+from diffusers_nvfp4_fast.ops.qk_norm_rotary import (
+    EPS,  # noqa: E402
+    qk_norm_rotary_reference,  # noqa: E402
+)
+from diffusers_nvfp4_fast.ops.qk_norm_rotary import probe_inputs as qk_inputs  # noqa: E402
+
+
+@triton.jit
+def _rsqrt_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, rsqrt_like_torch(tl.load(x_ptr + i, mask=i < n), True), mask=i < n)
+
+
+@triton.jit
+def _complex_kernel(p_ptr, q_ptr, out_ptr, n, REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    real, imag = _complex_product(tl.load(p_ptr + 2 * i, mask=ok), tl.load(p_ptr + 2 * i + 1, mask=ok),
+                                  tl.load(q_ptr + 2 * i, mask=ok), tl.load(q_ptr + 2 * i + 1, mask=ok),
+                                  REAL_FMA, IMAG_FMA)
+    tl.store(out_ptr + 2 * i, real, mask=ok)
+    tl.store(out_ptr + 2 * i + 1, imag, mask=ok)
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.view(torch.int32 if a.element_size() == 4 else torch.int16)
+                != b.view(torch.int32 if b.element_size() == 4 else torch.int16)).sum())
+
+
+def probe() -> dict:
+    """Mismatch counts per stage and per FMA form (0 = the kernel's arithmetic is torch's there)."""
+    x, weight, freqs = qk_inputs(2, 4096, 24, device="cuda", seed=1)
+    rows = x.numel() // 128
+    mean = torch.empty(rows, device="cuda")
+    qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean)
+    torch_mean = x.float().pow(2).mean(-1).flatten()
+    result: dict = {"rows": rows, "mean_of_squares_rows_differing": {"tree 0": _differ(mean, torch_mean)}}
+    qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean, tree=1)
+    result["mean_of_squares_rows_differing"]["tree 1"] = _differ(mean, torch_mean)
+    differing = 0
+    for start in range(1, 0x7F800000, 1 << 27):  # every positive finite FP32 value, in chunks
+        bits = torch.arange(start, min(start + (1 << 27), 0x7F800000), device="cuda", dtype=torch.int32)
+        v = bits.view(torch.float32)
+        got = torch.empty_like(v)
+        _rsqrt_kernel[(triton.cdiv(v.numel(), 1024),)](v, got, v.numel(), BLOCK=1024)
+        differing += _differ(got, torch.rsqrt(v))
+    result["rsqrt_values_differing"] = differing
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    p = torch.randn(1 << 22, 2, device="cuda", generator=gen) * torch.exp2(
+        torch.randint(-30, 30, (1 << 22, 1), device="cuda", generator=gen).float())
+    q = torch.polar(torch.ones(1 << 22, device="cuda"), torch.rand(1 << 22, device="cuda", generator=gen) * 1e4)
+    want = torch.view_as_real(torch.view_as_complex(p) * q)
+    result["complex_product_differing"], result["chain_bytes_differing"] = {}, {}
+    ref = qk_norm_rotary_reference(x, weight, freqs, EPS)
+    for real_fma, imag_fma in FMA_FORMS:
+        got = torch.empty_like(want)
+        _complex_kernel[(triton.cdiv(p.shape[0], 1024),)](p, torch.view_as_real(q), got, p.shape[0], REAL_FMA=real_fma,
+                                                           IMAG_FMA=imag_fma, BLOCK=1024, enable_fp_fusion=False)
+        form = f"real {real_fma}, imag {imag_fma}"
+        result["complex_product_differing"][form] = _differ(got, want)
+        chain = qk_norm_rotary_triton(x, weight, freqs, EPS, real_fma=real_fma, imag_fma=imag_fma)
+        result["chain_bytes_differing"][form] = _differ(chain, ref)
+    result["chain_bytes_differing"]["tree 1, default form"] = _differ(
+        qk_norm_rotary_triton(x, weight, freqs, EPS, tree=1), ref)
+    result["default_form_exact"] = _differ(qk_norm_rotary_triton(x, weight, freqs, EPS), ref) == 0
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, nargs="+", default=[512, 4096])
+    ap.add_argument("--heads", type=int, default=24)
+    args = ap.parse_args()
+    copy = copy_bandwidth_gbps()
+    result = header("qk_norm_rotary", copy)
+    result["probe"] = probe()
+    print(result["probe"])
+    result["note"] = ("unfused: diffusers' RMSNorm + apply_rotary_emb_qwen; compiled: torch.compile of them, "
+                      "inductor's own arithmetic (exact=False there is inductor's)")
+    compiled = torch.compile(qk_norm_rotary_reference)
+    for seq in args.seq:
+        x, weight, freqs = qk_inputs(1, seq, args.heads, device="cuda", seed=seq)
+        nbytes = 2 * x.numel() * 2 + freqs.numel() * 8
+        ref = qk_norm_rotary_reference(x, weight, freqs, EPS)
+        exact = _differ(qk_norm_rotary_triton(x, weight, freqs, EPS), ref) == 0
+        compiled_exact = _differ(compiled(x, weight, freqs, EPS), ref) == 0
+        us = {"fused": time_us(lambda: qk_norm_rotary_triton(x, weight, freqs, EPS)),
+              "unfused": time_us(lambda: qk_norm_rotary_reference(x, weight, freqs, EPS)),
+              "compiled": time_us(lambda: compiled(x, weight, freqs, EPS))}
+        result["cases"] += bandwidth_cases({"seq": seq, "heads": args.heads}, us, nbytes, copy, exact, compiled_exact)
+    print_bandwidth_cases(result["cases"], copy, write_result(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Qwen-Image query/key RMSNorm + rotary embedding: diffusers' ``RMSNorm`` (BF16 weight) followed by
+``apply_rotary_emb_qwen(..., use_real=False)``, in one kernel instead of ten torch ops over FP32 copies.
+
+Reference: ``qk_norm_rotary_reference`` (diffusers' chain on the same device). Kernel: ``kernels.qk_norm_rotary_triton``
+(docs/design.md §6, "Qwen-Image QK norm and rotary"). The kernel's reduction tree and FMA forms are what nvcc and
+torch's reduction heuristics are believed to produce; ``qk_rotary_mismatch`` checks them against torch once per
+process and GPU before the site uses the kernel there (``benchmarks/bench_qk_norm_rotary.py`` says which stage
+differs).
+"""
+
+from __future__ import annotations
+
+import threading
+from types import ModuleType
+from typing import cast
+
+import torch
+from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
+from .verify import run_checked
+
+KIND = "qwen_qk_rotary"
+EPS = 1e-6  # Qwen-Image's
+
+_MISMATCH: dict[str, str | None] = {}  # device -> what differs, None if nothing
+_lock = threading.Lock()
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """diffusers 0.42.1 ``RMSNorm.forward`` (non-NPU path) with a BF16/FP16 weight and no bias, op for op."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    hidden = x * torch.rsqrt(variance + eps)
+    return hidden.to(weight.dtype) * weight
+
+
+def qk_norm_rotary_reference(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
+    """x ``[B, S, H, D]``, weight ``[D]``, freqs complex64 ``[S, D/2]`` -> diffusers' chain, in x's dtype."""
+    # cast: diffusers annotates the result as a tuple; with use_real=False it returns one tensor.
+    return cast(torch.Tensor, apply_rotary_emb_qwen(rms_norm_reference(x, weight, eps), freqs, use_real=False))
+
+
+def probe_inputs(batch: int, seq: int, heads: int, device: torch.device | str = "cpu", seed: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query-like BF16 ``[batch, seq, heads, 128]`` with row magnitudes from 2^-20 to 2^20, one all-zero row and some
+    subnormals, a BF16 RMSNorm weight near 1 and Qwen-like rotary factors (complex64 ``[seq, 64]``, positions up to
+    4096): with a few thousand rows, a wrong summation tree or FMA form changes some output bytes."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(batch, seq, heads, 128, device=device, generator=gen)
+    x = x * torch.exp2(torch.randint(-20, 20, (batch, seq, heads, 1), device=device, generator=gen).float())
+    x.view(-1, 128)[0] = 0.0
+    x.view(-1)[7::97] = 1e-39
+    weight = (1 + 0.2 * torch.randn(128, device=device, generator=gen)).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (seq, 1), device=device, generator=gen).float()
+    angles = pos / (10000 ** (torch.arange(0, 128, 2, device=device).float() / 128))
+    return x.to(torch.bfloat16), weight, torch.polar(torch.ones_like(angles), angles)
+
+
+def qk_rotary_mismatch(device: torch.device) -> str | None:
+    """None when the kernel equals diffusers' chain on this GPU for ``probe_inputs(1, 2048, 24)``, else how many
+    values differ.
+    Computed once per process and device; while a CUDA graph is being captured, before that check, it cannot run and
+    says so (the caller falls back)."""
+    key = str(device)
+    if key not in _MISMATCH:
+        if torch.cuda.is_current_stream_capturing():
+            return "kernel not yet checked against torch's ops when captured into a CUDA graph"
+        x, weight, freqs = probe_inputs(1, 2048, 24, device)
+        got = cast(ModuleType, kernels).qk_norm_rotary_triton(x, weight, freqs, EPS)
+        n = int((got.view(torch.int16) != qk_norm_rotary_reference(x, weight, freqs, EPS).view(torch.int16)).sum())
+        with _lock:
+            _MISMATCH[key] = (f"kernel arithmetic differs from torch's on this GPU ({n} of {got.numel()} probe values; "
+                              "benchmarks/bench_qk_norm_rotary.py tells which stage)") if n else None
+    return _MISMATCH[key]
+
+
+def _qk_norm_rotary_impl(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
+    if triton_runs_on(x):
+        return cast(ModuleType, kernels).qk_norm_rotary_triton(x, weight, freqs, eps)
+    return qk_norm_rotary_reference(x, weight, freqs, eps)
+
+
+def _qk_norm_rotary_fake(x, weight, freqs, eps, *_):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _qk_norm_rotary_checked_impl(
+    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, stats_id: int, shape_class: str
+) -> torch.Tensor:
+    (out,) = run_checked(stats_id, KIND, shape_class, ("out",), lambda: (_qk_norm_rotary_impl(x, weight, freqs, eps),),
+                         lambda: (qk_norm_rotary_reference(x, weight, freqs, eps),))
+    return out
+
+
+_qk_norm_rotary_op, _qk_norm_rotary_checked_op = custom_op_pair(
+    "qk_norm_rotary", _qk_norm_rotary_impl, _qk_norm_rotary_checked_impl, _qk_norm_rotary_fake)
+
+
+def qk_norm_rotary(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
+    """x ``[B, S, H, 128]`` BF16, weight BF16 ``[128]``, freqs complex64 ``[S, 64]`` -> ``[B, S, H, 128]`` BF16:
+    the kernel where Triton runs, diffusers' chain elsewhere."""
+    return call_op(_qk_norm_rotary_op, _qk_norm_rotary_impl, x, weight, freqs, eps)
+
+
+def qk_norm_rotary_checked(
+    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, stats_id: int, shape_class: str
+) -> torch.Tensor:
+    """``qk_norm_rotary`` with first-use byte verification against diffusers' chain (``verify.run_checked``)."""
+    return call_op(_qk_norm_rotary_checked_op, _qk_norm_rotary_checked_impl, x, weight, freqs, eps, stats_id,
+                   shape_class)

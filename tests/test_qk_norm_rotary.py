@@ -1,0 +1,143 @@
+"""The Qwen-Image QK-norm + rotary kernel (``kernels/qk_norm_rotary.py``): its torch reference against diffusers'
+modules (CPU), the kernel under the Triton interpreter against a numpy emulation of torch's CUDA ops (every FMA form
+of the complex product; rsqrt correctly rounded there, as the interpreter's stand-in), compiled ahead of time for
+SM90 / SM100 / SM120, and on the GPU byte for byte against diffusers' chain (``gpu``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed, so the QK-norm + rotary kernel tests did not "
+                                               "run; they run wherever Triton is installed, as in CI")
+from diffusers_nvfp4_fast.kernels.qk_norm_rotary import FMA_FORMS  # noqa: E402
+from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
+    EPS,  # noqa: E402
+    qk_norm_rotary_reference,
+    rms_norm_reference,
+)
+from diffusers_nvfp4_fast.ops.qk_norm_rotary import probe_inputs as qk_inputs  # noqa: E402
+from support.emulation import fma32  # noqa: E402
+from support.interpreter import run_interpreted  # noqa: E402
+
+
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """FP32 -> BF16 (nearest, ties to even) -> FP32, as torch's conversion."""
+    return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def mean_of_squares_emulation(x: torch.Tensor, tree: str = "shuffle") -> np.ndarray:
+    """torch's CUDA ``x.float().pow(2).mean(-1)`` over rows of 128 (see ``cuda_chain_emulation``), FP32 ``[rows]``."""
+    xf = x.float().numpy().reshape(-1, 128)
+    sq = xf * xf
+    if tree in ("shuffle", "halves"):
+        t = sq.reshape(-1, 32, 4)
+        t = ((t[..., 0] + t[..., 1]) + t[..., 2]) + t[..., 3]
+        while t.shape[-1] > 1:
+            half = t.shape[-1] // 2
+            t = t[..., 0::2] + t[..., 1::2] if tree == "shuffle" else t[..., :half] + t[..., half:]
+        total = t[..., 0]
+    else:
+        total = np.zeros(sq.shape[0], np.float32)
+        for i in range(128):
+            total = total + sq[:, i]
+    return total * np.float32(1 / 128)
+
+
+def cuda_chain_emulation(x, weight, freqs, eps=EPS, real_fma=1, imag_fma=1, tree="shuffle") -> torch.Tensor:
+    """diffusers' chain as torch's CUDA kernels compute it (numpy FP32, independent of the kernel's code).
+
+    tree: "shuffle" = torch's mean(-1) over 128 values: 32 threads sum 4 adjacent values in order, then a tree of
+    adjacent pairs; "halves": the same thread sums, then a tree that adds the upper half to the lower one (the
+    kernel's TREE 1); "sequential" = left to right (a wrong order, for the test that the inputs tell orders apart)."""
+    mean = mean_of_squares_emulation(x, tree)
+    xf = x.float().numpy().reshape(-1, 128)
+    rstd = (1.0 / np.sqrt((mean + np.float32(eps)).astype(np.float64))).astype(np.float32)
+    y = _bf16(_bf16(xf * rstd[:, None]) * weight.float().numpy()[None, :])
+    b, s, h, _ = x.shape
+    table = torch.view_as_real(freqs).numpy()  # [S, 64, 2]
+    pos = (np.arange(b * s * h) // h) % s
+    c, d = table[pos, :, 0], table[pos, :, 1]
+    a, bi = y[:, 0::2], y[:, 1::2]
+    real = {0: a * c - bi * d, 1: fma32(a, c, -(bi * d)), 2: fma32(-bi, d, a * c)}[real_fma]
+    imag = {0: a * d + bi * c, 1: fma32(a, d, bi * c), 2: fma32(bi, c, a * d)}[imag_fma]
+    out = np.stack([real, imag], axis=-1).reshape(b, s, h, 128)
+    return torch.from_numpy(np.ascontiguousarray(out, np.float32)).to(torch.bfloat16)
+
+
+def _agree(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Byte equality, NaN positions equal (the interpreter's NaN payloads are not the GPU's)."""
+    nan = want.isnan()
+    return torch.equal(got.isnan(), nan) and torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+def interpreted_qk_norm_rotary() -> dict:
+    from diffusers_nvfp4_fast.kernels import qk_norm_rotary_triton
+
+    x, weight, freqs = qk_inputs(2, 9, 3)
+    out: dict = {}
+    for real_fma, imag_fma in FMA_FORMS:
+        got = qk_norm_rotary_triton(x, weight, freqs, EPS, real_fma=real_fma, imag_fma=imag_fma, block_r=4)
+        out[f"{real_fma}{imag_fma}"] = _agree(got, cuda_chain_emulation(x, weight, freqs, EPS, real_fma, imag_fma))
+    out["block_r=16"] = _agree(qk_norm_rotary_triton(x, weight, freqs, EPS, block_r=16),
+                               cuda_chain_emulation(x, weight, freqs))
+    mean = torch.empty(x.numel() // 128)
+    qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean)
+    out["mean"] = np.array_equal(mean.numpy(), mean_of_squares_emulation(x))
+    out["mean_not_sequential"] = not np.array_equal(mean.numpy(), mean_of_squares_emulation(x, "sequential"))
+    qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean, tree=1)
+    out["mean_halves"] = np.array_equal(mean.numpy(), mean_of_squares_emulation(x, "halves"))
+    out["halves_not_shuffle"] = not np.array_equal(mean.numpy(), mean_of_squares_emulation(x))
+    return out
+
+
+def test_interpreted_kernel_matches_cuda_emulation_for_every_fma_form():
+    result = run_interpreted(__name__, "interpreted_qk_norm_rotary")
+    assert result == {**{f"{r}{i}": True for r, i in FMA_FORMS}, "block_r=16": True, "mean": True,
+                      "mean_not_sequential": True, "mean_halves": True, "halves_not_shuffle": True}, result
+
+
+def test_inputs_tell_the_summation_orders_and_fma_forms_apart():
+    """Otherwise the interpreter and GPU tests could not see a wrong tree or a wrong FMA form."""
+    x, weight, freqs = qk_inputs(1, 512, 24)  # a wrong tree moves a row's mean by an ulp: it shows in many rows
+    want = cuda_chain_emulation(x, weight, freqs)
+    assert not _agree(cuda_chain_emulation(x, weight, freqs, tree="sequential"), want)
+    for real_fma, imag_fma in FMA_FORMS[1:]:
+        other = cuda_chain_emulation(x, weight, freqs, real_fma=real_fma, imag_fma=imag_fma)
+        assert (real_fma, imag_fma) == (1, 1) or not _agree(other, want), (real_fma, imag_fma)
+
+
+def test_reference_is_diffusers_modules():
+    """The functional reference equals diffusers' own ``RMSNorm`` module and rotary function, byte for byte."""
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
+
+    x, weight, freqs = qk_inputs(1, 5, 2)
+    norm = RMSNorm(128, eps=EPS).to(torch.bfloat16)
+    norm.weight.data.copy_(weight)
+    want = apply_rotary_emb_qwen(norm(x), freqs, use_real=False)
+    assert torch.equal(rms_norm_reference(x, weight, EPS).view(torch.int16), norm(x).view(torch.int16))
+    assert torch.equal(qk_norm_rotary_reference(x, weight, freqs, EPS).view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("capability", [90, 100, 120])
+@pytest.mark.parametrize("forms", [(0, 0, 0), (1, 1, 0), (2, 1, 1)], ids=["no-fma", "default", "fma21-tree1"])
+def test_compiles_ahead_of_time(capability, forms):
+    from sass_count import compile_qk_norm_rotary
+
+    ptx = compile_qk_norm_rotary(capability, *forms).asm["ptx"]
+    assert "rsqrt.approx.f32" in ptx and "cvt.rn.bf16.f32" in ptx
+    assert ("fma.rn.f32" in ptx) == (forms[:2] != (0, 0))  # contraction off: only the FMA the form asks for
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [1, 17, 512, 4096])
+def test_gpu_equals_diffusers(seq):
+    from diffusers_nvfp4_fast.kernels import qk_norm_rotary_triton
+
+    for batch in (1, 2):
+        x, weight, freqs = qk_inputs(batch, seq, 24, device="cuda", seed=seq)
+        got = qk_norm_rotary_triton(x, weight, freqs, EPS)
+        want = qk_norm_rotary_reference(x, weight, freqs, EPS)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got != want).sum().item()
