@@ -4,9 +4,9 @@ diffusers' chain (eager) vs ``torch.compile`` of it.
 Usage: python benchmarks/bench_qk_norm_rotary.py [--seq 512 4096] [--heads 24]
 Probe (exactness, before timing): each stage of the kernel's arithmetic against torch itself on this GPU: the mean of
 squares (reduction tree), ``torch.rsqrt`` on every positive finite FP32 value, the complex product for each FMA form,
-and the whole chain for each form (mismatching bytes; the kernel's default form must give 0). Bytes moved by the
-kernel: read x and write the result (BF16), read the FP32 rotary table once. Writes
-benchmarks/results/qk_norm_rotary-<device>.json.
+and the whole chain for each form (mismatching values; the kernel's default form, with the tree ``matching_tree``
+found, must give 0). Bytes moved by the kernel: read x and write the result (BF16), read the FP32 rotary table once.
+Writes benchmarks/results/qk_norm_rotary-<device>.json.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ from common import bandwidth_cases, copy_bandwidth_gbps, header, print_bandwidth
 from diffusers_nvfp4_fast.kernels import qk_norm_rotary_triton  # noqa: E402
 from diffusers_nvfp4_fast.kernels.qk_norm_rotary import FMA_FORMS, _complex_product  # noqa: E402
 from diffusers_nvfp4_fast.kernels.rounding import rsqrt_like_torch  # noqa: E402
-from diffusers_nvfp4_fast.ops.qk_norm_rotary import (
-    EPS,  # noqa: E402
-    qk_norm_rotary_reference,  # noqa: E402
+from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
+    EPS,
+    matching_tree,
+    qk_norm_rotary,
+    qk_norm_rotary_reference,
 )
 from diffusers_nvfp4_fast.ops.qk_norm_rotary import probe_inputs as qk_inputs  # noqa: E402
 
@@ -59,11 +61,11 @@ def probe() -> dict:
     x, weight, freqs = qk_inputs(2, 4096, 24, device="cuda", seed=1)
     rows = x.numel() // 128
     mean = torch.empty(rows, device="cuda")
-    qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean)
     torch_mean = x.float().pow(2).mean(-1).flatten()
-    result: dict = {"rows": rows, "mean_of_squares_rows_differing": {"tree 0": _differ(mean, torch_mean)}}
-    qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean, tree=1)
-    result["mean_of_squares_rows_differing"]["tree 1"] = _differ(mean, torch_mean)
+    result: dict = {"rows": rows, "matching_tree": matching_tree(x.device), "mean_of_squares_rows_differing": {}}
+    for tree in (1, 0):
+        qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean, tree=tree)
+        result["mean_of_squares_rows_differing"][f"tree {tree}"] = _differ(mean, torch_mean)
     differing = 0
     for start in range(1, 0x7F800000, 1 << 27):  # every positive finite FP32 value, in chunks
         bits = torch.arange(start, min(start + (1 << 27), 0x7F800000), device="cuda", dtype=torch.int32)
@@ -87,9 +89,9 @@ def probe() -> dict:
         result["complex_product_differing"][form] = _differ(got, want)
         chain = qk_norm_rotary_triton(x, weight, freqs, EPS, real_fma=real_fma, imag_fma=imag_fma)
         result["chain_bytes_differing"][form] = _differ(chain, ref)
-    result["chain_bytes_differing"]["tree 1, default form"] = _differ(
-        qk_norm_rotary_triton(x, weight, freqs, EPS, tree=1), ref)
-    result["default_form_exact"] = _differ(qk_norm_rotary_triton(x, weight, freqs, EPS), ref) == 0
+    result["chain_bytes_differing"]["tree 0, default form"] = _differ(
+        qk_norm_rotary_triton(x, weight, freqs, EPS, tree=0), ref)
+    result["op_exact"] = _differ(qk_norm_rotary(x, weight, freqs, EPS), ref) == 0
     return result
 
 
@@ -109,9 +111,9 @@ def main() -> None:
         x, weight, freqs = qk_inputs(1, seq, args.heads, device="cuda", seed=seq)
         nbytes = 2 * x.numel() * 2 + freqs.numel() * 8
         ref = qk_norm_rotary_reference(x, weight, freqs, EPS)
-        exact = _differ(qk_norm_rotary_triton(x, weight, freqs, EPS), ref) == 0
+        exact = _differ(qk_norm_rotary(x, weight, freqs, EPS), ref) == 0
         compiled_exact = _differ(compiled(x, weight, freqs, EPS), ref) == 0
-        us = {"fused": time_us(lambda: qk_norm_rotary_triton(x, weight, freqs, EPS)),
+        us = {"fused": time_us(lambda: qk_norm_rotary(x, weight, freqs, EPS)),
               "unfused": time_us(lambda: qk_norm_rotary_reference(x, weight, freqs, EPS)),
               "compiled": time_us(lambda: compiled(x, weight, freqs, EPS))}
         result["cases"] += bandwidth_cases({"seq": seq, "heads": args.heads}, us, nbytes, copy, exact, compiled_exact)

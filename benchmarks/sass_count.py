@@ -69,7 +69,7 @@ def compile_rotary(arch: int, head_dim: int = 128, block_r: int = 16, num_warps:
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
 
 
-def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree: int = 0, block_r: int = 16,
+def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree: int = 1, block_r: int = 16,
                            num_warps: int = 4):
     """Compile the Qwen-Image QK-norm + rotary kernel for ``arch`` (x10) without a GPU, as ``qk_norm_rotary_triton``
     launches it there (``rsqrt.approx.f32``, hardware BF16 conversions, FMA contraction off)."""

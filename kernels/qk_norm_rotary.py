@@ -5,15 +5,16 @@ torch kernels over FP32 copies of each query and key. Per row of D = 128 values 
 points are (docs/design.md §6, "Qwen-Image QK norm and rotary"):
 ```
 s   = sum of fl(x_i * x_i)          # torch's mean(-1): per thread ((s0 + s1) + s2) + s3 over 4 adjacent values,
-                                    # then the 32 thread sums in a tree (TREE 0: adjacent pairs, shuffle offsets
-                                    # 1..16; TREE 1: halves, offsets 16..1)
+                                    # then the 32 thread sums in a tree (TREE 1: halves, shuffle offsets 16..1,
+                                    # torch 2.11; TREE 0: adjacent pairs, offsets 1..16, torch before PR #164790)
 r   = rsqrtf(fl(s * 2^-7) + eps)    # rsqrt.approx.f32, as torch.rsqrt
 n   = bf16(x * r)                    # FP32 product, rounded by .to(bf16)
 y   = bf16(n * w)                    # BF16 weight
 out = bf16(complex(y0, y1) * complex(cos, sin))   # c10::complex<float> product, FMA forms per REAL_FMA / IMAG_FMA
 ```
-The summation tree and the FMA forms of the complex product are what nvcc and torch's reduction heuristics made of
-torch's source; ``benchmarks/probe_qk_norm_rotary.py`` finds them on a GPU against torch itself.
+The tree and the FMA forms were read off the sm_90 machine code of torch 2.11.0+cu130 (``FFMA re, a, c, -(b*d)``,
+``FFMA im, a, d, b*c``; ``SHFL.DOWN`` at offsets 16 to 1); ``benchmarks/bench_qk_norm_rotary.py`` checks each stage
+against torch on a GPU.
 """
 
 import torch
@@ -92,14 +93,14 @@ def _qk_norm_rotary_kernel(
 
 def qk_norm_rotary_triton(
     x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, *, real_fma: int = 1, imag_fma: int = 1,
-    tree: int = 0, approx_rsqrt: bool | None = None, block_r: int = 16, num_warps: int = 4,
+    tree: int = 1, approx_rsqrt: bool | None = None, block_r: int = 16, num_warps: int = 4,
     mean_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x ``[B, S, H, 128]`` BF16 (rows contiguous), weight BF16 ``[128]``, freqs complex64 ``[S, 64]`` ->
     ``[B, S, H, 128]`` BF16: ``apply_rotary_emb_qwen(RMSNorm(x), freqs, use_real=False)`` (module docstring).
 
-    real_fma / imag_fma: the complex product's FMA forms (``_complex_product``); tree: the shuffle tree of the mean
-    (``_pair_sums``); approx_rsqrt: None =
+    real_fma / imag_fma: the complex product's FMA forms (``_complex_product``; torch 2.11: 1 and 1); tree: the
+    shuffle tree of the mean (``_pair_sums``; torch 2.11's CUDA build: 1, earlier builds: 0); approx_rsqrt: None =
     ``rsqrt.approx.f32`` except under ``TRITON_INTERPRET=1``, where inline PTX cannot run; mean_out: FP32
     ``[B * S * H]`` that receives each row's mean of squares (tests).
     """

@@ -14,6 +14,8 @@ triton = pytest.importorskip("triton", reason="Triton is not installed, so the Q
 from diffusers_nvfp4_fast.kernels.qk_norm_rotary import FMA_FORMS  # noqa: E402
 from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
     EPS,  # noqa: E402
+    matching_tree,
+    qk_norm_rotary,
     qk_norm_rotary_reference,
     rms_norm_reference,
 )
@@ -27,30 +29,29 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16).float().numpy()
 
 
-def mean_of_squares_emulation(x: torch.Tensor, tree: str = "shuffle") -> np.ndarray:
-    """torch's CUDA ``x.float().pow(2).mean(-1)`` over rows of 128 (see ``cuda_chain_emulation``), FP32 ``[rows]``."""
-    xf = x.float().numpy().reshape(-1, 128)
-    sq = xf * xf
-    if tree in ("shuffle", "halves"):
+def mean_of_squares_emulation(x: torch.Tensor, tree: int | str = 1) -> np.ndarray:
+    """torch's CUDA ``x.float().pow(2).mean(-1)`` over rows of 128, FP32 ``[rows]``: 32 threads each sum 4 adjacent
+    squares in order, then a shuffle-down tree adds the thread sums: ``tree`` 1 = offsets 16, 8, ..., 1 (torch
+    2.11's CUDA build), 0 = offsets 1, 2, ..., 16 (earlier builds); "sequential" = left to right (a wrong order, for
+    the test that the inputs tell orders apart)."""
+    sq = x.float().numpy().reshape(-1, 128) ** 2
+    if tree == "sequential":
+        total = np.zeros(sq.shape[0], np.float32)
+        for i in range(128):
+            total = total + sq[:, i]
+    else:
         t = sq.reshape(-1, 32, 4)
         t = ((t[..., 0] + t[..., 1]) + t[..., 2]) + t[..., 3]
         while t.shape[-1] > 1:
             half = t.shape[-1] // 2
-            t = t[..., 0::2] + t[..., 1::2] if tree == "shuffle" else t[..., :half] + t[..., half:]
+            t = t[..., :half] + t[..., half:] if tree == 1 else t[..., 0::2] + t[..., 1::2]
         total = t[..., 0]
-    else:
-        total = np.zeros(sq.shape[0], np.float32)
-        for i in range(128):
-            total = total + sq[:, i]
     return total * np.float32(1 / 128)
 
 
-def cuda_chain_emulation(x, weight, freqs, eps=EPS, real_fma=1, imag_fma=1, tree="shuffle") -> torch.Tensor:
-    """diffusers' chain as torch's CUDA kernels compute it (numpy FP32, independent of the kernel's code).
-
-    tree: "shuffle" = torch's mean(-1) over 128 values: 32 threads sum 4 adjacent values in order, then a tree of
-    adjacent pairs; "halves": the same thread sums, then a tree that adds the upper half to the lower one (the
-    kernel's TREE 1); "sequential" = left to right (a wrong order, for the test that the inputs tell orders apart)."""
+def cuda_chain_emulation(x, weight, freqs, eps=EPS, real_fma=1, imag_fma=1, tree: int | str = 1) -> torch.Tensor:
+    """diffusers' chain as torch's CUDA kernels compute it (numpy FP32, independent of the kernel's code); rsqrt
+    correctly rounded (the interpreter's stand-in for ``rsqrt.approx.f32``). tree: see ``mean_of_squares_emulation``."""
     mean = mean_of_squares_emulation(x, tree)
     xf = x.float().numpy().reshape(-1, 128)
     rstd = (1.0 / np.sqrt((mean + np.float32(eps)).astype(np.float64))).astype(np.float32)
@@ -82,27 +83,28 @@ def interpreted_qk_norm_rotary() -> dict:
         out[f"{real_fma}{imag_fma}"] = _agree(got, cuda_chain_emulation(x, weight, freqs, EPS, real_fma, imag_fma))
     out["block_r=16"] = _agree(qk_norm_rotary_triton(x, weight, freqs, EPS, block_r=16),
                                cuda_chain_emulation(x, weight, freqs))
+    out["tree 0"] = _agree(qk_norm_rotary_triton(x, weight, freqs, EPS, tree=0),
+                           cuda_chain_emulation(x, weight, freqs, tree=0))
     mean = torch.empty(x.numel() // 128)
-    qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean)
-    out["mean"] = np.array_equal(mean.numpy(), mean_of_squares_emulation(x))
-    out["mean_not_sequential"] = not np.array_equal(mean.numpy(), mean_of_squares_emulation(x, "sequential"))
-    qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean, tree=1)
-    out["mean_halves"] = np.array_equal(mean.numpy(), mean_of_squares_emulation(x, "halves"))
-    out["halves_not_shuffle"] = not np.array_equal(mean.numpy(), mean_of_squares_emulation(x))
+    for tree in (0, 1):
+        qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean, tree=tree)
+        for other in (0, 1, "sequential"):  # the mean equals its own tree's emulation only
+            out[f"mean {tree} == {other}"] = np.array_equal(mean.numpy(), mean_of_squares_emulation(x, other))
     return out
 
 
 def test_interpreted_kernel_matches_cuda_emulation_for_every_fma_form():
     result = run_interpreted(__name__, "interpreted_qk_norm_rotary")
-    assert result == {**{f"{r}{i}": True for r, i in FMA_FORMS}, "block_r=16": True, "mean": True,
-                      "mean_not_sequential": True, "mean_halves": True, "halves_not_shuffle": True}, result
+    means = {f"mean {tree} == {other}": tree == other for tree in (0, 1) for other in (0, 1, "sequential")}
+    assert result == {**{f"{r}{i}": True for r, i in FMA_FORMS}, "block_r=16": True, "tree 0": True, **means}, result
 
 
 def test_inputs_tell_the_summation_orders_and_fma_forms_apart():
     """Otherwise the interpreter and GPU tests could not see a wrong tree or a wrong FMA form."""
     x, weight, freqs = qk_inputs(1, 512, 24)  # a wrong tree moves a row's mean by an ulp: it shows in many rows
     want = cuda_chain_emulation(x, weight, freqs)
-    assert not _agree(cuda_chain_emulation(x, weight, freqs, tree="sequential"), want)
+    for tree in (0, "sequential"):
+        assert not _agree(cuda_chain_emulation(x, weight, freqs, tree=tree), want), tree
     for real_fma, imag_fma in FMA_FORMS[1:]:
         other = cuda_chain_emulation(x, weight, freqs, real_fma=real_fma, imag_fma=imag_fma)
         assert (real_fma, imag_fma) == (1, 1) or not _agree(other, want), (real_fma, imag_fma)
@@ -122,7 +124,7 @@ def test_reference_is_diffusers_modules():
 
 
 @pytest.mark.parametrize("capability", [90, 100, 120])
-@pytest.mark.parametrize("forms", [(0, 0, 0), (1, 1, 0), (2, 1, 1)], ids=["no-fma", "default", "fma21-tree1"])
+@pytest.mark.parametrize("forms", [(0, 0, 0), (1, 1, 1), (2, 1, 0)], ids=["no-fma", "default", "fma21-tree0"])
 def test_compiles_ahead_of_time(capability, forms):
     from sass_count import compile_qk_norm_rotary
 
@@ -134,10 +136,12 @@ def test_compiles_ahead_of_time(capability, forms):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq", [1, 17, 512, 4096])
 def test_gpu_equals_diffusers(seq):
-    from diffusers_nvfp4_fast.kernels import qk_norm_rotary_triton
-
+    """The op (the kernel with the tree ``matching_tree`` found for this GPU's torch) against diffusers' chain."""
+    x, weight, freqs = qk_inputs(1, seq, 24, device="cuda", seed=seq)
+    tree = matching_tree(x.device)
+    assert isinstance(tree, int), tree  # otherwise the op would run diffusers' chain and prove nothing
     for batch in (1, 2):
         x, weight, freqs = qk_inputs(batch, seq, 24, device="cuda", seed=seq)
-        got = qk_norm_rotary_triton(x, weight, freqs, EPS)
+        got = qk_norm_rotary(x, weight, freqs, EPS)
         want = qk_norm_rotary_reference(x, weight, freqs, EPS)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got != want).sum().item()

@@ -2,10 +2,10 @@
 ``apply_rotary_emb_qwen(..., use_real=False)``, in one kernel instead of ten torch ops over FP32 copies.
 
 Reference: ``qk_norm_rotary_reference`` (diffusers' chain on the same device). Kernel: ``kernels.qk_norm_rotary_triton``
-(docs/design.md §6, "Qwen-Image QK norm and rotary"). The kernel's reduction tree and FMA forms are what nvcc and
-torch's reduction heuristics are believed to produce; ``qk_rotary_mismatch`` checks them against torch once per
-process and GPU before the site uses the kernel there (``benchmarks/bench_qk_norm_rotary.py`` says which stage
-differs).
+(docs/design.md §6, "Qwen-Image QK norm and rotary"). The kernel's arithmetic is what torch 2.11's CUDA build
+compiles (read off its machine code); the warp tree changed between torch versions, so ``matching_tree`` picks the
+kernel's tree against torch once per process and GPU before the kernel runs there
+(``benchmarks/bench_qk_norm_rotary.py`` says which stage differs if none matches).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .verify import run_checked
 KIND = "qwen_qk_rotary"
 EPS = 1e-6  # Qwen-Image's
 
-_MISMATCH: dict[str, str | None] = {}  # device -> what differs, None if nothing
+_TREE: dict[str, int | str] = {}  # device -> the kernel's tree that matches torch there, or why none does
 _lock = threading.Lock()
 
 
@@ -56,28 +56,36 @@ def probe_inputs(batch: int, seq: int, heads: int, device: torch.device | str = 
     return x.to(torch.bfloat16), weight, torch.polar(torch.ones_like(angles), angles)
 
 
-def qk_rotary_mismatch(device: torch.device) -> str | None:
-    """None when the kernel equals diffusers' chain on this GPU for ``probe_inputs(1, 2048, 24)``, else how many
-    values differ.
-    Computed once per process and device; while a CUDA graph is being captured, before that check, it cannot run and
-    says so (the caller falls back)."""
+def matching_tree(device: torch.device) -> int | str:
+    """The kernel's ``tree`` whose output equals diffusers' chain on this GPU for ``probe_inputs(1, 2048, 24)``, or
+    why none does. torch's warp reduction adds lanes at offsets 16, 8, ..., 1 in torch 2.11's CUDA builds (PR
+    #164790) and at 1, 2, ..., 16 before it, so both are tried. Computed once per process and device; while a CUDA
+    graph is being captured, before that check, it cannot run and says so (the caller falls back)."""
     key = str(device)
-    if key not in _MISMATCH:
+    if key not in _TREE:
         if torch.cuda.is_current_stream_capturing():
             return "kernel not yet checked against torch's ops when captured into a CUDA graph"
         x, weight, freqs = probe_inputs(1, 2048, 24, device)
-        got = cast(ModuleType, kernels).qk_norm_rotary_triton(x, weight, freqs, EPS)
-        n = int((got.view(torch.int16) != qk_norm_rotary_reference(x, weight, freqs, EPS).view(torch.int16)).sum())
+        want = qk_norm_rotary_reference(x, weight, freqs, EPS).view(torch.int16)
+        differing = {}
+        for tree in (1, 0):
+            got = cast(ModuleType, kernels).qk_norm_rotary_triton(x, weight, freqs, EPS, tree=tree)
+            differing[tree] = int((got.view(torch.int16) != want).sum())
+            if not differing[tree]:
+                break
+        counts = ", ".join(f"tree {t}: {n}" for t, n in differing.items())
         with _lock:
-            _MISMATCH[key] = (f"kernel arithmetic differs from torch's on this GPU ({n} of {got.numel()} probe values; "
-                              "benchmarks/bench_qk_norm_rotary.py tells which stage)") if n else None
-    return _MISMATCH[key]
+            _TREE[key] = tree if not differing[tree] else (
+                f"kernel arithmetic differs from torch's on this GPU ({counts} of {want.numel()} probe values; "
+                "benchmarks/bench_qk_norm_rotary.py tells which stage)")
+    return _TREE[key]
 
 
 def _qk_norm_rotary_impl(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
-    if triton_runs_on(x):
-        return cast(ModuleType, kernels).qk_norm_rotary_triton(x, weight, freqs, eps)
-    return qk_norm_rotary_reference(x, weight, freqs, eps)
+    tree = matching_tree(x.device) if triton_runs_on(x) else None
+    if isinstance(tree, int):
+        return cast(ModuleType, kernels).qk_norm_rotary_triton(x, weight, freqs, eps, tree=tree)
+    return qk_norm_rotary_reference(x, weight, freqs, eps)  # CPU, or no tree equals torch's here (same bytes)
 
 
 def _qk_norm_rotary_fake(x, weight, freqs, eps, *_):

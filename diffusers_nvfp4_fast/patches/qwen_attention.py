@@ -3,7 +3,7 @@
 ``QwenFusedAttnProcessor`` stands in for diffusers' ``QwenDoubleStreamAttnProcessor2_0`` (inside the bias-deferral
 wrapper where that is installed). Under ``torch.compile`` diffusers' ops are kept: inductor computes RMSNorm's
 reduction and the complex product its own way, and compiled on must equal compiled off. On a GPU the site first
-checks once that the kernel's arithmetic is torch's there (``ops.qk_norm_rotary.qk_rotary_mismatch``).
+checks once which of the kernel's reduction trees is torch's there, if any (``ops.qk_norm_rotary.matching_tree``).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def qk_rotary_reason(norm: Any, x: torch.Tensor, freqs: Any) -> str | None:
         return "no Triton kernel for this GPU"
     if failed_kind_reason(KIND) is not None:
         return "verification failed earlier in this process"
-    return qk_op.qk_rotary_mismatch(x.device) if x.is_cuda else None
+    tree = qk_op.matching_tree(x.device) if x.is_cuda else 0
+    return tree if isinstance(tree, str) else None
 
 
 def norm_and_rotate(norm: Any, x: torch.Tensor, freqs: Any, stats_id: int) -> torch.Tensor:
