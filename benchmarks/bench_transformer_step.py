@@ -398,6 +398,8 @@ def run(args) -> dict:
         on = runs["on"]
         exact = same_bytes(on["out"], out_off) and same_bytes(out_off2, out_off)
         log(f"fast paths on: {on['ms']:.1f} ms/step, peak {on['peak']:.1f} GB, byte-identical to off: {exact}")
+        for entry in on["report"].values():  # what ran fused in the last round, and why the rest did not
+            log(f"fused calls {entry.get('fused_calls')}, fallbacks {entry.get('fallbacks')}")
         cases.append({"shape": shape, "variant": "nvfp4_fast_on", "ms_per_step": round(on["ms"], 2),
                       "peak_mem_GB": round(on["peak"], 2), "weight_GB": round(weight_bytes / 1e9, 3),
                       "weight_bytes": weight_bytes, "exact": exact, "times_ms": [round(t, 2) for t in on["times"]],
