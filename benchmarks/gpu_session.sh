@@ -24,10 +24,20 @@
 #   budget_flux2, budget_qwen: whole pipelines under 24 and 32 GiB caps, NVFP4 and BF16 (bench_pipeline_budget.py)
 #   cp:       two GPUs (nvidia-h200-x2): context-parallel tests, then bench_context_parallel.py for both models, Ulysses
 #             and ring
+# Triton's kernel cache travels between device calls: a fresh machine otherwise rebuilds every kernel variant (over
+# 100 s for one test of the D = 6144 norm kernels). The cache comes back as $OUT/triton_cache.tgz (when under 15 MiB);
+# put it at .triton_cache/cache.tgz (git-excluded) and name .triton_cache in the next call's carry.
 set -o pipefail
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=/tmp/triton_cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .triton_cache/cache.tgz ] && tar xzf .triton_cache/cache.tgz -C "$TRITON_CACHE_DIR"
+save_cache() {
+  tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" . 2>/dev/null
+  [ "$(stat -c %s "$OUT/triton_cache.tgz")" -lt 15728640 ] || rm -f "$OUT/triton_cache.tgz"
+}
 P="python3 -m pytest -q -rfs -p no:cacheprovider --tb=short -m gpu"
 # One archive, not one file per result: the device tool brings back only a few files per call.
 save() { tar czf "$OUT/results.tgz" benchmarks/results 2>/dev/null; true; }
@@ -117,3 +127,4 @@ for group in ${@:-kernels models}; do
     *) echo "unknown group $group"; exit 2 ;;
   esac
 done
+save_cache
