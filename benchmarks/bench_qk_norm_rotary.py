@@ -1,5 +1,5 @@
-"""Qwen-Image query/key RMSNorm + rotary embedding: which arithmetic torch's CUDA ops use, and the fused kernel vs
-diffusers' chain (eager) vs ``torch.compile`` of it.
+"""Query/key RMSNorm + rotary embedding (Qwen-Image, then FLUX.2-dev): which arithmetic torch's CUDA ops use, and the
+fused kernels vs diffusers' chain (eager) vs ``torch.compile`` of it.
 
 Usage: python benchmarks/bench_qk_norm_rotary.py [--seq 512 4096] [--heads 24]
 Probe (exactness, before timing): each stage of the kernel's arithmetic against torch itself on this GPU: the mean of
@@ -22,11 +22,13 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).parent))
 from common import bandwidth_cases, copy_bandwidth_gbps, header, print_bandwidth_cases, time_us, write_result  # noqa: E402,E501
 
-from diffusers_nvfp4_fast.kernels import qk_norm_rotary_triton  # noqa: E402
+from diffusers_nvfp4_fast.kernels import flux2_qk_norm_rotary_triton, qk_norm_rotary_triton  # noqa: E402
 from diffusers_nvfp4_fast.kernels.qk_norm_rotary import FMA_FORMS, _complex_product  # noqa: E402
 from diffusers_nvfp4_fast.kernels.rounding import rsqrt_like_torch  # noqa: E402
 from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
     EPS,
+    flux2_qk_norm_rotary,
+    flux2_qk_norm_rotary_reference,
     matching_tree,
     qk_norm_rotary,
     qk_norm_rotary_reference,
@@ -92,6 +94,12 @@ def probe() -> dict:
     result["chain_bytes_differing"]["tree 0, default form"] = _differ(
         qk_norm_rotary_triton(x, weight, freqs, EPS, tree=0), ref)
     result["op_exact"] = _differ(qk_norm_rotary(x, weight, freqs, EPS), ref) == 0
+    angles = freqs.angle().repeat_interleave(2, dim=1)
+    cos, sin = angles.cos(), angles.sin()
+    flux2_ref = flux2_qk_norm_rotary_reference(x, weight, cos, sin, EPS)
+    result["flux2_chain_bytes_differing"] = {
+        f"tree {tree}": _differ(flux2_qk_norm_rotary_triton(x, weight, cos, sin, EPS, tree=tree), flux2_ref)
+        for tree in (1, 0)}
     return result
 
 
@@ -104,8 +112,9 @@ def main() -> None:
     result = header("qk_norm_rotary", copy)
     result["probe"] = probe()
     print(result["probe"])
-    result["note"] = ("unfused: diffusers' RMSNorm + apply_rotary_emb_qwen; compiled: torch.compile of them, "
-                      "inductor's own arithmetic (exact=False there is inductor's)")
+    result["note"] = ("unfused: diffusers' chain (Qwen-Image: its RMSNorm + apply_rotary_emb_qwen; FLUX.2: F.rms_norm "
+                      "+ apply_rotary_emb); compiled: torch.compile of it, inductor's own arithmetic (exact=False "
+                      "there is inductor's)")
     compiled = torch.compile(qk_norm_rotary_reference)
     for seq in args.seq:
         x, weight, freqs = qk_inputs(1, seq, args.heads, device="cuda", seed=seq)
@@ -116,7 +125,22 @@ def main() -> None:
         us = {"fused": time_us(lambda: qk_norm_rotary(x, weight, freqs, EPS)),
               "unfused": time_us(lambda: qk_norm_rotary_reference(x, weight, freqs, EPS)),
               "compiled": time_us(lambda: compiled(x, weight, freqs, EPS))}
-        result["cases"] += bandwidth_cases({"seq": seq, "heads": args.heads}, us, nbytes, copy, exact, compiled_exact)
+        result["cases"] += bandwidth_cases({"model": "qwen-image", "seq": seq, "heads": args.heads}, us, nbytes, copy,
+                                           exact, compiled_exact)
+    flux2_compiled = torch.compile(flux2_qk_norm_rotary_reference)
+    for seq in (512, 4608):  # FLUX.2-dev: text stream, single-stream blocks; 48 heads
+        x, weight, freqs = qk_inputs(1, seq, 48, device="cuda", seed=seq)
+        angles = freqs.angle().repeat_interleave(2, dim=1)
+        cos, sin = angles.cos(), angles.sin()
+        nbytes = 2 * x.numel() * 2 + 2 * cos.numel() * 4
+        ref = flux2_qk_norm_rotary_reference(x, weight, cos, sin, EPS)
+        exact = _differ(flux2_qk_norm_rotary(x, weight, cos, sin, EPS), ref) == 0
+        compiled_exact = _differ(flux2_compiled(x, weight, cos, sin, EPS), ref) == 0
+        us = {"fused": time_us(lambda: flux2_qk_norm_rotary(x, weight, cos, sin, EPS)),
+              "unfused": time_us(lambda: flux2_qk_norm_rotary_reference(x, weight, cos, sin, EPS)),
+              "compiled": time_us(lambda: flux2_compiled(x, weight, cos, sin, EPS))}
+        result["cases"] += bandwidth_cases({"model": "flux2-dev", "seq": seq, "heads": 48}, us, nbytes, copy, exact,
+                                           compiled_exact)
     print_bandwidth_cases(result["cases"], copy, write_result(result))
 
 

@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from diffusers_nvfp4_fast.kernels.gelu_quantize import _gelu_quantize_kernel
-from diffusers_nvfp4_fast.kernels.qk_norm_rotary import _qk_norm_rotary_kernel
+from diffusers_nvfp4_fast.kernels.qk_norm_rotary import _flux2_qk_norm_rotary_kernel, _qk_norm_rotary_kernel
 from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
 from diffusers_nvfp4_fast.kernels.rotary import _rotary_kernel
 from diffusers_nvfp4_fast.kernels.swiglu_quantize import _swiglu_quantize_kernel
@@ -78,6 +78,17 @@ def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree
     consts = {"BLOCK_R": block_r, "APPROX_RSQRT": True, "REAL_FMA": real_fma, "IMAG_FMA": imag_fma,
               "SOFT_BF16": False, "WRITE_MEAN": False, "TREE": tree}
     return triton.compile(ASTSource(_qk_norm_rotary_kernel, {**sig, **dict.fromkeys(consts, "constexpr")},
+                                    constexprs=consts),
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"enable_fp_fusion": False, "num_warps": num_warps})
+
+
+def compile_flux2_qk_norm_rotary(arch: int, tree: int = 1, block_r: int = 16, num_warps: int = 4):
+    """Compile the FLUX.2 QK-norm + rotary kernel for ``arch`` (x10) without a GPU, as its wrapper launches it."""
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*i16",
+           "rows": "i32", "S": "i32", "H": "i32", "eps": "fp32"}
+    consts = {"BLOCK_R": block_r, "APPROX_RSQRT": True, "SOFT_BF16": False, "TREE": tree}
+    return triton.compile(ASTSource(_flux2_qk_norm_rotary_kernel, {**sig, **dict.fromkeys(consts, "constexpr")},
                                     constexprs=consts),
                           target=GPUTarget("cuda", arch, 32),
                           options={"enable_fp_fusion": False, "num_warps": num_warps})

@@ -1,4 +1,6 @@
-"""Qwen-Image query/key RMSNorm and rotary embedding in one pass, with the bytes of diffusers' eager CUDA ops.
+"""Query/key RMSNorm and rotary embedding in one pass, with the bytes of diffusers' eager CUDA ops: Qwen-Image
+(``qk_norm_rotary_triton``) and FLUX.2 (``flux2_qk_norm_rotary_triton``, torch's fused RMSNorm and the real-valued
+rotary embedding; same reduction).
 
 diffusers 0.42.1 (``RMSNorm`` with a BF16 weight, then ``apply_rotary_emb_qwen(x, freqs, use_real=False)``) runs ten
 torch kernels over FP32 copies of each query and key. Per row of D = 128 values (one head of one token), the rounding
@@ -55,6 +57,18 @@ def _sum_of_squares(x, BLOCK_R: tl.constexpr, TREE: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(x_ptr, rows, S, H, BLOCK_R: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """This program's BLOCK_R rows of 128 (row = (batch, position, head)): (row, position, column, row mask, element
+    offsets, the rows widened to FP32)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    pos = (r // H) % S
+    cols = tl.arange(0, 128)
+    ok = (r < rows)[:, None]
+    offs = r[:, None].to(tl.int64) * 128 + cols[None, :]
+    return r, pos, cols, ok, offs, widen_bf16(tl.load(x_ptr + offs, mask=ok, other=0.0), SOFT_BF16)
+
+
+@triton.jit
 def _complex_product(a, b, c, d, REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr):
     """``(a + bi) * (c + di)`` as c10::complex<float> computes ``(a*c - b*d, a*d + b*c)``; REAL_FMA / IMAG_FMA: 0 = no
     contraction, 1 = the first product fused (``fma(a, c, -(b*d))``, ``fma(a, d, b*c)``), 2 = the second."""
@@ -69,12 +83,7 @@ def _qk_norm_rotary_kernel(
     SOFT_BF16: tl.constexpr, WRITE_MEAN: tl.constexpr, TREE: tl.constexpr,
 ):
     D: tl.constexpr = 128
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # row = (batch, position, head)
-    pos = (r // H) % S
-    cols = tl.arange(0, D)
-    ok = (r < rows)[:, None]
-    offs = r[:, None].to(tl.int64) * D + cols[None, :]
-    x = widen_bf16(tl.load(x_ptr + offs, mask=ok, other=0.0), SOFT_BF16)
+    r, pos, cols, ok, offs, x = _load_rows(x_ptr, rows, S, H, BLOCK_R, SOFT_BF16)
     mean = _sum_of_squares(x, BLOCK_R, TREE) * 0.0078125  # MeanOps: the sum times 1/128 (exact)
     if WRITE_MEAN:  # tests: the reduction tree, seen directly
         tl.store(mean_ptr + r, mean, mask=r < rows)
@@ -91,6 +100,62 @@ def _qk_norm_rotary_kernel(
     tl.store(out_ptr + offs, out.to(tl.int16, bitcast=True), mask=ok)  # bits: the interpreter's BF16 stores differ
 
 
+@triton.jit
+def _flux2_qk_norm_rotary_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows, S, H, eps,
+    BLOCK_R: tl.constexpr, APPROX_RSQRT: tl.constexpr, SOFT_BF16: tl.constexpr, TREE: tl.constexpr,
+):
+    """FLUX.2: torch's fused ``F.rms_norm`` (``out = bf16(fl(w * fl(rstd * x)))``, no rounding between) and
+    diffusers' ``apply_rotary_emb(..., sequence_dim=1)`` (interleaved pairs, FP32 ``cos`` / ``sin`` ``[S, 128]``)."""
+    D: tl.constexpr = 128
+    r, pos, cols, ok, offs, x = _load_rows(x_ptr, rows, S, H, BLOCK_R, SOFT_BF16)
+    rstd = rsqrt_like_torch(_sum_of_squares(x, BLOCK_R, TREE) * 0.0078125 + eps, APPROX_RSQRT)  # S / 128: exact
+    w = widen_bf16(tl.load(w_ptr + cols), SOFT_BF16)
+    y = widen_bf16(narrow_bf16(w[None, :] * (rstd[:, None] * x), SOFT_BF16), SOFT_BF16)
+    t_offs = pos[:, None].to(tl.int64) * D + cols[None, :]
+    c = tl.load(cos_ptr + t_offs, mask=ok, other=0.0)
+    s = tl.load(sin_ptr + t_offs, mask=ok, other=0.0)
+    y0, y1 = tl.split(tl.reshape(y, [BLOCK_R, D // 2, 2]))
+    c0, c1 = tl.split(tl.reshape(c, [BLOCK_R, D // 2, 2]))
+    s0, s1 = tl.split(tl.reshape(s, [BLOCK_R, D // 2, 2]))
+    out0 = narrow_bf16(y0 * c0 + (-y1) * s0, SOFT_BF16)  # three torch ops, three roundings (no contraction)
+    out1 = narrow_bf16(y1 * c1 + y0 * s1, SOFT_BF16)
+    out = tl.reshape(tl.join(out0, out1), [BLOCK_R, D])
+    tl.store(out_ptr + offs, out.to(tl.int16, bitcast=True), mask=ok)
+
+
+def _check_rows(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 4 or x.shape[-1] != HEAD_DIM or x.dtype != torch.bfloat16:
+        raise ValueError(f"{name}: x must be [B, S, H, 128] bf16, got {tuple(x.shape)} {x.dtype}")
+    if weight.shape != (HEAD_DIM,) or weight.dtype != torch.bfloat16:
+        raise ValueError(f"{name}: weight must be bf16 [128], got {tuple(weight.shape)} {weight.dtype}")
+
+
+def flux2_qk_norm_rotary_triton(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, *, tree: int = 1,
+    approx_rsqrt: bool | None = None, block_r: int = 16, num_warps: int = 4,
+) -> torch.Tensor:
+    """x ``[B, S, H, 128]`` BF16, weight BF16 ``[128]``, cos / sin FP32 ``[S, 128]`` -> ``[B, S, H, 128]`` BF16:
+    ``apply_rotary_emb(F.rms_norm(x, (128,), weight, eps), (cos, sin), sequence_dim=1)`` as torch 2.11 computes it on
+    the GPU (its vectorized RMSNorm kernel: the sum of squares of ``qk_norm_rotary_triton``, tree included)."""
+    _check_rows("flux2_qk_norm_rotary_triton", x, weight)
+    b, seq, heads, d = x.shape
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.shape != (seq, d) or t.dtype != torch.float32:
+            raise ValueError(f"flux2_qk_norm_rotary_triton: {name} must be FP32 [{seq}, {d}], got {tuple(t.shape)} "
+                             f"{t.dtype}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    rows = b * seq * heads
+    launch(
+        _flux2_qk_norm_rotary_kernel, (cdiv(rows, block_r),),
+        x, weight.contiguous(), cos.contiguous(), sin.contiguous(), out.view(torch.int16), rows, seq, heads, eps,
+        BLOCK_R=block_r, APPROX_RSQRT=not INTERPRETING if approx_rsqrt is None else approx_rsqrt,
+        SOFT_BF16=bool(SOFT_CONVERT), TREE=tree, num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return out
+
+
 def qk_norm_rotary_triton(
     x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, *, real_fma: int = 1, imag_fma: int = 1,
     tree: int = 1, approx_rsqrt: bool | None = None, block_r: int = 16, num_warps: int = 4,
@@ -104,11 +169,8 @@ def qk_norm_rotary_triton(
     ``rsqrt.approx.f32`` except under ``TRITON_INTERPRET=1``, where inline PTX cannot run; mean_out: FP32
     ``[B * S * H]`` that receives each row's mean of squares (tests).
     """
-    if x.dim() != 4 or x.shape[-1] != HEAD_DIM or x.dtype != torch.bfloat16:
-        raise ValueError(f"qk_norm_rotary_triton: x must be [B, S, H, 128] bf16, got {tuple(x.shape)} {x.dtype}")
+    _check_rows("qk_norm_rotary_triton", x, weight)
     b, seq, heads, d = x.shape
-    if weight.shape != (d,) or weight.dtype != torch.bfloat16:
-        raise ValueError(f"qk_norm_rotary_triton: weight must be bf16 [{d}], got {tuple(weight.shape)} {weight.dtype}")
     if freqs.shape != (seq, d // 2) or freqs.dtype != torch.complex64:
         raise ValueError(f"qk_norm_rotary_triton: freqs must be complex64 [{seq}, {d // 2}], got "
                          f"{tuple(freqs.shape)} {freqs.dtype}")

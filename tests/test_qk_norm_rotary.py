@@ -13,7 +13,8 @@ triton = pytest.importorskip("triton", reason="Triton is not installed, so the Q
                                                "run; they run wherever Triton is installed, as in CI")
 from diffusers_nvfp4_fast.kernels.qk_norm_rotary import FMA_FORMS  # noqa: E402
 from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
-    EPS,  # noqa: E402
+    EPS,
+    flux2_qk_norm_rotary_reference,
     matching_tree,
     qk_norm_rotary,
     qk_norm_rotary_reference,
@@ -67,6 +68,28 @@ def cuda_chain_emulation(x, weight, freqs, eps=EPS, real_fma=1, imag_fma=1, tree
     return torch.from_numpy(np.ascontiguousarray(out, np.float32)).to(torch.bfloat16)
 
 
+def flux2_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLUX.2's FP32 ``(cos, sin)`` ``[S, 128]`` (each angle repeated for its pair) for the angles of ``freqs``."""
+    angles = freqs.angle().repeat_interleave(2, dim=1)
+    return angles.cos(), angles.sin()
+
+
+def flux2_chain_emulation(x, weight, cos, sin, eps=EPS, tree: int | str = 1) -> torch.Tensor:
+    """torch's fused RMSNorm (``bf16(fl(w * fl(rstd * x)))``) and diffusers' real rotary embedding (three FP32 ops
+    per value) as the GPU computes them; rsqrt correctly rounded (the interpreter's stand-in)."""
+    mean = mean_of_squares_emulation(x, tree)
+    xf = x.float().numpy().reshape(-1, 128)
+    rstd = (1.0 / np.sqrt((mean + np.float32(eps)).astype(np.float64))).astype(np.float32)
+    y = _bf16(weight.float().numpy()[None, :] * (rstd[:, None] * xf))
+    b, s, h, _ = x.shape
+    pos = (np.arange(b * s * h) // h) % s
+    c, sn = cos.numpy()[pos], sin.numpy()[pos]
+    out = np.empty_like(y)
+    out[:, 0::2] = y[:, 0::2] * c[:, 0::2] + (-y[:, 1::2]) * sn[:, 0::2]
+    out[:, 1::2] = y[:, 1::2] * c[:, 1::2] + y[:, 0::2] * sn[:, 1::2]
+    return torch.from_numpy(np.ascontiguousarray(out, np.float32)).to(torch.bfloat16).reshape(b, s, h, 128)
+
+
 def _agree(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Byte equality, NaN positions equal (the interpreter's NaN payloads are not the GPU's)."""
     nan = want.isnan()
@@ -74,7 +97,7 @@ def _agree(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def interpreted_qk_norm_rotary() -> dict:
-    from diffusers_nvfp4_fast.kernels import qk_norm_rotary_triton
+    from diffusers_nvfp4_fast.kernels import flux2_qk_norm_rotary_triton, qk_norm_rotary_triton
 
     x, weight, freqs = qk_inputs(2, 9, 3)
     out: dict = {}
@@ -85,6 +108,10 @@ def interpreted_qk_norm_rotary() -> dict:
                                cuda_chain_emulation(x, weight, freqs))
     out["tree 0"] = _agree(qk_norm_rotary_triton(x, weight, freqs, EPS, tree=0),
                            cuda_chain_emulation(x, weight, freqs, tree=0))
+    cos, sin = flux2_tables(freqs)
+    for tree in (0, 1):
+        out[f"flux2 tree {tree}"] = _agree(flux2_qk_norm_rotary_triton(x, weight, cos, sin, EPS, tree=tree),
+                                           flux2_chain_emulation(x, weight, cos, sin, tree=tree))
     mean = torch.empty(x.numel() // 128)
     for tree in (0, 1):
         qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean, tree=tree)
@@ -96,7 +123,8 @@ def interpreted_qk_norm_rotary() -> dict:
 def test_interpreted_kernel_matches_cuda_emulation_for_every_fma_form():
     result = run_interpreted(__name__, "interpreted_qk_norm_rotary")
     means = {f"mean {tree} == {other}": tree == other for tree in (0, 1) for other in (0, 1, "sequential")}
-    assert result == {**{f"{r}{i}": True for r, i in FMA_FORMS}, "block_r=16": True, "tree 0": True, **means}, result
+    assert result == {**{f"{r}{i}": True for r, i in FMA_FORMS}, "block_r=16": True, "tree 0": True,
+                      "flux2 tree 0": True, "flux2 tree 1": True, **means}, result
 
 
 def test_inputs_tell_the_summation_orders_and_fma_forms_apart():
@@ -123,6 +151,26 @@ def test_reference_is_diffusers_modules():
     assert torch.equal(qk_norm_rotary_reference(x, weight, freqs, EPS).view(torch.int16), want.view(torch.int16))
 
 
+def test_flux2_reference_is_torch_rms_norm_and_diffusers_rotary():
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    x, weight, freqs = qk_inputs(1, 5, 2)
+    cos, sin = flux2_tables(freqs)
+    norm = torch.nn.RMSNorm(128, eps=EPS).to(torch.bfloat16)
+    norm.weight.data.copy_(weight)
+    want = apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1)
+    got = flux2_qk_norm_rotary_reference(x, weight, cos, sin, EPS)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("capability", [90, 100, 120])
+def test_flux2_kernel_compiles_ahead_of_time_without_fma(capability):
+    from sass_count import compile_flux2_qk_norm_rotary
+
+    ptx = compile_flux2_qk_norm_rotary(capability).asm["ptx"]
+    assert "rsqrt.approx.f32" in ptx and "cvt.rn.bf16" in ptx and "fma" not in ptx
+
+
 @pytest.mark.parametrize("capability", [90, 100, 120])
 @pytest.mark.parametrize("forms", [(0, 0, 0), (1, 1, 1), (2, 1, 0)], ids=["no-fma", "default", "fma21-tree0"])
 def test_compiles_ahead_of_time(capability, forms):
@@ -144,4 +192,18 @@ def test_gpu_equals_diffusers(seq):
         x, weight, freqs = qk_inputs(batch, seq, 24, device="cuda", seed=seq)
         got = qk_norm_rotary(x, weight, freqs, EPS)
         want = qk_norm_rotary_reference(x, weight, freqs, EPS)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got != want).sum().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [1, 17, 512, 4608])
+def test_gpu_flux2_kernel_equals_torch_and_diffusers(seq):
+    """torch 2.11's fused RMSNorm shuffles at offsets 16..1 (tree 1) in every build (layer_norm_kernel.cu)."""
+    from diffusers_nvfp4_fast.kernels import flux2_qk_norm_rotary_triton
+
+    for batch in (1, 2):
+        x, weight, freqs = qk_inputs(batch, seq, 48, device="cuda", seed=seq)
+        cos, sin = flux2_tables(freqs)
+        got = flux2_qk_norm_rotary_triton(x, weight, cos, sin, EPS)
+        want = flux2_qk_norm_rotary_reference(x, weight, cos, sin, EPS)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (got != want).sum().item()

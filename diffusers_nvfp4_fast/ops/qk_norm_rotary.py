@@ -1,5 +1,6 @@
-"""Qwen-Image query/key RMSNorm + rotary embedding: diffusers' ``RMSNorm`` (BF16 weight) followed by
-``apply_rotary_emb_qwen(..., use_real=False)``, in one kernel instead of ten torch ops over FP32 copies.
+"""Query/key RMSNorm + rotary embedding in one kernel: Qwen-Image (diffusers' ``RMSNorm`` with a BF16 weight, then
+``apply_rotary_emb_qwen(..., use_real=False)``: ten torch ops over FP32 copies) and FLUX.2 (torch's ``F.rms_norm``,
+then ``apply_rotary_emb``; ``flux2_qk_norm_rotary``, not yet a site).
 
 Reference: ``qk_norm_rotary_reference`` (diffusers' chain on the same device). Kernel: ``kernels.qk_norm_rotary_triton``
 (docs/design.md §6, "Qwen-Image QK norm and rotary"). The kernel's arithmetic is what torch 2.11's CUDA build
@@ -15,9 +16,11 @@ from types import ModuleType
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
 from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
+from .rotary import rotary_reference
 from .verify import run_checked
 
 KIND = "qwen_qk_rotary"
@@ -79,6 +82,24 @@ def matching_tree(device: torch.device) -> int | str:
                 f"kernel arithmetic differs from torch's on this GPU ({counts} of {want.numel()} probe values; "
                 "benchmarks/bench_qk_norm_rotary.py tells which stage)")
     return _TREE[key]
+
+
+def flux2_qk_norm_rotary_reference(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """FLUX.2's query/key path in diffusers 0.42.1: ``torch.nn.RMSNorm`` (``F.rms_norm``) with a BF16 weight, then
+    ``apply_rotary_emb(..., (cos, sin), sequence_dim=1)``; x ``[B, S, H, D]``, cos / sin FP32 ``[S, D]``."""
+    return rotary_reference(F.rms_norm(x, (x.shape[-1],), weight, eps), cos, sin)
+
+
+def flux2_qk_norm_rotary(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The FLUX.2 kernel where Triton runs (x BF16 ``[B, S, H, 128]``), the reference elsewhere. Not yet a site: its
+    GPU test (``tests/test_qk_norm_rotary.py``) has not run."""
+    if triton_runs_on(x):
+        return cast(ModuleType, kernels).flux2_qk_norm_rotary_triton(x, weight, cos, sin, eps)
+    return flux2_qk_norm_rotary_reference(x, weight, cos, sin, eps)
 
 
 def _qk_norm_rotary_impl(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
