@@ -29,6 +29,7 @@ from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
     EPS,
     flux2_qk_norm_rotary,
     flux2_qk_norm_rotary_reference,
+    flux2_tables,
     matching_tree,
     qk_norm_rotary,
     qk_norm_rotary_reference,
@@ -94,8 +95,7 @@ def probe() -> dict:
     result["chain_bytes_differing"]["tree 0, default form"] = _differ(
         qk_norm_rotary_triton(x, weight, freqs, EPS, tree=0), ref)
     result["op_exact"] = _differ(qk_norm_rotary(x, weight, freqs, EPS), ref) == 0
-    angles = freqs.angle().repeat_interleave(2, dim=1)
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = flux2_tables(freqs)
     flux2_ref = flux2_qk_norm_rotary_reference(x, weight, cos, sin, EPS)
     result["flux2_chain_bytes_differing"] = {
         f"tree {tree}": _differ(flux2_qk_norm_rotary_triton(x, weight, cos, sin, EPS, tree=tree), flux2_ref)
@@ -130,8 +130,7 @@ def main() -> None:
     flux2_compiled = torch.compile(flux2_qk_norm_rotary_reference)
     for seq in (512, 4608):  # FLUX.2-dev: text stream, single-stream blocks; 48 heads
         x, weight, freqs = qk_inputs(1, seq, 48, device="cuda", seed=seq)
-        angles = freqs.angle().repeat_interleave(2, dim=1)
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = flux2_tables(freqs)
         nbytes = 2 * x.numel() * 2 + 2 * cos.numel() * 4
         ref = flux2_qk_norm_rotary_reference(x, weight, cos, sin, EPS)
         exact = _differ(flux2_qk_norm_rotary(x, weight, cos, sin, EPS), ref) == 0

@@ -652,17 +652,23 @@ def test_gpu_full_size_flux2_dev_double_block_identical():
         assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
 
 
-@pytest.mark.gpu
-@torch.inference_mode()
-def test_gpu_full_size_qwen_block_identical():
+def _full_size_qwen_block():
+    """(block, holder): one Qwen-Image block at full width (3072, 24 x 128 heads), NVFP4, on the GPU; seed 0."""
     from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
     torch.manual_seed(0)
-    dim = 3072
-    block = QwenImageTransformerBlock(dim=dim, num_attention_heads=24, attention_head_dim=128)
+    block = QwenImageTransformerBlock(dim=3072, num_attention_heads=24, attention_head_dim=128)
     block = block.to("cuda", torch.bfloat16)
     holder = _Holder("transformer_blocks", block)
     export.quantize_model_inplace(holder, (), 16.0)
+    return block, holder
+
+
+@pytest.mark.gpu
+@torch.inference_mode()
+def test_gpu_full_size_qwen_block_identical():
+    dim = 3072
+    block, holder = _full_size_qwen_block()
     for batch in (1, 2):
         img = torch.randn(batch, 4096, dim, device="cuda", dtype=torch.bfloat16)
         txt = torch.randn(batch, 512, dim, device="cuda", dtype=torch.bfloat16)
@@ -681,14 +687,8 @@ def test_gpu_full_size_qwen_block_inductor_on_equals_off():
     """What ``bench_transformer_step.py --compile blocks`` times, on one full-size Qwen-Image block (batch 1): compiled
     with fast paths off, then compiled again with them on, both inside ``exact_inductor``. The norm sites keep
     diffusers' ops there; the NVFP4 GEMMs and the bias deferral stay."""
-    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-
-    torch.manual_seed(0)
     dim = 3072
-    block = QwenImageTransformerBlock(dim=dim, num_attention_heads=24, attention_head_dim=128)
-    block = block.to("cuda", torch.bfloat16)
-    holder = _Holder("transformer_blocks", block)
-    export.quantize_model_inplace(holder, (), 16.0)
+    block, holder = _full_size_qwen_block()
     img = torch.randn(1, 4096, dim, device="cuda", dtype=torch.bfloat16)
     txt = torch.randn(1, 512, dim, device="cuda", dtype=torch.bfloat16)
     temb = torch.randn(1, dim, device="cuda", dtype=torch.bfloat16)

@@ -15,6 +15,7 @@ from diffusers_nvfp4_fast.kernels.qk_norm_rotary import FMA_FORMS  # noqa: E402
 from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
     EPS,
     flux2_qk_norm_rotary_reference,
+    flux2_tables,
     matching_tree,
     qk_norm_rotary,
     qk_norm_rotary_reference,
@@ -66,12 +67,6 @@ def cuda_chain_emulation(x, weight, freqs, eps=EPS, real_fma=1, imag_fma=1, tree
     imag = {0: a * d + bi * c, 1: fma32(a, d, bi * c), 2: fma32(bi, c, a * d)}[imag_fma]
     out = np.stack([real, imag], axis=-1).reshape(b, s, h, 128)
     return torch.from_numpy(np.ascontiguousarray(out, np.float32)).to(torch.bfloat16)
-
-
-def flux2_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FLUX.2's FP32 ``(cos, sin)`` ``[S, 128]`` (each angle repeated for its pair) for the angles of ``freqs``."""
-    angles = freqs.angle().repeat_interleave(2, dim=1)
-    return angles.cos(), angles.sin()
 
 
 def flux2_chain_emulation(x, weight, cos, sin, eps=EPS, tree: int | str = 1) -> torch.Tensor:

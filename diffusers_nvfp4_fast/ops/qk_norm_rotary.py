@@ -59,6 +59,13 @@ def probe_inputs(batch: int, seq: int, heads: int, device: torch.device | str = 
     return x.to(torch.bfloat16), weight, torch.polar(torch.ones_like(angles), angles)
 
 
+def flux2_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLUX.2's FP32 ``(cos, sin)`` ``[S, 2 * F]`` (each angle repeated for its pair) for the angles of complex
+    ``freqs`` ``[S, F]``, e.g. those of ``probe_inputs``."""
+    angles = freqs.angle().repeat_interleave(2, dim=1)
+    return angles.cos(), angles.sin()
+
+
 def matching_tree(device: torch.device) -> int | str:
     """The kernel's ``tree`` whose output equals diffusers' chain on this GPU for ``probe_inputs(1, 2048, 24)``, or
     why none does. torch's warp reduction adds lanes at offsets 16, 8, ..., 1 in torch 2.11's CUDA builds (PR

@@ -24,7 +24,7 @@ from ..ops.adaln_quantize import AdaLNInputs, adaln_quantize_checked, adaln_quan
 from ..ops.qwen_resnorm_quantize import kernel_runs_on
 from ..ops.verify import count_fallback, failed_kind_reason
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
-from .resnorm import COMPILE_REASON
+from .resnorm import layer_norm_reason
 
 
 class AdaLNSite:
@@ -76,13 +76,10 @@ def adaln_reason(site: AdaLNSite, norm: nn.Module, x: torch.Tensor, params: tupl
                  kind: str) -> str | None:
     """None when ``norm(x)`` modulated by ``params`` (scale, shift) can be handed to the site's projections as one
     fused kernel's output, else the reason."""
-    reason = site.call_reason() or call_changed_reason("attention", site.owner) or call_changed_reason("norm1", norm)
+    reason = (site.call_reason() or call_changed_reason("attention", site.owner) or call_changed_reason("norm1", norm)
+              or layer_norm_reason(norm, "norm1"))
     if reason is not None:
         return reason
-    if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
-        return "norm1 is not an affine-free LayerNorm"
-    if torch.compiler.is_compiling():
-        return COMPILE_REASON
     if x.dtype != torch.bfloat16 or x.dim() != 3 or x.shape[-1] % 16:
         return f"input {tuple(x.shape)} {x.dtype} (bf16 [B, L, D], D a multiple of 16)"
     b, l_len, d = x.shape

@@ -22,9 +22,16 @@ from ..ops.qwen_resnorm_quantize import (
 from ..ops.verify import failed_kind_reason
 from .hooks import call_changed_reason, consumer_reason
 
-# Inductor lowers LayerNorm to its own reduction, whose bytes the kernel cannot reproduce; compiled on must equal
-# compiled off (docs/design.md §1), so compiled graphs keep diffusers' norm.
-COMPILE_REASON = "torch.compile (inductor computes LayerNorm its own way; its op is kept)"
+
+def layer_norm_reason(norm: nn.Module, label: str) -> str | None:
+    """Why the norm kernels cannot stand in for ``norm`` (diffusers' ``label``) in this call, or None: it must be an
+    affine-free LayerNorm, and not inside torch.compile, where inductor lowers LayerNorm to a reduction of its own
+    whose bytes the kernel cannot reproduce (compiled on must equal compiled off, docs/design.md §1)."""
+    if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
+        return f"{label} is not an affine-free LayerNorm"
+    if torch.compiler.is_compiling():
+        return "torch.compile (inductor computes LayerNorm its own way; its op is kept)"
+    return None
 
 
 def resnorm_gate(
@@ -43,10 +50,9 @@ def resnorm_gate(
         reason = call_changed_reason(label, module)
         if reason is not None:
             return reason
-    if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
-        return "norm2 is not an affine-free LayerNorm"
-    if torch.compiler.is_compiling():
-        return COMPILE_REASON
+    reason = layer_norm_reason(norm, "norm2")
+    if reason is not None:
+        return reason
     if residual.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
         return f"dtype {residual.dtype} (bf16 only)"
     if bias is not None and bias.dtype != torch.bfloat16:
