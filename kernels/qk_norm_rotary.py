@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETING, cdiv, launch
-from .rounding import SOFT_CONVERT, narrow_bf16, rsqrt_like_torch, sum_of_products, widen_bf16
+from .rounding import SOFT_CONVERT, narrow_bf16, negate, rsqrt_like_torch, sum_of_products, widen_bf16
 
 HEAD_DIM = 128
 FMA_FORMS = [(real, imag) for real in range(3) for imag in range(3)]  # (REAL_FMA, IMAG_FMA) of _complex_product
@@ -72,8 +72,8 @@ def _load_rows(x_ptr, rows, S, H, BLOCK_R: tl.constexpr, SOFT_BF16: tl.constexpr
 def _complex_product(a, b, c, d, REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr):
     """``(a + bi) * (c + di)`` as c10::complex<float> computes ``(a*c - b*d, a*d + b*c)``; REAL_FMA / IMAG_FMA: 0 = no
     contraction, 1 = the first product fused (``fma(a, c, -(b*d))``, ``fma(a, d, b*c)``), 2 = the second."""
-    # a*c - b*d == a*c + (-b)*d in every rounding: negation is exact
-    return sum_of_products(a, c, -b, d, REAL_FMA), sum_of_products(a, d, b, c, IMAG_FMA)
+    # a*c - b*d == a*c + (-b)*d in every rounding, signed zeros included: negation is exact
+    return sum_of_products(a, c, negate(b), d, REAL_FMA), sum_of_products(a, d, b, c, IMAG_FMA)
 
 
 @triton.jit
@@ -118,7 +118,7 @@ def _flux2_qk_norm_rotary_kernel(
     y0, y1 = tl.split(tl.reshape(y, [BLOCK_R, D // 2, 2]))
     c0, c1 = tl.split(tl.reshape(c, [BLOCK_R, D // 2, 2]))
     s0, s1 = tl.split(tl.reshape(s, [BLOCK_R, D // 2, 2]))
-    out0 = narrow_bf16(y0 * c0 + (-y1) * s0, SOFT_BF16)  # three torch ops, three roundings (no contraction)
+    out0 = narrow_bf16(y0 * c0 + negate(y1) * s0, SOFT_BF16)  # three torch ops, three roundings (no contraction)
     out1 = narrow_bf16(y1 * c1 + y0 * s1, SOFT_BF16)
     out = tl.reshape(tl.join(out0, out1), [BLOCK_R, D])
     tl.store(out_ptr + offs, out.to(tl.int16, bitcast=True), mask=ok)

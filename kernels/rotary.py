@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .launch import cdiv, launch
-from .rounding import round_to_half
+from .rounding import negate, round_to_half
 
 
 @triton.jit
@@ -30,7 +30,7 @@ def _rotary_kernel(
     x0, x1 = tl.split(tl.reshape(x, [BLOCK_R, D // 2, 2]))
     c0, c1 = tl.split(tl.reshape(c, [BLOCK_R, D // 2, 2]))
     s0, s1 = tl.split(tl.reshape(s, [BLOCK_R, D // 2, 2]))
-    out0 = round_to_half(x0 * c0 + (-x1) * s0, IS_BF16)
+    out0 = round_to_half(x0 * c0 + negate(x1) * s0, IS_BF16)
     out1 = round_to_half(x1 * c1 + x0 * s1, IS_BF16)
     bits = tl.reshape(tl.join(out0, out1), [BLOCK_R, D]).to(tl.int16)
     tl.store(out_ptr + r[:, None].to(tl.int64) * D + cols[None, :], bits, mask=ok)

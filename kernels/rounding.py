@@ -66,6 +66,13 @@ def rsqrt_like_torch(x, APPROX_RSQRT: tl.constexpr):
 
 
 @triton.jit
+def negate(x):
+    """FP32 ``-x`` as torch's ``neg`` computes it: the sign bit flipped, so ``-(+0) = -0``. Triton 3.6 compiles unary
+    minus as ``0 - x``, which gives ``+0`` there and changes the sign of zero results downstream (docs/design.md §6)."""
+    return (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def fma_rn(a, b, c):
     """``fma.rn.f32``: one rounding. Some Triton interpreters evaluate ``tl.fma`` as ``a*b + c`` in FP32 (two roundings;
     Triton 3.8), so there the single rounding is emulated: the FP64 product is exact, the FP64 sum is rounded to odd

@@ -22,7 +22,8 @@ def rotary_inputs(batch: int, seq: int, heads: int, dim: int, device="cuda", dty
     gen = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(batch, seq, heads, dim, device=device, generator=gen) * 3
     flat = x.view(-1)
-    for start, value in enumerate((float("nan"), float("inf"), float("-inf"), 1e-40, -3e38, 0.0, -0.0)):
+    # 0.0 last again: pairs (-0, +0) and (+0, +0), where only a sign-bit negation gives torch's -0
+    for start, value in enumerate((float("nan"), float("inf"), float("-inf"), 1e-40, -3e38, 0.0, -0.0, 0.0)):
         flat[start::101] = value
     x = x.to(dtype)
     if dtype == torch.bfloat16:
