@@ -21,6 +21,7 @@ from diffusers_nvfp4_fast.ops import linear as linear_op
 from diffusers_nvfp4_fast.ops import quantize as quantize_op
 from diffusers_nvfp4_fast.ops import swiglu_quantize as swiglu_op
 from diffusers_nvfp4_fast.ops import token_cat_quantize as token_cat_op
+from diffusers_nvfp4_fast.ops.qk_norm_rotary import probe_inputs
 from diffusers_nvfp4_fast.ops.verify import new_stats
 from diffusers_nvfp4_fast.patches.flux2 import patch_flux2
 from diffusers_nvfp4_fast.patches.qwenimage import patch_qwenimage
@@ -664,16 +665,24 @@ def _full_size_qwen_block():
     return block, holder
 
 
+def _qwen_rotary(img_tokens: int, txt_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-Image-like complex64 rotary factors ``([img_tokens, 64], [txt_tokens, 64])`` on the GPU."""
+    _, _, img = probe_inputs(1, img_tokens, 1, device="cuda", seed=1)
+    _, _, txt = probe_inputs(1, txt_tokens, 1, device="cuda", seed=2)
+    return img, txt
+
+
 @pytest.mark.gpu
 @torch.inference_mode()
 def test_gpu_full_size_qwen_block_identical():
     dim = 3072
     block, holder = _full_size_qwen_block()
+    rotary = _qwen_rotary(4096, 512)
     for batch in (1, 2):
         img = torch.randn(batch, 4096, dim, device="cuda", dtype=torch.bfloat16)
         txt = torch.randn(batch, 512, dim, device="cuda", dtype=torch.bfloat16)
         temb = torch.randn(batch, dim, device="cuda", dtype=torch.bfloat16)
-        stats, off, on = _on_off(holder, patch_qwenimage, lambda: block(img, txt, None, temb),
+        stats, off, on = _on_off(holder, patch_qwenimage, lambda: block(img, txt, None, temb, rotary),
                                  {"qwen_resnorm": 1, "qwen_gelu": 2, "qwen_adaln": 2, "qwen_qk_rotary": 1})
         for kind in ("qwen_resnorm", "qwen_gelu", "qwen_adaln"):  # both streams
             assert stats.fused_calls[kind] == 2 and stats.verified[kind] == 2, stats
@@ -692,14 +701,16 @@ def test_gpu_full_size_qwen_block_inductor_on_equals_off():
     img = torch.randn(1, 4096, dim, device="cuda", dtype=torch.bfloat16)
     txt = torch.randn(1, 512, dim, device="cuda", dtype=torch.bfloat16)
     temb = torch.randn(1, dim, device="cuda", dtype=torch.bfloat16)
+    rotary = _qwen_rotary(4096, 512)
 
     def compiled_call():
         torch._dynamo.reset()
-        txt_out, img_out = torch.compile(block, fullgraph=True)(img, txt, None, temb)
+        txt_out, img_out = torch.compile(block, fullgraph=True)(img, txt, None, temb, rotary)
         return torch.cat([txt_out.flatten(), img_out.flatten()]).clone()
 
     with exact_inductor():
         off = compiled_call()
+        off_again = compiled_call()
         stats_id, stats = new_stats("first")
         restore: list = []
         patch_qwenimage(holder, stats_id, restore)
@@ -707,6 +718,9 @@ def test_gpu_full_size_qwen_block_inductor_on_equals_off():
         for undo in restore:
             undo()
     assert not stats.verify_failed, stats
+    if not torch.equal(off, off_again):
+        pytest.xfail("compiled twice with fast paths off, this block gives different bytes (inductor's own run-to-run "
+                     "difference, benchmarks/compile_repeatability.py): on == off cannot be asked of it")
     assert torch.equal(on, off)
 
 

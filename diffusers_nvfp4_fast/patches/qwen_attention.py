@@ -1,9 +1,9 @@
 """Qwen-Image attention: each query's and key's RMSNorm and rotary embedding in one kernel (site ``qwen_qk_rotary``).
 
 ``QwenFusedAttnProcessor`` stands in for diffusers' ``QwenDoubleStreamAttnProcessor2_0`` (inside the bias-deferral
-wrapper where that is installed). Under ``torch.compile`` diffusers' ops are kept: inductor computes RMSNorm's
-reduction and the complex product its own way, and compiled on must equal compiled off. On a GPU the site first
-checks once which of the kernel's reduction trees is torch's there, if any (``ops.qk_norm_rotary.matching_tree``).
+wrapper where that is installed). Under ``torch.compile`` diffusers' processor runs the call: inductor computes
+RMSNorm's reduction and the complex product its own way, and compiled on must equal compiled off. On a GPU the site
+first checks once which of the kernel's reduction trees is torch's there, if any (``ops.qk_norm_rotary.matching_tree``).
 """
 
 from __future__ import annotations
@@ -89,6 +89,9 @@ class QwenFusedAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():  # diffusers' processor, op for op: inductor then sees off's graph
+            return self._original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
+                                  attention_mask, image_rotary_emb)
         if encoder_hidden_states is None:
             raise ValueError("QwenDoubleStreamAttnProcessor2_0 requires encoder_hidden_states (text stream)")
         if attention_mask is not None:

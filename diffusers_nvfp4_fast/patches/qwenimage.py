@@ -106,6 +106,8 @@ def bias_deferral_reason(attn: nn.Module) -> str | None:
     dropout sits between ``to_out[0]`` and its bias. Checked per call, so later changes to the model are safe."""
     if not isinstance(attn.processor, QwenDeferredBiasAttnProcessor):
         return "attention processor replaced"
+    if torch.compiler.is_compiling():
+        return "torch.compile (the block runs diffusers' forward, which adds the bias itself)"
     to_out = list(cast(nn.ModuleList, attn.to_out))
     for label, module in (
         ("attention", attn), ("to_out.0", to_out[0]), ("to_add_out", cast(nn.Module, attn.to_add_out)),
@@ -262,6 +264,9 @@ def _bias_deferred(block: nn.Module) -> bool:
     return reason is None
 
 
+_DIFFUSERS_BLOCK_FORWARD = qwen_module.QwenImageTransformerBlock.forward  # a plain function: dynamo inlines it
+
+
 # Adapted from diffusers 0.42.1, models/transformers/transformer_qwenimage.py, QwenImageTransformerBlock.forward:
 # the same code, with each stream's norm1 section handed to _attention_input and its norm2 section to _mlp_stream.
 def fused_block_forward(
@@ -274,6 +279,9 @@ def fused_block_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
     modulate_index: torch.Tensor | None = None,  # diffusers annotates list[int] but passes a tensor (or None)
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if torch.compiler.is_compiling():  # diffusers' forward, op for op: inductor sees off's graph (design.md §1)
+        return _DIFFUSERS_BLOCK_FORWARD(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+                                        image_rotary_emb, joint_attention_kwargs, modulate_index)
     img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
     if self.zero_cond_t:
         temb = torch.chunk(temb, 2, dim=0)[0]

@@ -1,0 +1,85 @@
+"""Does inductor give the same bytes when it compiles the same full-size block twice? Compiled fast paths on can only
+equal compiled off where compiled off equals itself, so this separates the two questions.
+
+    python benchmarks/compile_repeatability.py          # H200: about a minute
+
+For one Qwen-Image and one FLUX.2-dev double-stream block (batch 1, 1024x1024 image tokens, 512 text tokens), each
+as BF16 and as NVFP4 with fast paths off: compile with ``torch.compile(fullgraph=True)`` inside ``exact_inductor``,
+run, reset dynamo, compile and run again, and compare bytes. Writes
+benchmarks/results/compile_repeatability-<device>.json.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+class _Holder(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.transformer_blocks = nn.ModuleList([block])
+
+
+def _block(model: str, nvfp4: bool) -> tuple[nn.Module, tuple, dict]:
+    """(block, positional inputs, keyword inputs) on the GPU, seed 0."""
+    from diffusers_nvfp4_fast.ops.qk_norm_rotary import flux2_tables, probe_inputs
+    from diffusers_nvfp4_fast.testing import export
+
+    torch.manual_seed(0)
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    if model == "qwen-image":
+        from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+
+        block = QwenImageTransformerBlock(dim=3072, num_attention_heads=24, attention_head_dim=128).to(**kw)
+        img, txt, temb = torch.randn(1, 4096, 3072, **kw), torch.randn(1, 512, 3072, **kw), torch.randn(1, 3072, **kw)
+        rotary = (probe_inputs(1, 4096, 1, "cuda", 1)[2], probe_inputs(1, 512, 1, "cuda", 2)[2])
+        args, kwargs = (img, txt, None, temb, rotary), {}
+    else:
+        from diffusers.models.transformers.transformer_flux2 import Flux2TransformerBlock
+
+        block = Flux2TransformerBlock(dim=6144, num_attention_heads=48, attention_head_dim=128, mlp_ratio=3.0).to(**kw)
+        img, txt = torch.randn(1, 4096, 6144, **kw), torch.randn(1, 512, 6144, **kw)
+        temb = torch.randn(1, 6 * 6144, **kw) * 0.1
+        cos, sin = flux2_tables(probe_inputs(1, 4608, 1, "cuda", 3)[2])
+        args, kwargs = (img, txt, temb, temb), {"image_rotary_emb": (cos, sin)}
+    if nvfp4:
+        export.quantize_model_inplace(_Holder(block), (), 16.0 if model == "qwen-image" else 12.0)
+    return block, args, kwargs
+
+
+def compiled_twice(block: nn.Module, args: tuple, kwargs: dict) -> bool:
+    from diffusers_nvfp4_fast import exact_inductor
+
+    outs = []
+    with exact_inductor(), torch.inference_mode():
+        for _ in range(2):
+            torch._dynamo.reset()
+            out = torch.compile(block, fullgraph=True)(*args, **kwargs)
+            outs.append(torch.cat([t.flatten() for t in out]).view(torch.int16).clone())
+    return torch.equal(*outs)
+
+
+def main() -> None:
+    import common
+
+    result = common.header("compile_repeatability", common.copy_bandwidth_gbps())
+    for model in ("qwen-image", "flux2-dev"):
+        for nvfp4 in (False, True):
+            block, args, kwargs = _block(model, nvfp4)
+            same = compiled_twice(block, args, kwargs)
+            case = {"model": model, "weights": "nvfp4, fast paths off" if nvfp4 else "bf16", "same_bytes": same}
+            print(case, flush=True)
+            result["cases"].append(case)
+            del block, args, kwargs
+            torch.cuda.empty_cache()
+    print("wrote", common.write_result(result, "compile_repeatability"))
+
+
+if __name__ == "__main__":
+    main()
