@@ -16,10 +16,15 @@
 #             the Qwen-Image steps (CUDA graph, eager)
 #   flux2_adaln: the FLUX.2-dev steps (eager, CUDA graph), then the adaptive-LayerNorm kernel tests
 #   steps:    full-size FLUX.2-dev and Qwen-Image step benchmarks, eager and as CUDA-graph replays
-#   qk:       the Qwen-Image QK-norm + rotary kernel tests, bench_qk_norm_rotary.py (its probe of torch's
-#             arithmetic, then the timings), the full-size Qwen-Image block tests, the Qwen-Image CUDA-graph steps
+#   qk:       the QK-norm + rotary and rotary kernel tests, bench_qk_norm_rotary.py (its probe of torch's
+#             arithmetic, then the timings), the full-size Qwen-Image block tests, the Qwen-Image steps (graph, eager)
 #   compiled: the full-size inductor on == off tests, then the steps with each block compiled as
 #             compile_repeated_blocks does (inductor, inside exact_inductor)
+#   qwen_modes: the full-size Qwen-Image block tests, where the eager step's host time goes (cProfile), the profile of
+#             the compiled step and the compiled steps, then the FLUX.2-dev eager profile
+#   host:     the full-size Qwen-Image block tests, the SM90 GEMM and launch tests, compile_repeatability.py, the
+#             Qwen-Image steps (eager, CUDA graph) and the host profile of its eager step
+#   qwen_compiled: the full-size Qwen-Image block tests (eager, inductor), then its compiled steps
 #   flux2_compiled: the FLUX.2 residual-norm and compile/graph GPU tests, FLUX.2-dev compiled steps, its profile
 #   budget_flux2, budget_qwen: whole pipelines under 24 and 32 GiB caps, NVFP4 and BF16 (bench_pipeline_budget.py)
 #   cp:       two GPUs (nvidia-h200-x2): context-parallel tests, then bench_context_parallel.py for both models, Ulysses
@@ -98,14 +103,31 @@ for group in ${@:-kernels models}; do
       TAIL=12 step 170 graph_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --cuda-graph --steps-timed 15
       TAIL=8 step 180 t_adaln $P tests/test_adaln_quantize.py -x --durations=5 ;;
     qk)
-      TAIL=6 step 150 t_qk $P tests/test_qk_norm_rotary.py --durations=3
-      TAIL=30 step 150 bench_qk python3 benchmarks/bench_qk_norm_rotary.py
-      TAIL=8 step 200 t_qwen_block $P tests/test_fast_paths.py -k "full_size_qwen" --durations=3
-      TAIL=12 step 100 graph_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --cuda-graph --steps-timed 7 ;;
+      TAIL=6 step 130 t_qk $P tests/test_qk_norm_rotary.py tests/test_rotary.py tests/test_kernel_source.py --durations=3
+      TAIL=30 step 130 bench_qk python3 benchmarks/bench_qk_norm_rotary.py
+      TAIL=8 step 180 t_qwen_block $P tests/test_fast_paths.py -k "full_size_qwen" --durations=3
+      TAIL=12 step 100 graph_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --cuda-graph --steps-timed 7
+      TAIL=12 step 100 step_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --steps-timed 11 ;;
     compiled)
       TAIL=8 step 200 t_inductor $P tests/test_fast_paths.py -k "inductor_on_equals_off or norm_sites" --durations=3
       TAIL=12 step 300 compile_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks
       TAIL=12 step 280 compile_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --compile blocks --steps-timed 11 ;;
+    qwen_modes)
+      TAIL=8 step 150 t_qwen_block $P tests/test_fast_paths.py -k "full_size_qwen" --durations=3
+      TAIL=30 step 90 profile_host_qwen python3 benchmarks/profile_step.py --model qwen-image --host
+      TAIL=20 TORCH_LOGS=recompiles step 150 profile_compiled_qwen python3 benchmarks/profile_step.py --model qwen-image --compile blocks
+      TAIL=12 step 120 compile_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --compile blocks --steps-timed 11
+      TAIL=20 step 110 profile_flux2 python3 benchmarks/profile_step.py --model flux2-dev ;;
+    host)
+      TAIL=8 step 150 t_qwen_block $P tests/test_fast_paths.py -k "full_size_qwen" -rxXs --durations=3
+      TAIL=8 step 150 t_sm90 $P tests/test_gemm.py tests/test_launch.py -k "sm90 or launch" --durations=3
+      TAIL=8 step 130 compile_repeat python3 benchmarks/compile_repeatability.py
+      TAIL=12 step 100 step_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --steps-timed 11
+      TAIL=12 step 80 graph_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --cuda-graph --steps-timed 7
+      TAIL=30 step 80 profile_host_qwen python3 benchmarks/profile_step.py --model qwen-image --host ;;
+    qwen_compiled)
+      TAIL=8 step 80 t_qwen_block $P tests/test_fast_paths.py -k "full_size_qwen" -rxXs --durations=3
+      TAIL=12 step 90 compile_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --compile blocks --steps-timed 11 ;;
     flux2_compiled)
       TAIL=8 step 140 t_resnorm $P tests/test_fast_paths.py -k "flux2_resnorm or compile_fullgraph" --durations=3
       TAIL=12 step 280 compile_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks

@@ -2,6 +2,8 @@
 Qwen-Image transformer, NVFP4 with fast paths on (the model is built as ``bench_transformer_step.py`` builds it).
 
     python benchmarks/profile_step.py --model flux2-dev      # or qwen-image; --tiny: CPU dry run of the logic
+    python benchmarks/profile_step.py --model qwen-image --compile blocks   # blocks compiled, in exact_inductor
+    python benchmarks/profile_step.py --model qwen-image --host             # where the eager step's host time goes
 
 Kernels are grouped into classes (NVFP4 GEMM, BF16 GEMM, attention, fused kernels, quantize, activation decode,
 LayerNorm, other elementwise, copies, other); NVFP4 GEMM time is also split by shape (M, N, K), each NVFP4 layer call
@@ -92,10 +94,40 @@ def kernel_time_in_ranges(events) -> Counter:
     return shapes
 
 
-def profile(model, inputs, device) -> dict:
+def host_profile(model, inputs, device, top: int = 40) -> dict:
+    """cProfile over one eager step (after two warm-ups): the Python functions by own time and by cumulative time.
+    The eager step is bound by host time (docs/profile.md), so this says where it goes; cProfile slows Python
+    calls, so the shares matter, not the absolute times."""
+    import cProfile
+    import pstats
+
     from bench_transformer_step import forward
 
     for _ in range(2):
+        forward(model, inputs)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    forward(model, inputs)
+    prof.disable()
+    wall_ms = (time.perf_counter() - start) * 1e3
+    stats = pstats.Stats(prof)
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        where = f"{Path(path).name}:{line} {name}" if line else name
+        rows.append({"function": where, "calls": calls, "own_ms": round(own * 1e3, 3),
+                     "cumulative_ms": round(cumulative * 1e3, 3)})
+    return {"wall_ms_under_cprofile": round(wall_ms, 2),
+            "by_own_time": sorted(rows, key=lambda r: -r["own_ms"])[:top],
+            "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_ms"])[:top]}
+
+
+def profile(model, inputs, device, warmups: int = 2) -> dict:
+    from bench_transformer_step import forward
+
+    for _ in range(warmups):
         forward(model, inputs)
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -135,22 +167,38 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--text-tokens", type=int, default=512)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--compile", choices=["blocks"], help="compile_repeated_blocks(fullgraph=True) after enabling, "
+                    "inside exact_inductor (as bench_transformer_step.py --compile blocks)")
+    ap.add_argument("--host", action="store_true", help="cProfile the eager step's Python instead")
     args = ap.parse_args()
-    from diffusers_nvfp4_fast import enable_fast_paths
+    from diffusers_nvfp4_fast import enable_fast_paths, exact_inductor
 
     device = torch.device("cpu" if args.tiny else "cuda")
     model = step.empty_model(args.model, args.tiny)
     step.materialize(model, args.model, device, nvfp4=True)
     enable_fast_paths(model)
     inputs = step.make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
-    result = profile(model, inputs, device)
+    if args.host:
+        result = host_profile(model, inputs, device)
+        mode, name = "eager, fast paths on, cProfile of one step after two warm-ups", "profile_host"
+    elif args.compile:
+        with exact_inductor():
+            result = profile(step.compiled(model, args.compile), inputs, device, warmups=3)
+        mode, name = "compile_repeated_blocks(fullgraph=True) in exact_inductor, fast paths on", "profile_step_compiled"
+    else:
+        result = profile(model, inputs, device)
+        mode, name = "eager, fast paths on, one step after two warm-ups", "profile_step"
     if not args.tiny:
         import common
 
-        out = common.header("profile_step", common.copy_bandwidth_gbps())
-        out.update(model=args.model, inputs=vars(args), mode="eager, fast paths on, one step after two warm-ups",
-                   **result)
-        print("wrote", common.write_result(out, f"profile_step-{args.model}"))
+        out = common.header(name, common.copy_bandwidth_gbps())
+        out.update(model=args.model, inputs=vars(args), mode=mode, **result)
+        print("wrote", common.write_result(out, f"{name}-{args.model}"))
+    if args.host:
+        print(f"{args.model}: wall under cProfile {result['wall_ms_under_cprofile']} ms")
+        for row in result["by_own_time"][:25]:
+            print(f"  {row['own_ms']:9.2f} own {row['cumulative_ms']:9.2f} cum {row['calls']:7d}  {row['function']}")
+        return
     print(f"{args.model}: wall {result['wall_ms']} ms, kernels {result['kernel_ms']} ms, host gap "
           f"{result['host_gap_ms']} ms")
     for label, ms in result["classes"].items():

@@ -125,8 +125,11 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         return
     try:
         bound, specialization, _ = caches[-1](*args, **kwargs)
-        key = (kernel, device, tuple(specialization), tuple(kwargs.items()))
-        compiled = _COMPILED.get(key)
+        # id(kernel): hashing the JITFunction itself runs Python; the entry keeps the kernel, and is checked
+        key = (id(kernel), device, tuple(specialization), tuple(kwargs.items()))
+        kernel_of_entry, compiled = _COMPILED.get(key, (None, None))
+        if kernel_of_entry is not kernel:  # an entry of a freed kernel whose id was reused
+            compiled = None
     except TypeError:  # another binder signature, or an unhashable constexpr: Triton's own path
         key = compiled = None
     if compiled is None:
@@ -142,4 +145,4 @@ def _compile_and_launch(kernel, grid, device, key, args, kwargs) -> None:
     if key is None or not hasattr(compiled, "packed_metadata"):  # first call on this device, or an unknown Triton
         return
     compiled.run  # noqa: B018 (loads the binary, so the direct path never does)
-    _COMPILED[key] = compiled
+    _COMPILED[key] = (kernel, compiled)

@@ -45,6 +45,7 @@ reads as zero words and its scale pairs are forced to 0. Needs ``K % 32 == 0`` (
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 
@@ -236,15 +237,32 @@ def _nvfp4_gemm_sm90_kernel(
     ], [1], [24])  # the producer: one warp, 24 registers
 
 
+class _ReprOnceLayout(gl.NVMMASharedLayout):
+    """An ``NVMMASharedLayout`` whose ``repr`` (the same text) is computed once. Triton's launcher takes the repr of
+    each descriptor argument's layout on every launch (its specialization key): three dataclass reprs per GEMM, a
+    few milliseconds of an eager Qwen-Image step, which is bound by host time (docs/profile.md, host time)."""
+
+    def __repr__(self) -> str:
+        return self.__dict__["repr_once"]
+
+
+def repr_once(layout: gl.NVMMASharedLayout) -> gl.NVMMASharedLayout:
+    """``layout`` with its repr computed now and kept (equal fields, equal text; an ``NVMMASharedLayout``)."""
+    fixed = copy.copy(layout)
+    object.__setattr__(fixed, "__class__", _ReprOnceLayout)
+    fixed.__dict__["repr_once"] = repr(layout)
+    return fixed
+
+
 @functools.cache
 def _x_layout(block_m: int):
     """The X tile's shared-memory layout: built once per tile height, the host cost of a launch matters (eager)."""
-    return gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.float16)
+    return repr_once(gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.float16))
 
 
 @functools.cache
 def _flat_layout():
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return repr_once(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
 @functools.cache

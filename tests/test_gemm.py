@@ -290,6 +290,25 @@ def test_sm90_weight_descriptors_are_reused_rebuilt_and_freed():
     assert not sm90._WEIGHT_DESCRIPTORS, "a freed weight's descriptors (and their storage views) are dropped"
 
 
+def test_sm90_layouts_keep_the_text_triton_specializes_on():
+    """The descriptors' layouts repr once; Triton's launch key (and the kernel signature parsed from it) must see the
+    same text and the same layout type as a plain ``NVMMASharedLayout``."""
+    import importlib
+
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper",
+                        reason="this Triton has no Gluon Hopper API; runs with Triton >= 3.6, as CI installs")
+    from triton.experimental.gluon import language as gl
+
+    sm90 = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")
+    plain = {64: gl.NVMMASharedLayout.get_default_for([64, sm90.BLOCK_K], gl.float16),
+             128: gl.NVMMASharedLayout.get_default_for([128, sm90.BLOCK_K], gl.float16),
+             "flat": gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)}
+    for key, want in plain.items():
+        got = sm90._flat_layout() if key == "flat" else sm90._x_layout(key)
+        assert isinstance(got, gl.NVMMASharedLayout) and repr(got) == repr(want), (key, repr(got), repr(want))
+        assert got.swizzle_byte_width == want.swizzle_byte_width and hash(got) == hash(want)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU.
 # ---------------------------------------------------------------------------------------------------------------
