@@ -281,7 +281,7 @@ def fused_block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.compiler.is_compiling():  # diffusers' forward, op for op: inductor sees off's graph (design.md §1)
         return _DIFFUSERS_BLOCK_FORWARD(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                                        image_rotary_emb, joint_attention_kwargs, modulate_index)
+                                        image_rotary_emb, joint_attention_kwargs, cast(Any, modulate_index))
     img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
     if self.zero_cond_t:
         temb = torch.chunk(temb, 2, dim=0)[0]
