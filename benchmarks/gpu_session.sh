@@ -25,6 +25,8 @@
 #   host:     the full-size Qwen-Image block tests, the SM90 GEMM and launch tests, compile_repeatability.py, the
 #             Qwen-Image steps (eager, CUDA graph) and the host profile of its eager step
 #   qwen_compiled: the full-size Qwen-Image block tests (eager, inductor), then its compiled steps
+#   flux2_qk: the full-size FLUX.2-dev block tests and the 512-wide norm-sites test (all with flux2_qk_rotary), then
+#             the FLUX.2-dev steps (eager, CUDA graph)
 #   flux2_compiled: the FLUX.2 residual-norm and compile/graph GPU tests, FLUX.2-dev compiled steps, its profile
 #   budget_flux2, budget_qwen: whole pipelines under 24 and 32 GiB caps, NVFP4 and BF16 (bench_pipeline_budget.py)
 #   cp:       two GPUs (nvidia-h200-x2): context-parallel tests, then bench_context_parallel.py for both models, Ulysses
@@ -128,6 +130,10 @@ for group in ${@:-kernels models}; do
     qwen_compiled)
       TAIL=8 step 80 t_qwen_block $P tests/test_fast_paths.py -k "full_size_qwen" -rxXs --durations=3
       TAIL=12 step 90 compile_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --compile blocks --steps-timed 11 ;;
+    flux2_qk)
+      TAIL=8 step 200 t_flux2_blocks $P tests/test_fast_paths.py -k "full_size_flux2 or norm_sites" --durations=3
+      TAIL=12 step 150 step_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024
+      TAIL=12 step 170 graph_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --cuda-graph --steps-timed 15 ;;
     flux2_compiled)
       TAIL=8 step 140 t_resnorm $P tests/test_fast_paths.py -k "flux2_resnorm or compile_fullgraph" --durations=3
       TAIL=12 step 280 compile_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks

@@ -605,6 +605,64 @@ def _rotary_tables(seq: int, dim: int = 128):
     return angles.cos(), angles.sin()
 
 
+def _flux2_block_with_128_wide_heads(kind: str):
+    """(holder, call) for a BF16 NVFP4 FLUX.2 block on the CPU with two heads of 128 (the real models' width; the
+    tiny pipelines' heads are 16 wide), random RMSNorm weights, and a call on 24 image + 8 text tokens."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2SingleTransformerBlock, Flux2TransformerBlock
+
+    torch.manual_seed(0)
+    dim, rows_img, rows_txt = 256, 24, 8
+    cls = Flux2TransformerBlock if kind == "double" else Flux2SingleTransformerBlock
+    block = cls(dim=dim, num_attention_heads=2, attention_head_dim=128, mlp_ratio=3.0).to(torch.bfloat16)
+    holder = _Holder("transformer_blocks" if kind == "double" else "single_transformer_blocks", block)
+    export.quantize_model_inplace(holder, (), 12.0)
+    for module in block.modules():
+        if isinstance(module, nn.RMSNorm):
+            module.weight.data.normal_(1.0, 0.3)  # negative entries too: zeros of both signs reach the rotary
+    angles = torch.arange(rows_img + rows_txt).float()[:, None] * torch.rand(64) * 50
+    rotary = tuple(t.repeat_interleave(2, dim=1) for t in (angles.cos(), angles.sin()))
+    img = torch.randn(1, rows_img, dim, dtype=torch.bfloat16)
+    img[0, 3] = 0.0  # a zero row: its normalized query and key are signed zeros
+    txt = torch.randn(1, rows_txt, dim, dtype=torch.bfloat16)
+    if kind == "double":
+        temb = torch.randn(1, 6 * dim, dtype=torch.bfloat16) * 0.1
+        return holder, lambda: torch.cat([t.flatten() for t in block(img, txt, temb, temb, image_rotary_emb=rotary)])
+    temb = torch.randn(1, 3 * dim, dtype=torch.bfloat16) * 0.1
+    return holder, lambda: block(torch.cat([txt, img], dim=1), None, temb, image_rotary_emb=rotary)
+
+
+@pytest.mark.parametrize("kind", ["double", "single"])
+@torch.inference_mode()
+def test_flux2_qk_rotary_site_with_128_wide_heads(kind):
+    """Query/key norm + rotary as site ``flux2_qk_rotary``: in a double-stream block each stream is normalized and
+    rotated with its rows of the joint tables, then joined. On the CPU the op runs its torch reference, so this checks
+    the wiring against diffusers' order (norm, join, rotate); the kernel is checked in test_qk_norm_rotary.py."""
+    holder, call = _flux2_block_with_128_wide_heads(kind)
+    sites = ({"flux2_swiglu": 2, "flux2_rotary": 1, "flux2_qk_rotary": 1, "flux2_resnorm": 2, "flux2_adaln": 2}
+             if kind == "double" else {"flux2_token_cat": 1, "flux2_rotary": 1, "flux2_qk_rotary": 1, "flux2_adaln": 1})
+    stats, off, on = _on_off(holder, patch_flux2, call, sites)
+    calls = 4 if kind == "double" else 2
+    assert stats.fused_calls["flux2_qk_rotary"] == calls and stats.verified["flux2_qk_rotary"] == calls, stats
+    assert "flux2_rotary" not in stats.fused_calls and not stats.fallbacks, stats
+    assert torch.equal(on.view(torch.int16), off.view(torch.int16))
+
+
+@torch.inference_mode()
+def test_flux2_qk_rotary_falls_back_where_a_hook_observes_the_norm():
+    """A hook on one query/key norm: the whole attention keeps diffusers' norms (the rotary alone in one kernel),
+    counted once with the reason; the bytes are unchanged."""
+    holder, call = _flux2_block_with_128_wide_heads("double")
+    seen = []
+    handle = holder.transformer_blocks[0].attn.norm_added_k.register_forward_hook(lambda m, a, out: seen.append(1))
+    stats, off, on = _on_off(holder, patch_flux2, call, {"flux2_swiglu": 2, "flux2_rotary": 1, "flux2_qk_rotary": 1,
+                                                         "flux2_resnorm": 2, "flux2_adaln": 2})
+    handle.remove()
+    assert len(seen) == 2  # off and on
+    assert stats.fallbacks == {"flux2_qk_rotary: hook on query/key norm: torch forward hook": 1}, stats
+    assert stats.fused_calls["flux2_rotary"] == 2 and "flux2_qk_rotary" not in stats.fused_calls, stats
+    assert torch.equal(on.view(torch.int16), off.view(torch.int16))
+
+
 @pytest.mark.gpu
 @torch.inference_mode()
 def test_gpu_full_size_flux2_dev_single_block_identical():
@@ -621,9 +679,10 @@ def test_gpu_full_size_flux2_dev_single_block_identical():
         h = torch.randn(batch, rows_img + rows_txt, dim, device="cuda", dtype=torch.bfloat16)
         temb = torch.randn(batch, 3 * dim, device="cuda", dtype=torch.bfloat16) * 0.1
         stats, off, on = _on_off(holder, patch_flux2, lambda: block(h, None, temb, image_rotary_emb=rotary),
-                                 {"flux2_token_cat": 1, "flux2_rotary": 1, "flux2_adaln": 1})
-        for kind, calls in (("flux2_token_cat_swiglu", 1), ("flux2_rotary", 2), ("flux2_adaln", 1)):
+                                 {"flux2_token_cat": 1, "flux2_rotary": 1, "flux2_qk_rotary": 1, "flux2_adaln": 1})
+        for kind, calls in (("flux2_token_cat_swiglu", 1), ("flux2_qk_rotary", 2), ("flux2_adaln", 1)):
             assert stats.fused_calls[kind] == calls and stats.verified[kind] == calls, stats
+        assert "flux2_rotary" not in stats.fused_calls, stats  # the QK kernel rotates too
         assert torch.equal(on, off)
 
 
@@ -647,9 +706,12 @@ def test_gpu_full_size_flux2_dev_double_block_identical():
         txt = torch.randn(batch, 512, dim, device="cuda", dtype=torch.bfloat16)
         temb = torch.randn(batch, 6 * dim, device="cuda", dtype=torch.bfloat16) * 0.1
         stats, off, on = _on_off(holder, patch_flux2, lambda: block(img, txt, temb, temb, image_rotary_emb=rotary),
-                                 {"flux2_swiglu": 2, "flux2_rotary": 1, "flux2_resnorm": 2, "flux2_adaln": 2})
-        for kind in ("flux2_swiglu", "flux2_rotary", "flux2_resnorm", "flux2_adaln"):  # both streams; query, key
+                                 {"flux2_swiglu": 2, "flux2_rotary": 1, "flux2_qk_rotary": 1, "flux2_resnorm": 2,
+                                  "flux2_adaln": 2})
+        for kind in ("flux2_swiglu", "flux2_resnorm", "flux2_adaln"):  # both streams
             assert stats.fused_calls[kind] == 2 and stats.verified[kind] == 2, stats
+        assert stats.fused_calls["flux2_qk_rotary"] == 4 and stats.verified["flux2_qk_rotary"] == 4, stats
+        assert "flux2_rotary" not in stats.fused_calls, stats
         assert torch.equal(on[0], off[0]) and torch.equal(on[1], off[1])
 
 

@@ -1,6 +1,6 @@
 """Query/key RMSNorm + rotary embedding in one kernel: Qwen-Image (diffusers' ``RMSNorm`` with a BF16 weight, then
-``apply_rotary_emb_qwen(..., use_real=False)``: ten torch ops over FP32 copies) and FLUX.2 (torch's ``F.rms_norm``,
-then ``apply_rotary_emb``; ``flux2_qk_norm_rotary``, not yet a site).
+``apply_rotary_emb_qwen(..., use_real=False)``: ten torch ops over FP32 copies; site ``qwen_qk_rotary``) and FLUX.2
+(torch's ``F.rms_norm``, then ``apply_rotary_emb``; site ``flux2_qk_rotary``).
 
 Reference: ``qk_norm_rotary_reference`` (diffusers' chain on the same device). Kernel: ``kernels.qk_norm_rotary_triton``
 (docs/design.md §6, "Qwen-Image QK norm and rotary"). The kernel's arithmetic is what torch 2.11's CUDA build
@@ -24,6 +24,7 @@ from .rotary import rotary_reference
 from .verify import run_checked
 
 KIND = "qwen_qk_rotary"
+FLUX2_KIND = "flux2_qk_rotary"
 EPS = 1e-6  # Qwen-Image's
 
 _TREE: dict[str, int | str] = {}  # device -> the kernel's tree that matches torch there, or why none does
@@ -99,14 +100,44 @@ def flux2_qk_norm_rotary_reference(
     return rotary_reference(F.rms_norm(x, (x.shape[-1],), weight, eps), cos, sin)
 
 
-def flux2_qk_norm_rotary(
+def _flux2_impl(
     x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """The FLUX.2 kernel where Triton runs (x BF16 ``[B, S, H, 128]``), the reference elsewhere. Not yet a site: its
-    GPU test (``tests/test_qk_norm_rotary.py``) has not run."""
     if triton_runs_on(x):
         return cast(ModuleType, kernels).flux2_qk_norm_rotary_triton(x, weight, cos, sin, eps)
     return flux2_qk_norm_rotary_reference(x, weight, cos, sin, eps)
+
+
+def _flux2_checked_impl(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, stats_id: int,
+    shape_class: str,
+) -> torch.Tensor:
+    (out,) = run_checked(stats_id, FLUX2_KIND, shape_class, ("out",), lambda: (_flux2_impl(x, weight, cos, sin, eps),),
+                         lambda: (flux2_qk_norm_rotary_reference(x, weight, cos, sin, eps),))
+    return out
+
+
+def _flux2_fake(x, weight, cos, sin, eps, *_):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_flux2_op, _flux2_checked_op = custom_op_pair("flux2_qk_norm_rotary", _flux2_impl, _flux2_checked_impl, _flux2_fake)
+
+
+def flux2_qk_norm_rotary(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x BF16 ``[B, S, H, 128]``, weight BF16 ``[128]``, cos / sin FP32 ``[S, 128]`` -> ``[B, S, H, 128]`` BF16:
+    the FLUX.2 kernel where Triton runs, ``flux2_qk_norm_rotary_reference`` elsewhere (the same bytes, GPU-tested)."""
+    return call_op(_flux2_op, _flux2_impl, x, weight, cos, sin, eps)
+
+
+def flux2_qk_norm_rotary_checked(
+    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, stats_id: int,
+    shape_class: str,
+) -> torch.Tensor:
+    """``flux2_qk_norm_rotary`` with first-use byte verification against torch's RMSNorm and diffusers' rotary."""
+    return call_op(_flux2_checked_op, _flux2_checked_impl, x, weight, cos, sin, eps, stats_id, shape_class)
 
 
 def _qk_norm_rotary_impl(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,8 +6,9 @@
   (``flux2_token_cat``). diffusers builds the concatenation in ``Flux2ParallelSelfAttnProcessor.__call__`` (and its
   KV-cache twin); the processors below are diffusers' code up to that point, installed per attention instance
   (processors are looked up at call time, so cache hooks on the block do not hide them).
-  The same processors, and the double-stream attention processor (``flux2_attention.py``), apply the rotary
-  embedding to query and key in one kernel each (``flux2_rotary``).
+  The same processors, and the double-stream attention processor (``flux2_attention.py``), run each query's and
+  key's RMSNorm and rotary embedding as one kernel (``flux2_qk_rotary``) where the heads are 128 wide, and otherwise
+  the rotary embedding alone as one kernel (``flux2_rotary``).
 - Double-stream feed-forwards: ``linear_out(swiglu(linear_in(x)))`` quantizes ``linear_in``'s output through
   SwiGLU in one kernel (``flux2_swiglu``), installed per feed-forward with ``swap_forward``.
 - Double-stream blocks: ``residual + gate * attn -> norm2 -> modulate`` and ``linear_in``'s quantize run as one
@@ -41,7 +42,15 @@ from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_check
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
 from ..ops.verify import count_fallback, failed_kind_reason, record_fallback, stats_for
 from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
-from .flux2_attention import HALF_DTYPES, Flux2FusedAttnProcessor, on_original, rotate
+from .flux2_attention import (
+    HALF_DTYPES,
+    KIND_QK,
+    Flux2FusedAttnProcessor,
+    on_original,
+    qk_site,
+    rotate,
+    single_stream_qk,
+)
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .resnorm import fused_residual_norm, resnorm_gate
 from .swap import current_inner_forward, swap_forward, swap_processor
@@ -125,6 +134,7 @@ class _FusedOutputMixin:
 
     _stats_id: int = 0
     _original: object = None  # diffusers' processor instance (set by patch_flux2)
+    _qk: bool = False  # flux2_attention.qk_site holds (set by patch_flux2)
     _attention_backend = on_original("_attention_backend")
     _parallel_config = on_original("_parallel_config")
 
@@ -157,7 +167,7 @@ class _FusedOutputMixin:
 
 
 # Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, Flux2ParallelSelfAttnProcessor.__call__.
-def _qkv_mlp(attn, hidden_states, image_rotary_emb, stats_id: int):
+def _qkv_mlp(attn, hidden_states, image_rotary_emb, stats_id: int, qk: bool):
     # diffusers' split of the fused input projection, kept identical (including its tensor-parallel arithmetic).
     projected = attn.to_qkv_mlp_proj(hidden_states)
     qkv_dim = 3 * attn.inner_dim
@@ -165,6 +175,10 @@ def _qkv_mlp(attn, hidden_states, image_rotary_emb, stats_id: int):
     local_qkv = projected.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
     qkv, mlp = torch.split(projected, [local_qkv, projected.shape[-1] - local_qkv], dim=-1)
     query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
+    fused = single_stream_qk(attn, query, key, image_rotary_emb, stats_id) if qk and image_rotary_emb is not None \
+        else None
+    if fused is not None:
+        return *fused, value, mlp
     query, key = attn.norm_q(query), attn.norm_k(key)
     if image_rotary_emb is not None:
         query = rotate(query, image_rotary_emb, stats_id)
@@ -325,7 +339,7 @@ class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb, self._stats_id)
+        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb, self._stats_id, self._qk)
         out = dispatch_attention_fn(
             query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
             parallel_config=self._parallel_config,
@@ -350,7 +364,7 @@ class Flux2FusedKVParallelSelfAttnProcessor(_FusedOutputMixin):
         num_txt_tokens: int = 0,
         num_ref_tokens: int = 0,
     ) -> torch.Tensor:
-        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb, self._stats_id)
+        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb, self._stats_id, self._qk)
         if kv_cache_mode == "extract" and kv_cache is not None and num_ref_tokens > 0:
             ref = slice(num_txt_tokens, num_txt_tokens + num_ref_tokens)
             kv_cache.store(key[:, ref].clone(), value[:, ref].clone())
@@ -407,7 +421,8 @@ def _swap_block_forward(block: nn.Module, forward, stats_id: int, sites: dict[st
 
 def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
     """Install fused processors on every single-stream attention whose ``to_out`` is NVFP4 and on every double-stream
-    attention (its rotary embedding), fused forwards on every double-stream feed-forward whose ``linear_out`` is
+    attention (its query/key norm and rotary embedding), fused forwards on every double-stream feed-forward whose
+    ``linear_out`` is
     NVFP4, and the fused block forward on every double-stream block with an NVFP4 ``linear_in``. Returns
     ``{site kind: count}`` (a single-stream site runs ``flux2_token_cat_swiglu`` or, where SwiGLU cannot be folded in,
     ``flux2_token_cat``).
@@ -415,7 +430,7 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
     Appends undo callables to ``restore``; each puts back the original object unless the user replaced the fused one
     meanwhile.
     """
-    count = {KIND: 0, KIND_ROTARY: 0, KIND_FF: 0, FLUX2_KIND: 0, KIND_ADALN: 0}
+    count = {KIND: 0, KIND_ROTARY: 0, KIND_QK: 0, KIND_FF: 0, FLUX2_KIND: 0, KIND_ADALN: 0}
     for block in getattr(model, "transformer_blocks", []):
         resnorm_sites = 0
         for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)):
@@ -428,8 +443,11 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
         attn = getattr(block, "attn", None)
         sites = {}
         if attn is not None and type(attn.processor) is flux2_module.Flux2AttnProcessor:
-            restore.append(swap_processor(attn, Flux2FusedAttnProcessor(attn.processor, stats_id)))
+            norms = (attn.norm_q, attn.norm_k, getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None))
+            qk = qk_site(norms, attn.head_dim)
+            restore.append(swap_processor(attn, Flux2FusedAttnProcessor(attn.processor, stats_id, qk)))
             count[KIND_ROTARY] += 1
+            count[KIND_QK] += qk
             sites = _double_block_sites(attn)
         if isinstance(block, flux2_module.Flux2TransformerBlock) and (resnorm_sites or sites):
             restore.append(_swap_block_forward(block, fused_double_block_forward, stats_id, sites))
@@ -444,9 +462,11 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
         fused = fused_cls()
         fused._stats_id = stats_id
         fused._original = original  # attention backend and context-parallel settings stay on it
+        fused._qk = qk_site((attn.norm_q, attn.norm_k), attn.head_dim)
         restore.append(swap_processor(attn, fused))
         count[KIND] += 1
         count[KIND_ROTARY] += 1
+        count[KIND_QK] += fused._qk
         sites = _adaln_sites(attn, {"joint": ("to_qkv_mlp_proj",)})
         if isinstance(block, flux2_module.Flux2SingleTransformerBlock) and sites:
             restore.append(_swap_block_forward(block, fused_single_block_forward, stats_id, sites))

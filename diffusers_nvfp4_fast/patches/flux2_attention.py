@@ -1,8 +1,11 @@
-"""FLUX.2 attention: the rotary embedding on query and key in one kernel (``flux2_rotary``), for the single-stream
-processors in ``flux2.py`` and the double-stream processor here.
+"""FLUX.2 attention, for the single-stream processors in ``flux2.py`` and the double-stream processor here: each
+query's and key's RMSNorm and rotary embedding in one kernel (``flux2_qk_rotary``) where the attention has torch
+RMSNorms over heads of 128, otherwise the rotary embedding alone in one kernel (``flux2_rotary``).
 
-Under ``torch.compile`` diffusers' ``apply_rotary_emb`` is kept: inductor contracts its FP32 multiply-adds, which
-rounds differently from the eager ops the kernel reproduces, and compiled on must equal compiled off.
+In a double-stream block diffusers normalizes each stream, joins text and image and rotates the joint sequence;
+both ops act on each row alone, so each stream is normalized and rotated with its rows of the rotary tables and then
+joined (the same bytes). Under ``torch.compile`` diffusers' ops are kept: inductor computes RMSNorm's reduction and
+contracts the rotary's FP32 multiply-adds its own way, and compiled on must equal compiled off.
 """
 
 from __future__ import annotations
@@ -13,12 +16,18 @@ import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_flux2 as flux2_module
+from torch import nn
 
+from ..ops import qk_norm_rotary as qk_op
+from ..ops.dispatch import triton_runs_on
 from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.rotary import rotary_checked
 from ..ops.verify import count_fallback, failed_kind_reason
+from .hooks import call_changed_reason
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # what the fused kernels take
+KIND_QK = qk_op.FLUX2_KIND
+QK_HEAD_DIM = 128  # the kernel's row width
 
 
 def rotary_reason(x: torch.Tensor, rotary_emb) -> str | None:
@@ -50,6 +59,85 @@ def rotate(x: torch.Tensor, rotary_emb, stats_id: int) -> torch.Tensor:
     return rotary_checked(x, cos, sin, stats_id, f"D={x.shape[-1]},{x.dtype},{x.device}")
 
 
+def qk_site(norms: tuple[Any, ...], head_dim: int) -> bool:
+    """Whether an attention's query/key norms (structure only; each call checks the rest) are torch RMSNorms over
+    heads of 128 with a weight and an explicit eps: then norm and rotary run as one kernel (``flux2_qk_rotary``)."""
+    return head_dim == QK_HEAD_DIM and all(
+        type(n) is nn.RMSNorm and n.elementwise_affine and tuple(n.normalized_shape) == (QK_HEAD_DIM,)
+        and n.eps is not None for n in norms)
+
+
+def qk_norm_rotary_reason(norm: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """None when ``apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1)`` can run as one kernel, else the reason."""
+    if torch.compiler.is_compiling():
+        return "torch.compile (inductor computes RMSNorm and the rotary products its own way; its ops are kept)"
+    reason = call_changed_reason("query/key norm", norm)
+    if reason is not None:
+        return reason
+    weight = norm.weight
+    if weight.dtype != torch.bfloat16 or weight.device != x.device:
+        return f"RMSNorm weight {weight.dtype} on {weight.device} (bf16, on the query's device)"
+    if x.dim() != 4 or x.shape[-1] != QK_HEAD_DIM or x.dtype != torch.bfloat16:
+        return f"query/key {tuple(x.shape)} {x.dtype} (bf16 [B, S, H, 128])"
+    if cos.dtype != torch.float32 or cos.shape != (x.shape[1], QK_HEAD_DIM) or sin.shape != cos.shape \
+            or sin.dtype != cos.dtype or cos.device != x.device:
+        return f"cos/sin {tuple(cos.shape)} {cos.dtype} (FP32 [S, 128] on the query's device)"
+    # torch's vectorized RMSNorm (the arithmetic the kernel reproduces) needs 8-byte aligned rows and weight; a
+    # non-contiguous query is copied first (aligned), as torch does.
+    if (x.is_contiguous() and x.data_ptr() % 8) or weight.data_ptr() % 8:
+        return "query/key rows or RMSNorm weight not 8-byte aligned (torch takes another RMSNorm kernel)"
+    if x.is_cuda and not triton_runs_on(x):
+        return "no Triton kernel for this GPU"
+    if failed_kind_reason(KIND_QK) is not None:
+        return "verification failed earlier in this process"
+    return None
+
+
+def fused_qk(tensors: list[tuple[Any, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]], stats_id: int
+             ) -> list[torch.Tensor] | None:
+    """``apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1)`` for each ``(norm, x, (cos, sin))``, one kernel each;
+    None (one fallback counted) when a gate refuses any of them, so that the caller runs diffusers' ops for all."""
+    for norm, x, (cos, sin) in tensors:
+        reason = qk_norm_rotary_reason(norm, x, cos, sin)
+        if reason is not None:
+            count_fallback(stats_id, KIND_QK, reason)
+            return None
+    return [qk_op.flux2_qk_norm_rotary_checked(x, norm.weight, cos, sin, norm.eps, stats_id, f"{x.dtype},{x.device}")
+            for norm, x, (cos, sin) in tensors]
+
+
+def _rotary_pair(rotary_emb: Any, stats_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if isinstance(rotary_emb, tuple) and len(rotary_emb) == 2 and all(isinstance(t, torch.Tensor) for t in rotary_emb):
+        return rotary_emb
+    count_fallback(stats_id, KIND_QK, "rotary embedding is not a (cos, sin) pair")
+    return None
+
+
+def single_stream_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any, stats_id: int
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(query, key) normalized and rotated, one kernel each, or None where a gate refuses."""
+    pair = _rotary_pair(rotary_emb, stats_id)
+    if pair is None:
+        return None
+    out = fused_qk([(attn.norm_q, query, pair), (attn.norm_k, key, pair)], stats_id)
+    return None if out is None else (out[0], out[1])
+
+
+def joint_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, encoder_query: torch.Tensor, encoder_key: torch.Tensor,
+             rotary_emb: Any, stats_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The double-stream block's joint (query, key) (text rows, then image rows), each stream's tensors normalized
+    and rotated with their rows of the joint tables, one kernel each; None where a gate refuses."""
+    pair = _rotary_pair(rotary_emb, stats_id)
+    if pair is None:
+        return None
+    cos, sin = pair
+    text = encoder_query.shape[1]
+    txt, img = (cos[:text], sin[:text]), (cos[text:], sin[text:])
+    out = fused_qk([(attn.norm_added_q, encoder_query, txt), (attn.norm_q, query, img),
+                    (attn.norm_added_k, encoder_key, txt), (attn.norm_k, key, img)], stats_id)
+    return None if out is None else (torch.cat(out[:2], dim=1), torch.cat(out[2:], dim=1))
+
+
 def on_original(name: str) -> property:
     """An attribute read from and written to diffusers' processor that the fused one stands in for, so that
     ``set_attention_backend`` / ``enable_parallelism`` while the fast paths are on outlive ``disable_fast_paths``."""
@@ -65,9 +153,10 @@ class Flux2FusedAttnProcessor:
     _attention_backend = on_original("_attention_backend")
     _parallel_config = on_original("_parallel_config")
 
-    def __init__(self, original, stats_id: int):
+    def __init__(self, original, stats_id: int, qk: bool = False):
         self._original = original  # attention backend and context-parallel settings stay on it
         self._stats_id = stats_id
+        self._qk = qk  # qk_site holds: norm and rotary in one kernel per tensor where each call's gate allows
 
     def __call__(
         self,
@@ -81,17 +170,26 @@ class Flux2FusedAttnProcessor:
             attn, hidden_states, encoder_hidden_states
         )
         query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in (query, key, value))
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        if attn.added_kv_proj_dim is not None:
+        joint = attn.added_kv_proj_dim is not None
+        if joint:
             encoder_query, encoder_key, encoder_value = (
                 t.unflatten(-1, (-1, attn.head_dim)) for t in (encoder_query, encoder_key, encoder_value))
-            encoder_query, encoder_key = attn.norm_added_q(encoder_query), attn.norm_added_k(encoder_key)
-            query = torch.cat([encoder_query, query], dim=1)
-            key = torch.cat([encoder_key, key], dim=1)
+        fused = None
+        if self._qk and joint and image_rotary_emb is not None:
+            fused = joint_qk(attn, query, key, encoder_query, encoder_key, image_rotary_emb, self._stats_id)
+        if fused is not None:
+            query, key = fused
             value = torch.cat([encoder_value, value], dim=1)
-        if image_rotary_emb is not None:
-            query = rotate(query, image_rotary_emb, self._stats_id)
-            key = rotate(key, image_rotary_emb, self._stats_id)
+        else:  # diffusers' order: norms, join, rotate (the rotary alone in one kernel where allowed)
+            query, key = attn.norm_q(query), attn.norm_k(key)
+            if joint:
+                encoder_query, encoder_key = attn.norm_added_q(encoder_query), attn.norm_added_k(encoder_key)
+                query = torch.cat([encoder_query, query], dim=1)
+                key = torch.cat([encoder_key, key], dim=1)
+                value = torch.cat([encoder_value, value], dim=1)
+            if image_rotary_emb is not None:
+                query = rotate(query, image_rotary_emb, self._stats_id)
+                key = rotate(key, image_rotary_emb, self._stats_id)
         hidden_states = dispatch_attention_fn(
             query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
             parallel_config=self._parallel_config,
