@@ -663,6 +663,23 @@ def test_flux2_qk_rotary_falls_back_where_a_hook_observes_the_norm():
     assert torch.equal(on.view(torch.int16), off.view(torch.int16))
 
 
+@torch.inference_mode()
+def test_flux2_qk_rotary_falls_back_where_a_norm_is_replaced_after_enabling():
+    """The new module's call is what runs (no kernel with the old weight), counted with the reason."""
+    holder, call = _flux2_block_with_128_wide_heads("single")
+    stats_id, stats = new_stats("always")
+    restore: list = []
+    patch_flux2(holder, stats_id, restore)
+    holder.single_transformer_blocks[0].attn.norm_k = nn.Identity()
+    on = call()
+    for undo in restore:
+        undo()
+    assert stats.fallbacks == {"flux2_qk_rotary: query/key norm is Identity, not an RMSNorm over 128 values with a "
+                               "weight and an eps": 1}, stats
+    assert stats.fused_calls["flux2_rotary"] == 2, stats
+    assert torch.equal(on.view(torch.int16), call().view(torch.int16))  # unpatched, with the identity key norm
+
+
 @pytest.mark.gpu
 @torch.inference_mode()
 def test_gpu_full_size_flux2_dev_single_block_identical():

@@ -71,6 +71,8 @@ def qk_norm_rotary_reason(norm: Any, x: torch.Tensor, cos: torch.Tensor, sin: to
     """None when ``apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1)`` can run as one kernel, else the reason."""
     if torch.compiler.is_compiling():
         return "torch.compile (inductor computes RMSNorm and the rotary products its own way; its ops are kept)"
+    if not qk_site((norm,), QK_HEAD_DIM):  # the module was replaced after enabling
+        return f"query/key norm is {type(norm).__name__}, not an RMSNorm over 128 values with a weight and an eps"
     reason = call_changed_reason("query/key norm", norm)
     if reason is not None:
         return reason
