@@ -104,7 +104,9 @@ def fused_qk(tensors: list[tuple[Any, torch.Tensor, tuple[torch.Tensor, torch.Te
         if reason is not None:
             count_fallback(stats_id, KIND_QK, reason)
             return None
-    return [qk_op.flux2_qk_norm_rotary_checked(x, norm.weight, cos, sin, norm.eps, stats_id, f"{x.dtype},{x.device}")
+    # contiguity in the class: a strided query (single-stream) takes another path into torch's RMSNorm, verified apart
+    return [qk_op.flux2_qk_norm_rotary_checked(x, norm.weight, cos, sin, norm.eps, stats_id,
+                                               f"{x.dtype},{x.device},contiguous={x.is_contiguous()}")
             for norm, x, (cos, sin) in tensors]
 
 
