@@ -8,11 +8,12 @@ eager mode (docs/design.md §8: the eager step is bound by host time) and the cu
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
+
+from ..format import env_value
 
 try:  # the kernels need Triton; without it every op runs its torch reference
     from .. import kernels as _kernels_module
@@ -76,7 +77,7 @@ def flashinfer() -> ModuleType | None:
 
 def forced_gemm_backend() -> str | None:
     """The backend ``DIFFUSERS_NVFP4_GEMM_BACKEND`` names, or None when it is unset."""
-    forced = os.environ.get(GEMM_BACKEND_VAR)
+    forced = env_value(GEMM_BACKEND_VAR)  # every NVFP4 layer call asks: os.environ.get costs more when unset
     if not forced:
         return None
     forced = forced.strip().lower()
