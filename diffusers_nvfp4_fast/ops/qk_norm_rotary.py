@@ -117,11 +117,12 @@ def _flux2_checked_impl(
     return out
 
 
-def _flux2_fake(x, weight, cos, sin, eps, *_):
+def _contiguous_like_x(x, *_):  # both ops' shape function: the kernels write a contiguous tensor shaped like x
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-_flux2_op, _flux2_checked_op = custom_op_pair("flux2_qk_norm_rotary", _flux2_impl, _flux2_checked_impl, _flux2_fake)
+_flux2_op, _flux2_checked_op = custom_op_pair("flux2_qk_norm_rotary", _flux2_impl, _flux2_checked_impl,
+                                              _contiguous_like_x)
 
 
 def flux2_qk_norm_rotary(
@@ -147,10 +148,6 @@ def _qk_norm_rotary_impl(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Ten
     return qk_norm_rotary_reference(x, weight, freqs, eps)  # CPU, or no tree equals torch's here (same bytes)
 
 
-def _qk_norm_rotary_fake(x, weight, freqs, eps, *_):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
 def _qk_norm_rotary_checked_impl(
     x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, stats_id: int, shape_class: str
 ) -> torch.Tensor:
@@ -160,7 +157,7 @@ def _qk_norm_rotary_checked_impl(
 
 
 _qk_norm_rotary_op, _qk_norm_rotary_checked_op = custom_op_pair(
-    "qk_norm_rotary", _qk_norm_rotary_impl, _qk_norm_rotary_checked_impl, _qk_norm_rotary_fake)
+    "qk_norm_rotary", _qk_norm_rotary_impl, _qk_norm_rotary_checked_impl, _contiguous_like_x)
 
 
 def qk_norm_rotary(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:

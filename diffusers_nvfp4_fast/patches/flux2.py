@@ -422,10 +422,9 @@ def _swap_block_forward(block: nn.Module, forward, stats_id: int, sites: dict[st
 def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
     """Install fused processors on every single-stream attention whose ``to_out`` is NVFP4 and on every double-stream
     attention (its query/key norm and rotary embedding), fused forwards on every double-stream feed-forward whose
-    ``linear_out`` is
-    NVFP4, and the fused block forward on every double-stream block with an NVFP4 ``linear_in``. Returns
-    ``{site kind: count}`` (a single-stream site runs ``flux2_token_cat_swiglu`` or, where SwiGLU cannot be folded in,
-    ``flux2_token_cat``).
+    ``linear_out`` is NVFP4, and the fused block forward on every double-stream block with an NVFP4 ``linear_in``.
+    Returns ``{site kind: count}`` (a single-stream site runs ``flux2_token_cat_swiglu`` or, where SwiGLU cannot be
+    folded in, ``flux2_token_cat``).
 
     Appends undo callables to ``restore``; each puts back the original object unless the user replaced the fused one
     meanwhile.

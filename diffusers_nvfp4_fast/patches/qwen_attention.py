@@ -25,9 +25,8 @@ KIND = qk_op.KIND
 
 
 def qk_rotary_reason(norm: Any, x: torch.Tensor, freqs: Any) -> str | None:
-    """None when ``apply_rotary_emb_qwen(norm(x), freqs, use_real=False)`` can run as one kernel, else the reason."""
-    if torch.compiler.is_compiling():
-        return "torch.compile (inductor computes RMSNorm and the complex product its own way; its ops are kept)"
+    """None when ``apply_rotary_emb_qwen(norm(x), freqs, use_real=False)`` can run as one kernel, else the reason.
+    Never asked under torch.compile: the processor hands those calls to diffusers' processor."""
     if type(norm) is not RMSNorm:
         return f"query/key norm is {type(norm).__name__}, not RMSNorm"
     reason = call_changed_reason("query/key norm", norm)
