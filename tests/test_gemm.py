@@ -36,6 +36,7 @@ from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # 
 from diffusers_nvfp4_fast.linear import NVFP4Linear  # noqa: E402
 from diffusers_nvfp4_fast.ops.linear import emulated_gemm  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
+from support.launch_sites import check_sites_against_binder  # noqa: E402
 
 DEV = "cuda"
 gemm_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm")
@@ -492,6 +493,34 @@ def test_gpu_sm90_kernel_equals_triton_kernel(m, n, k, random_bytes):
     assert torch.equal(sm90_out, triton_out)
     assert torch.equal(nvfp4_gemm(xp, xs, wp, ws, alpha, torch.bfloat16, kernel="sm90"), sm90_out.to(torch.bfloat16))
     assert _rel(sm90_out, _reference(xp, xs, wp, ws, alpha)) <= REL_BOUND
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_site_launches_run_the_binders_binary(monkeypatch):
+    """``launch_by_site``: for every property Triton specializes the GEMM on (M equal to 1 or divisible by 16, output
+    dtype, output alignment, bias, tile height), the binary recorded for the GEMM's site key is the one Triton's
+    binder picks for the same call, and the keyed launches give the bytes of the binder's launch and of the Triton
+    kernel."""
+    _skip_unless_sm90()
+    sm90 = _sm90()
+    checked = check_sites_against_binder(sm90, monkeypatch)
+    n, k = 256, 1024
+    # (M, output dtype, output offset in elements, bias, tile height): M divisible by 16, not, and 1; output
+    # 16-byte aligned or not; with and without bias; two tile heights. Few cases: each new one compiles a binary.
+    cases = [(16, torch.float32, 0, False, None), (17, torch.bfloat16, 0, True, None),
+             (1, torch.bfloat16, 1, False, 64), (16, torch.bfloat16, 1, True, None)]
+    for m, dtype, offset, with_bias, block_m in cases:
+        xp, xs, wp, ws, alpha = _operands(m, n, k, seed=m)
+        x16 = gemm_mod.decode_nvfp4_rows(xp, xs)
+        fp32 = nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, x_decode="predecode", kernel="triton")
+        bias = (torch.randn(n, device=DEV) * 0.5).to(dtype) if with_bias else None
+        want = fp32.to(dtype) + (bias if with_bias else 0)
+        for call in range(4):  # Triton's path (twice at a kernel's first launch), recording, keyed
+            buf = torch.empty(m * n + 8, device=DEV, dtype=dtype)
+            out = buf[offset:offset + m * n].view(m, n)  # offset 1: not 16-byte aligned
+            got = sm90.nvfp4_gemm_sm90(x16, wp, ws, alpha.reshape(1), out, bias=bias, block_m=block_m)
+            assert torch.equal(got, want), (m, dtype, offset, with_bias, block_m, call)
+    assert len(set(checked)) == len(cases), f"sites checked: {len(set(checked))} of {len(cases)}"
 
 
 @pytest.mark.gpu

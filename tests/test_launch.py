@@ -84,3 +84,97 @@ def test_gpu_direct_launch_is_captured_by_cuda_graphs():
     torch.cuda.synchronize()
     want = reference_quantize(x, g, fast_math=False)
     assert torch.equal(packed, want[0]) and torch.equal(scales, want[1])
+
+
+class _FakeBinary:
+    """Stands in for a compiled Triton kernel: records what ``run`` got."""
+
+    function = packed_metadata = None
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *values):
+        self.runs.append(values[9:])  # after grid (3), stream, function, metadata and the three hook slots
+
+
+class _FakeKernel:
+    """Stands in for a ``@triton.jit`` kernel with parameters (x, n, BLOCK): a binder that specializes on nothing
+    but returns ``bound`` as ``bound_of(args, kwargs)`` says, and ``kernel[grid](...)`` that compiles the binary."""
+
+    def __init__(self, bound_of):
+        self.binary = _FakeBinary()
+        self.binder_calls = self.compiles = 0
+        self.bound_of = bound_of
+        self.device_caches = {0: (None, self._binder)}
+
+    def _binder(self, *args, **kwargs):
+        self.binder_calls += 1
+        return self.bound_of(args, kwargs), ["spec"], {}
+
+    def __getitem__(self, grid):
+        def compile_and_run(*args, **kwargs):
+            self.compiles += 1
+            return self.binary
+        return compile_and_run
+
+
+def _fake_cuda(monkeypatch):
+    monkeypatch.setattr(launch_mod, "INTERPRETING", False)
+    monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+    monkeypatch.setattr(launch_mod, "_COMPILED", {})
+    monkeypatch.setattr(launch_mod, "_BY_SITE", {})
+
+
+def test_launch_by_site_records_the_binders_binary_and_constants(monkeypatch):
+    """The first call compiles (Triton's path), the second asks the binder and records the site, later calls with
+    that site run the recorded binary with the positional arguments and the recorded constants, binder skipped."""
+    _fake_cuda(monkeypatch)
+    kernel = _FakeKernel(lambda args, kwargs: {"x": args[0], "n": args[1], "BLOCK": kwargs["BLOCK"]})
+    x = object()
+    for _ in range(4):
+        launch_mod.launch_by_site(kernel, (1,), ("site", 1), x, 7, BLOCK=64)
+    assert (kernel.compiles, kernel.binder_calls) == (1, 2)
+    assert kernel.binary.runs == [(x, 7, 64)] * 3
+    launch_mod.launch_by_site(kernel, (1,), ("site", 2), x, 7, BLOCK=64)  # another site: the binder again
+    assert kernel.binder_calls == 3
+
+
+def test_launch_by_site_never_records_what_the_binder_changed(monkeypatch):
+    """A binder whose values are not the positional arguments themselves (converted), or whose remaining values
+    are not plain constants (a tensor passed by keyword), keeps every call on the binder's path."""
+    _fake_cuda(monkeypatch)
+    converted = _FakeKernel(lambda args, kwargs: {"x": str(args[0]), "n": args[1], "BLOCK": kwargs["BLOCK"]})
+    by_keyword = _FakeKernel(lambda args, kwargs: {"x": args[0], "n": args[1], "BLOCK": kwargs["BLOCK"]})
+    block = torch.zeros(1)
+    for _ in range(4):
+        launch_mod.launch_by_site(converted, (1,), ("converted",), 5, 7, BLOCK=64)
+        launch_mod.launch_by_site(by_keyword, (1,), ("by keyword",), 5, 7, BLOCK=block)
+    assert converted.binder_calls == by_keyword.binder_calls == 4
+    assert converted.binary.runs == [("5", 7, 64)] * 3
+    assert by_keyword.binary.runs == [(5, 7, block)] * 3
+
+
+@pytest.mark.gpu
+def test_gpu_decoded_quantize_sites_run_the_binders_binary(monkeypatch):
+    """The decoded quantize's site key (``launch_decoded_quantize``) picks the binary Triton's binder picks, for rows
+    equal to 1, divisible by 16 or not, inputs 16-byte aligned or only 8, both recipes; keyed launches give the
+    bytes of ``decode_nvfp4_rows(quantize(x))``."""
+    from support.launch_sites import check_sites_against_binder
+
+    gemm_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm")
+    checked = check_sites_against_binder(quantize_mod, monkeypatch)
+    g = torch.tensor([0.7], device="cuda")
+    for rows in (1, 17):
+        base = torch.randn(rows, 1024 + 4, device="cuda", dtype=torch.bfloat16) * 3
+        for offset in (0, 4):  # 4 values = 8 bytes: the row starts lose 16-byte alignment
+            x = base[:, offset:offset + 1024]
+            for fast_math in (False, True):
+                packed, scales = kernels.quantize_nvfp4_triton(x, g, fast_math=fast_math)
+                want = gemm_mod.decode_nvfp4_rows(packed, scales, torch.float16).view(torch.int16)
+                for call in range(4):  # Triton's path (twice at a kernel's first launch), recording, keyed
+                    got = quantize_mod.quantize_nvfp4_decoded(x, g, fast_math=fast_math).view(torch.int16)
+                    assert torch.equal(got, want), (rows, offset, fast_math, call)
+    assert len(set(checked)) == 2 * 2 * 2, f"sites checked: {len(set(checked))} of 8"
