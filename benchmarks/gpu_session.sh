@@ -27,6 +27,8 @@
 #   qwen_compiled: the full-size Qwen-Image block tests (eager, inductor), then its compiled steps
 #   flux2_qk: the full-size FLUX.2-dev block tests and the 512-wide norm-sites test (all with flux2_qk_rotary), then
 #             the FLUX.2-dev steps (eager, CUDA graph)
+#   sites:    the launch, SM90 GEMM and decoded-quantize tests (site-keyed launches), bench_launch_overhead.py, the
+#             Qwen-Image steps (eager, CUDA graph), the FLUX.2-dev eager step and its profile
 #   flux2_compiled: the FLUX.2 residual-norm and compile/graph GPU tests, FLUX.2-dev compiled steps, its profile
 #   budget_flux2, budget_qwen: whole pipelines under 24 and 32 GiB caps, NVFP4 and BF16 (bench_pipeline_budget.py)
 #   cp:       two GPUs (nvidia-h200-x2): context-parallel tests, then bench_context_parallel.py for both models, Ulysses
@@ -134,6 +136,13 @@ for group in ${@:-kernels models}; do
       TAIL=8 step 200 t_flux2_blocks $P tests/test_fast_paths.py -k "full_size_flux2 or norm_sites" --durations=3
       TAIL=12 step 150 step_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024
       TAIL=12 step 170 graph_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --cuda-graph --steps-timed 15 ;;
+    sites)
+      TAIL=8 step 150 t_sites $P tests/test_launch.py tests/test_gemm.py tests/test_quantize.py tests/test_gelu_quantize.py -k "sm90 or launch or site or decoded or bias_epilogue or quantized_linear" --durations=3
+      TAIL=10 step 60 launch_overhead python3 benchmarks/bench_launch_overhead.py
+      TAIL=12 step 100 step_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --steps-timed 11
+      TAIL=12 step 80 graph_qwen python3 benchmarks/bench_transformer_step.py --model qwen-image --cuda-graph --steps-timed 7
+      TAIL=12 step 80 step_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev
+      TAIL=24 step 100 profile_flux2 python3 benchmarks/profile_step.py --model flux2-dev ;;
     flux2_compiled)
       TAIL=8 step 140 t_resnorm $P tests/test_fast_paths.py -k "flux2_resnorm or compile_fullgraph" --durations=3
       TAIL=12 step 280 compile_flux2 python3 benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks
