@@ -648,6 +648,34 @@ def test_flux2_qk_rotary_site_with_128_wide_heads(kind):
 
 
 @torch.inference_mode()
+def test_flux2_pipeline_png_identical_with_the_qk_site():
+    """The FLUX.2 pipeline with heads 128 wide (the real models' width, where ``flux2_qk_rotary`` installs; the tiny
+    pipelines' heads are 16 wide): the PNG with fast paths on equals the one with them off, the QK site fused on
+    every call and verified, nothing falling back."""
+    from diffusers import Flux2Transformer2DModel
+
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=2, attention_head_dim=128, num_attention_heads=2,
+        joint_attention_dim=48, timestep_guidance_channels=256, axes_dims_rope=[32, 32, 32, 32], guidance_embeds=True,
+    ).to(torch.bfloat16).eval()
+    export.quantize_model_inplace(model, tiny.TINY_EXCLUDES["flux2"], 12.0)
+    for module in model.modules():
+        if isinstance(module, nn.RMSNorm):
+            module.weight.data.normal_(1.0, 0.3)
+    pipe, kwargs = tiny.tiny_flux2_pipeline(model)
+    off = _sha(pipe, kwargs)
+    enable_fast_paths(pipe)
+    on = _sha(pipe, kwargs)
+    entry = fast_path_report(pipe)[type(model).__name__]
+    disable_fast_paths(pipe)
+    assert on == off
+    # 3 steps x (the double block's two streams' query and key, 4, + each single block's query and key, 2 x 2)
+    assert entry["fused_calls"]["flux2_qk_rotary"] == 3 * 8 and entry["fallbacks"] == {}, entry
+    assert entry["verifications"]["failed"] == 0
+
+
+@torch.inference_mode()
 def test_flux2_qk_rotary_falls_back_where_a_hook_observes_the_norm():
     """A hook on one query/key norm: the whole attention keeps diffusers' norms (the rotary alone in one kernel),
     counted once with the reason; the bytes are unchanged."""
