@@ -159,16 +159,16 @@ _CONSTANT_TYPES = (int, bool, float, str, type(None))
 def launch_by_site(kernel, grid: tuple[int, ...], site: tuple, *args, **kwargs) -> None:
     """``launch`` for a call site that can tell, from a few numbers it has at hand, which binary Triton would pick.
 
-    ``site`` (hashable) must determine, together with the kernel and the current device, everything Triton
-    specializes this call on: the value of every integer argument (or at least whether it is 1 and whether it is
-    divisible by 16), every tensor's dtype and 16-byte alignment, every tensor descriptor's dtype, shape, strides,
-    block shape and layout, and every keyword argument. Runtime arguments are passed by position. The second call of
-    a site goes through ``launch`` and records the binary Triton's binder picked and the values of the keyword and
-    default parameters; later calls with an equal ``site`` launch that binary with these values and skip the binder
-    and the hashing of its specialization (the SM90 GEMM wrapper: 55 -> 33 us of host time per call on the H200
-    machine, docs/profile.md). A site whose binder output is not the positional arguments themselves followed by
-    plain constants is never recorded. The GPU tests of each site check that the recorded binary is the binder's
-    (``tests/support/launch_sites.py``).
+    ``site`` (hashable) must determine, together with the kernel and the current device, everything Triton specializes
+    this call on: the value of every integer argument (Triton looks at 1, divisibility by 16 and the 32/64-bit range),
+    every tensor's dtype and 16-byte alignment, every tensor descriptor's dtype, shape, strides, block shape and layout,
+    and every keyword argument. Runtime arguments are passed by position. A site's first direct launch through
+    ``launch`` (after Triton's own path has compiled the binary) records the binary Triton's binder picked and the
+    values of the keyword and default parameters; later calls with an equal ``site`` launch that binary with these
+    values and skip the binder and the hashing of its specialization (the SM90 GEMM wrapper: 55 -> 33 us of host time
+    per call on the H200 machine, docs/profile.md). A site whose binder output is not the positional arguments
+    themselves followed by plain constants is never recorded. The GPU tests of each site check that the recorded binary
+    is the binder's (``tests/support/launch_sites.py``).
     """
     if INTERPRETING:
         kernel[grid](*args, **kwargs)
