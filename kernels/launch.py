@@ -130,9 +130,7 @@ def _launch(kernel, grid, args, kwargs) -> tuple:
         _compile_and_launch(kernel, grid, device, None, args, kwargs)
         return None, None
     try:
-        bound, specialization, _ = caches[-1](*args, **kwargs)
-        # id(kernel): hashing the JITFunction itself runs Python; the entry keeps the kernel, and is checked
-        key = (id(kernel), device, tuple(specialization), tuple(kwargs.items()))
+        bound, key = binder_key(kernel, device, args, kwargs)
         kernel_of_entry, compiled = _COMPILED.get(key, (None, None))
         if kernel_of_entry is not kernel:  # an entry of a freed kernel whose id was reused
             compiled = None
@@ -144,6 +142,13 @@ def _launch(kernel, grid, args, kwargs) -> tuple:
     values = tuple(bound.values())
     _run(compiled, grid, device, values)
     return compiled, values
+
+
+def binder_key(kernel, device: int, args: tuple, kwargs: dict) -> tuple:
+    """(Triton's bound parameters, the key of ``_COMPILED``) for a call: the binder's specialization of the arguments.
+    The key holds id(kernel) (hashing the JITFunction itself runs Python); entries keep the kernel, which is checked."""
+    bound, specialization, _ = kernel.device_caches[device][-1](*args, **kwargs)
+    return bound, (id(kernel), device, tuple(specialization), tuple(kwargs.items()))
 
 
 def _run(compiled, grid, device: int, values: tuple) -> None:

@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import as_block_rows, launch, launch_by_site, launch_options, padded_scale_shape, tile_grid
+from .launch import as_block_rows, cdiv, launch, launch_by_site, launch_options, padded_scale_shape, tile_grid
 from .nvfp4_epilogue import block_tile, e4m3_value, load_blocks, quantize_blocks, store_blocks
 
 
@@ -138,7 +138,7 @@ def launch_decoded_quantize(
         raise ValueError(f"K={k} must be a multiple of 16")
     blocks, row_stride = as_block_rows(x)
     out = torch.empty((m, k), dtype=torch.float16, device=x.device)
-    col_tiles = triton.cdiv(k // 16, block_c)
+    col_tiles = cdiv(k // 16, block_c)
     if m:
         words = out.view(torch.int64)
         # What Triton specializes this launch on (kernels.launch.launch_by_site): integers, pointer alignments,
@@ -147,7 +147,7 @@ def launch_decoded_quantize(
                 global_scale.data_ptr() % 16 == 0, words.data_ptr() % 16 == 0, x.dtype, fast_math, block_r, block_c,
                 num_warps)
         launch_by_site(
-            kernel, (triton.cdiv(m, block_r) * col_tiles,), site, blocks, global_scale, words, m, k, row_stride,
+            kernel, (cdiv(m, block_r) * col_tiles,), site, blocks, global_scale, words, m, k, row_stride,
             col_tiles, BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
             **launch_options(x.device, fast_math, num_warps),
         )

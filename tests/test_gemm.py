@@ -297,7 +297,8 @@ def test_sm90_layouts_keep_the_text_triton_specializes_on():
     import importlib
 
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper",
-                        reason="this Triton has no Gluon Hopper API; runs with Triton >= 3.6, as CI installs")
+                        reason="this Triton has no Gluon Hopper API, so the SM90 layout-repr check did not run; "
+                               "it runs with Triton >= 3.6, as CI installs")
     from triton.experimental.gluon import language as gl
 
     sm90 = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")

@@ -20,8 +20,7 @@ def check_sites_against_binder(module, monkeypatch) -> list:
         device = torch.cuda.current_device()
         entry = launch_mod._BY_SITE.get((id(kernel), site, device))
         if entry is not None:
-            _, specialization, _ = kernel.device_caches[device][-1](*args, **kwargs)
-            key = (id(kernel), device, tuple(specialization), tuple(kwargs.items()))
+            _, key = launch_mod.binder_key(kernel, device, args, kwargs)
             assert entry[1] is launch_mod._COMPILED[key][1], f"site {site}: not the binder's binary"
             checked.append(site)
         real(kernel, grid, site, *args, **kwargs)
