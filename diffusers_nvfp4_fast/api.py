@@ -11,6 +11,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from .graphs import capture_cuda_graphs, denoisers, graph_report, release_cuda_graphs
 from .linear import NVFP4Linear
 from .loaders.common import record_checkpoint_config
 from .loaders.diffusers_native import SOURCE as BFL_SOURCE
@@ -38,18 +39,7 @@ BFL_NUMERICS = (
 
 def _transformers(pipe_or_model) -> list[nn.Module]:
     """The denoiser(s) of a pipeline, or the model itself; ``torch.compile`` wrappers are looked through."""
-    found = []
-    if isinstance(pipe_or_model, nn.Module) and not hasattr(pipe_or_model, "components"):
-        found.append(pipe_or_model)
-    else:
-        for name in ("transformer", "transformer_2"):
-            model = getattr(pipe_or_model, name, None)
-            if model is not None:
-                found.append(model)
-    if not found:
-        raise TypeError(f"expected a diffusers pipeline with a transformer or an nn.Module, "
-                        f"got {type(pipe_or_model).__name__}")
-    return [getattr(m, "_orig_mod", m) for m in found]
+    return [getattr(m, "_orig_mod", m) for m in denoisers(pipe_or_model)]
 
 
 def _convert(model: nn.Module, restore: list) -> dict[str, int]:
@@ -70,7 +60,7 @@ def _restore_config(model: nn.Module, restore: list) -> None:
         restore.append(lambda: setattr(model, "_internal_dict", previous))
 
 
-def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> dict:
+def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", cuda_graphs: bool = False) -> dict:
     """Make an NVFP4 FLUX.2 / Qwen-Image pipeline (or transformer) faster without changing any output byte.
 
     Converts NVFP4 layers that diffusers' ``BFLQuantizationConfig`` or an in-memory ModelOpt quantization built to
@@ -81,6 +71,8 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
     Args:
         verify: "first" compares each fused site kind with the unfused path byte for byte at its first call per
             shape class and device (default); "always" at every call; "off" never.
+        cuda_graphs: also replay every transformer call from a CUDA graph captured for its call signature
+            (``capture_cuda_graphs``): the fastest exact mode where the host would otherwise bound the step.
 
     Returns:
         ``fast_path_report`` of the pipeline.
@@ -114,16 +106,19 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
             "%s, GEMM backend %s", type(model).__name__, len(linears), converted or "none", swizzled,
             dict(stats.sites), gemm_backend(execution_device(model, linears[0])),
         )
+    if cuda_graphs:
+        capture_cuda_graphs(pipe_or_transformer)
     return fast_path_report(pipe_or_transformer)
 
 
 def disable_fast_paths(pipe_or_transformer) -> None:
     """Undo ``enable_fast_paths``: every replaced processor, forward and converted layer is put back (the same
-    objects).
+    objects), and CUDA graphs captured for the pipeline's transformers are freed.
 
     Block scales of layers that were already ``NVFP4Linear`` stay in the 128x4 layout: that conversion is a property
     of the loaded weights, not a fast path, and both layouts give the same outputs.
     """
+    release_cuda_graphs(pipe_or_transformer)
     for model in _transformers(pipe_or_transformer):
         state = getattr(model, _STATE_ATTR, None)
         if state is None:
@@ -173,6 +168,7 @@ def fast_path_report(pipe_or_transformer) -> dict:
     Python and are not counted.
     """
     report = {}
+    graphs = {id(getattr(t, "_orig_mod", t)): graph_report(t) for t in denoisers(pipe_or_transformer)}
     for model in _transformers(pipe_or_transformer):
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
         state = getattr(model, _STATE_ATTR, None)
@@ -186,5 +182,7 @@ def fast_path_report(pipe_or_transformer) -> dict:
                 entry["numerics"] = BFL_NUMERICS
         if stats is not None:
             entry.update(stats.as_dict())
+        if graphs.get(id(model)) is not None:
+            entry["cuda_graphs"] = graphs[id(model)]
         report[type(model).__name__] = entry
     return report

@@ -1,9 +1,9 @@
 """Per-instance swaps with undo: a module's own ``forward`` (under any diffusers hooks) and an attention's processor.
 
 Forwards: a diffusers ``HookRegistry`` captures the bound ``forward`` it finds when a hook is registered and writes
-it back on removal. Setting ``module.forward`` while hooks are registered would silently bypass them, and a
-class-level patch is invisible once a hook captured the bound method. So the innermost captured forward is swapped
-instead.
+it back on removal; accelerate's ``add_hook_to_module`` keeps it as ``module._old_forward`` and calls that at every
+call. Setting ``module.forward`` while hooks are registered would silently bypass them, and a class-level patch is
+invisible once a hook captured the bound method. So the innermost captured forward is swapped instead.
 """
 
 from __future__ import annotations
@@ -21,11 +21,18 @@ def _innermost_ref(module: nn.Module):
     return fn_refs[0]
 
 
+def _accelerate_wrapped(module: nn.Module) -> bool:
+    """An accelerate hook wraps the module's forward, and no diffusers hook sits below it."""
+    return "_hf_hook" in module.__dict__ and "_old_forward" in module.__dict__ and _innermost_ref(module) is None
+
+
 def current_inner_forward(module: nn.Module) -> Callable:
     """The forward that does the module's own work: below every hook, else the instance/class forward."""
     ref = _innermost_ref(module)
     if ref is not None:
         return ref.original_forward if getattr(ref, "original_forward", None) is not None else ref.forward
+    if _accelerate_wrapped(module):
+        return module.__dict__["_old_forward"]
     return module.forward
 
 
@@ -36,6 +43,8 @@ def _set_inner_forward(module: nn.Module, fn: Callable) -> None:
             ref.original_forward = fn
         else:
             ref.forward = fn
+    elif _accelerate_wrapped(module):
+        module.__dict__["_old_forward"] = fn
     else:
         module.forward = fn
 
@@ -48,7 +57,8 @@ def swap_forward(module: nn.Module, new_forward: Callable) -> Callable[[], None]
     deleted so the class method shows through again.
     """
     original = current_inner_forward(module)
-    had_instance_attr = "forward" in module.__dict__ and _innermost_ref(module) is None
+    had_instance_attr = "forward" in module.__dict__ and _innermost_ref(module) is None \
+        and not _accelerate_wrapped(module)
 
     def undo() -> None:
         ref = _innermost_ref(module)
@@ -56,6 +66,8 @@ def swap_forward(module: nn.Module, new_forward: Callable) -> Callable[[], None]
             for attr in ("original_forward", "forward"):
                 if getattr(ref, attr, None) is new_forward:
                     setattr(ref, attr, original)
+        if module.__dict__.get("_old_forward") is new_forward:  # an accelerate hook added on top meanwhile
+            module.__dict__["_old_forward"] = original
         if module.__dict__.get("forward") is new_forward:
             if had_instance_attr or ref is not None:
                 module.forward = original
