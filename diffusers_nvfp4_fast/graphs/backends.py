@@ -118,7 +118,9 @@ def external_tensors(fn: Callable[[], Any], known: list[torch.Tensor]) -> list[t
     ``known``: module-level caches such as diffusers' ``lru_cache``d RoPE tables. A graph keeps them alive, so an
     eviction from such a cache can never free memory the graph reads."""
     mode = _ExternalTensors()
-    with mode:
+    # Compiled code cannot run under a dispatch mode (dynamo skips such frames, and fullgraph=True then raises): the
+    # eager code it was compiled from reads the same tensors.
+    with torch.compiler.set_stance("force_eager"), mode:
         fn()
     owned = {t.untyped_storage().data_ptr() for t in known if t.numel()}
     return [t for ptr, t in mode.read.items() if ptr not in owned]

@@ -91,6 +91,17 @@ def _broadcast_dims(t: torch.Tensor) -> list[int]:
     return [d for d in range(t.dim()) if t.stride(d) == 0 and t.shape[d] > 1]
 
 
+def _overlaps(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` share an address: with its dimensions sorted by stride, each stride must reach
+    past the span of the smaller ones (true of every view of a contiguous tensor that is not a broadcast)."""
+    span = 0
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= span:
+            return True
+        span += (size - 1) * stride
+    return False
+
+
 def writable_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` narrowed to one element along its broadcast (stride-0) dimensions: each memory location once."""
     for d in _broadcast_dims(t):
@@ -104,7 +115,7 @@ def static_like(t: torch.Tensor) -> torch.Tensor:
 
     Raises ``UnkeyableCall`` for a tensor whose elements overlap other than by broadcasting (copying into such a buffer
     is ambiguous)."""
-    if not _broadcast_dims(t) and torch._debug_has_internal_overlap(t) != 0:
+    if not _broadcast_dims(t) and _overlaps(t):
         raise UnkeyableCall(f"a tensor argument {tuple(t.shape)} with strides {t.stride()} overlaps itself")
     span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) if t.numel() else 0
     cap, want = ALIGN.get(t.device.type, 256), alignment(t)
@@ -188,6 +199,8 @@ class ModelWatch:
         self._epoch = -1
         self._weights = self._config = 0
         self._last_config: tuple | None = None
+        self._config_numbers: dict[tuple, int] = {}
+        self._configs_seen = 0
         self._tensors: list[torch.Tensor | None] = []  # kept across refreshes: a refresh alone is no change
         self._ptrs: list[int | None] = []
         self._indices: list[int] = []
@@ -251,9 +264,14 @@ class ModelWatch:
         weights = self._weights_version()
         config = (tuple(map(id, map(_FORWARD, self._dicts))), tuple(probe(m) for m, probe in self._probes),
                   _global_switches())
-        if config != self._last_config:
+        if config != self._last_config:  # a configuration seen before gets its number back (LoRA 1.0 -> 0.5 -> 1.0)
             self._last_config = config
-            self._config += 1
+            if config not in self._config_numbers:
+                self._configs_seen += 1
+                self._config_numbers[config] = self._configs_seen
+            self._config = self._config_numbers[config]
+            while len(self._config_numbers) > _MAX_CONFIGS:
+                self._config_numbers.pop(next(iter(self._config_numbers)))
         return weights, self._config, self._reason()
 
     def tensors(self) -> list[torch.Tensor]:
@@ -261,6 +279,7 @@ class ModelWatch:
         return [t for t in self._current() if t is not None]
 
 
+_MAX_CONFIGS = 64
 _STOCHASTIC = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 _FORWARD_HOOKS = operator.itemgetter("_forward_hooks")
 _PRE_HOOKS = operator.itemgetter("_forward_pre_hooks")
