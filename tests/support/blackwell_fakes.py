@@ -179,6 +179,7 @@ class _LayerContract:
         self.layers: dict[int, object] = {}
         self.calls: list[Call] = []
         self.copied = False
+        self.any_weight = False  # True: weights of no registered layer are allowed (FlashInfer's own contract only)
 
     def register(self, model: torch.nn.Module):
         from diffusers_nvfp4_fast.linear import NVFP4Linear
@@ -204,6 +205,10 @@ class _LayerContract:
         ``self.copied`` where ``rows`` is an aligned copy of a misaligned weight."""
         self.copied = False
         layer = self.layers.get(scales.data_ptr())
+        if layer is None and self.any_weight:
+            require(not bool(torch.isin(scales.view(torch.uint8), torch.tensor(E4M3_NAN_BYTES, dtype=torch.uint8))
+                             .any()), "b_descale holds an E4M3 NaN byte")
+            return None, False
         if layer is None:  # a warm-up call: zero operands of a layer's shape
             require(not bool(rows.view(torch.uint8).any()) and not bool(scales.view(torch.uint8).any()),
                     "a GEMM call with a weight no registered layer holds, and not a zero warm-up operand")
