@@ -165,10 +165,10 @@ def _install_hint(backend: str) -> str:
         return (f"cuBLASLt's NVFP4 GEMM needs torch built with CUDA >= 12.8 on an SM100+ GPU; "
                 f"{GEMM_BACKEND_VAR}=flashinfer or =emulated (slow, exact) avoid it")
     return ("FlashInfer compiles its CUTLASS FP4 GEMM with nvcc at its first call: install a CUDA toolkit whose "
-            "nvcc knows this GPU (12.8+; 12.9+ for SM103/SM121; 13.0+ for SM110) with a host C++ compiler, put it on "
-            "PATH or in CUDA_HOME, and keep ~/.cache/flashinfer writable; or install the prebuilt kernels with "
-            "`flashinfer install-jit-cache-wheel`; or set "
-            f"{GEMM_BACKEND_VAR}=cublaslt (no toolkit) or =emulated (slow, exact)")
+            "nvcc lists this GPU's target (`nvcc --list-gpu-arch`; CUDA 12.8+ for SM100/SM120, 12.9+ for SM121) and a "
+            "host C++ compiler, put it on PATH or in CUDA_HOME, and keep ~/.cache/flashinfer writable; or install the "
+            "prebuilt kernels with `flashinfer install-jit-cache-wheel`; or set "
+            f"{GEMM_BACKEND_VAR}=cublaslt (no toolkit) or =emulated (slow, exact); docs/blackwell.md")
 
 
 def zero_scale_padding_(layer: NVFP4LayerShape) -> int:
