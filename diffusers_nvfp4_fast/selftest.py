@@ -10,7 +10,8 @@ with the reason it was chosen; then it checks
   Hopper, the torch emulation on a CPU) at a small and at real FLUX.2 / Qwen-Image shapes, on operands built so that
   every partial sum is exact in FP32 whatever the summation order: the only correct output is then one set of bytes,
   computed here in float64 from the values the operands were built from (no decoder involved);
-- a tiny FLUX.2 pipeline with fast paths off and on: the same PNG bytes.
+- a tiny FLUX.2 pipeline with fast paths off and on: the same PNG bytes;
+- on SM100+, the GEMM checks again with the opt-in cuBLASLt backend (reported, not counted).
 Each line gives microseconds per call (median of a few, after a warm-up). The exit status is 1 if anything differs
 or fails to run; ``--json`` prints the whole record for a bug report.
 """
@@ -21,6 +22,7 @@ import argparse
 import contextlib
 import importlib.metadata
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -278,7 +280,7 @@ def gemm_checks(device: torch.device) -> list[dict[str, Any]]:
     """The NVFP4 GEMM of the backend that runs on ``device`` (the M > 64 FP16-operand entry too, on SM80-SM90)."""
     from .ops.linear import linear_fp16_x, nvfp4_linear
 
-    backend = dispatch.gemm_backend(device)
+    backend = dispatch.gemm_backend(device)  # raises for a forced backend that cannot run here
     shapes = GPU_GEMM_SHAPES if device.type == "cuda" else CPU_GEMM_SHAPES
     gen = torch.Generator(device=device).manual_seed(1)
     alpha = torch.tensor(ALPHA, dtype=torch.float32, device=device)
@@ -301,6 +303,33 @@ def gemm_checks(device: torch.device) -> list[dict[str, Any]]:
                                         _call(_same, want), device, "Triton GEMM vs float64 sums"))
             del xv, wv
     return checks
+
+
+def optional_backend_checks(device: torch.device) -> list[dict[str, Any]]:
+    """On SM100+ GPUs, the GEMM checks once more with the opt-in cuBLASLt backend, marked optional: they decide
+    whether it computes the recipe on this GPU (docs/blackwell.md), without failing the self-test."""
+    capability = dispatch.gemm_device_capability(device)
+    if capability is None or capability[0] < 10 or dispatch.forced_gemm_backend() is not None:
+        return []
+    with _forced_backend("cublaslt"):
+        try:
+            checks = gemm_checks(device)
+        except dispatch.BackendUnavailableError as error:
+            checks = [{"name": "GEMM (cublaslt)", "equal": None, "detail": str(error)}]
+    return [{**check, "name": f"{check['name']} [cublaslt, optional]", "optional": True} for check in checks]
+
+
+@contextlib.contextmanager
+def _forced_backend(backend: str) -> Iterator[None]:
+    previous = os.environ.get(dispatch.GEMM_BACKEND_VAR)
+    os.environ[dispatch.GEMM_BACKEND_VAR] = backend
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[dispatch.GEMM_BACKEND_VAR]
+        else:
+            os.environ[dispatch.GEMM_BACKEND_VAR] = previous
 
 
 @contextlib.contextmanager
@@ -386,9 +415,10 @@ def run_selftest(device: torch.device | str | None = None) -> dict[str, Any]:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     result: dict[str, Any] = {"environment": environment(device)}
-    checks = kernel_checks(device) + gemm_checks(device) + [pipeline_check(device)]
+    checks = kernel_checks(device) + gemm_checks(device) + [pipeline_check(device)] + optional_backend_checks(device)
     result["checks"] = checks
-    result["passed"] = all(c["equal"] is not False for c in checks) and any(c["equal"] for c in checks)
+    required = [c for c in checks if not c.get("optional")]
+    result["passed"] = all(c["equal"] is not False for c in required) and any(c["equal"] for c in required)
     return result
 
 
@@ -412,7 +442,7 @@ def format_report(result: dict[str, Any]) -> str:
                                                                   else ""))
         if check.get("detail"):
             lines.append(f"                         {check['detail']}")
-    failed = sum(c["equal"] is False for c in result["checks"])
+    failed = sum(c["equal"] is False and not c.get("optional") for c in result["checks"])
     lines.append(f"result: {'PASSED' if result['passed'] else 'FAILED'} ({len(result['checks'])} checks, "
                  f"{failed} failed)")
     return "\n".join(lines)

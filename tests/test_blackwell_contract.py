@@ -483,3 +483,38 @@ def test_adaln_kernel_builds_packed_for_blackwell(capability):
 
     compiled = compile_qwen_resnorm(3072, capability, has_residual=False, decoded=False)
     assert "cvt.rn.satfinite.e2m1x2.f32" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FP16 models loaded by diffusers' BFLQuantizationConfig (docs/blackwell.md, "FP16 models").
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _diffusers_bfl_layer(dtype):
+    from diffusers.quantizers.bfl.utils import BFLNVFP4Linear
+
+    gen = torch.Generator().manual_seed(7)
+    layer = BFLNVFP4Linear(64, 32, bias=False, compute_dtype=dtype)
+    layer.weight.data = torch.randint(0, 256, (32, 32), generator=gen, dtype=torch.uint8)
+    layer.weight_scale = torch.randint(0x20, 0x50, (32, 4), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    layer.weight_scale_2 = torch.tensor(0.013)
+    layer.input_scale = torch.tensor(0.021)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_converted_fp16_layers_say_they_differ_from_diffusers_own_blackwell_path(dtype):
+    """diffusers 0.42.1's BFLNVFP4Linear on SM100+ quantizes ``x.to(bfloat16)`` and asks for BF16 output; a converted
+    layer quantizes x in its own dtype. Same recipe for BF16; for FP16 the report says that the bytes differ, and
+    they do."""
+    model = nn.Sequential(_diffusers_bfl_layer(dtype))
+    report = enable_fast_paths(model)["Sequential"]
+    assert ("runs in FP16" in report["numerics"]) == (dtype == torch.float16)
+    layer = model[0]
+    x = _input(6, 64, dtype=dtype, scale=0.3)
+    ours = layer(x)
+    xq, xs = quantize_nvfp4(x.to(torch.bfloat16), layer.input_scale_inv, fast_math=fast_math_from_env())
+    diffusers_recipe = linear_reference(xq, xs, layer.weight, layer.weight_scale, layer.alpha, None,
+                                        torch.bfloat16).to(dtype)
+    assert torch.equal(ours, diffusers_recipe) == (dtype == torch.bfloat16)
+    disable_fast_paths(model)

@@ -5,6 +5,7 @@ GEMM checks drive the Blackwell call path too (through the stand-in of tests/tes
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -79,19 +80,24 @@ def test_exact_operands_keep_every_partial_sum_exact_at_the_largest_k():
 
 
 def test_selftest_gemm_checks_drive_the_blackwell_path(monkeypatch):
-    """With the dispatch believing it is on an SM100 GPU and FlashInfer's stand-in installed, the self-test's GEMM
-    checks pass through ``mm_fp4`` (the unaligned shape padded), as on a Blackwell GPU."""
-    fake = fakes.FakeFlashInfer((10, 0))
-    fake.any_weight = True  # the self-test multiplies operands of no layer
+    """With the dispatch believing it is on an SM100 GPU and the stand-ins installed, the self-test's GEMM checks pass
+    through ``mm_fp4`` (the unaligned shape padded), and its optional checks through cuBLASLt's ``scaled_mm``."""
+    fake, cublaslt = fakes.FakeFlashInfer((10, 0)), fakes.FakeScaledMM((10, 0))
+    fake.any_weight = cublaslt.any_weight = True  # the self-test multiplies operands of no layer
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", cublaslt)
     monkeypatch.setattr(dispatch, "gemm_device_capability", lambda device: (10, 0))
     dispatch.reset_backend_choice()
     try:
         checks = selftest.gemm_checks(torch.device("cpu"))
+        optional = selftest.optional_backend_checks(torch.device("cpu"))
     finally:
         dispatch.reset_backend_choice()
     assert all(c["equal"] is True and c["compared"].startswith("flashinfer") for c in checks), checks
     assert len(fake.calls) >= len(checks) and {(c.n, c.k) for c in fake.calls} >= {(224, 192), (3072, 3072)}
+    assert len(optional) == len(checks) and all(c["optional"] and c["equal"] is True for c in optional), optional
+    assert all(c["compared"].startswith("cublaslt") for c in optional) and len(cublaslt.calls) >= len(optional)
+    assert dispatch.GEMM_BACKEND_VAR not in os.environ
 
 
 @pytest.mark.gpu
