@@ -31,6 +31,7 @@
 #             Qwen-Image steps (eager, CUDA graph), the FLUX.2-dev eager step and its profile
 #   flux2_compiled: the FLUX.2 residual-norm and compile/graph GPU tests, FLUX.2-dev compiled steps, its profile
 #   budget_flux2, budget_qwen: whole pipelines under 24 and 32 GiB caps, NVFP4 and BF16 (bench_pipeline_budget.py)
+#   selftest: `diffusers-nvfp4-fast selftest` (report and --json), then its GPU test and the Blackwell contract tests
 #   cp:       two GPUs (nvidia-h200-x2): context-parallel tests, then bench_context_parallel.py for both models, Ulysses
 #             and ring
 # Triton's kernel cache travels between device calls: a fresh machine otherwise rebuilds every kernel variant (over
@@ -153,6 +154,10 @@ for group in ${@:-kernels models}; do
     budget_qwen)
       TAIL=6 step 280 budget_qwen_nvfp4 python3 benchmarks/bench_pipeline_budget.py --model qwen-image --dtype nvfp4
       TAIL=6 step 300 budget_qwen_bf16 python3 benchmarks/bench_pipeline_budget.py --model qwen-image --dtype bf16 ;;
+    selftest)
+      TAIL=60 step 400 selftest python3 -m diffusers_nvfp4_fast selftest
+      timeout 300 python3 -m diffusers_nvfp4_fast selftest --json > "$OUT/selftest.json" 2>"$OUT/selftest_json.log"; echo "exit $?"
+      TAIL=6 step 150 t_selftest python3 -m pytest -q -rfs -p no:cacheprovider --tb=short tests/test_selftest.py tests/test_blackwell_contract.py ;;
     cp)
       export NCCL_NVLS_ENABLE=0
       R="torchrun --standalone --nproc-per-node 2 benchmarks/bench_context_parallel.py"

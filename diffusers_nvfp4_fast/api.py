@@ -17,6 +17,7 @@ from .loaders.common import record_checkpoint_config
 from .loaders.diffusers_native import SOURCE as BFL_SOURCE
 from .loaders.diffusers_native import convert_diffusers_native
 from .lora import register_lora_support
+from .ops.blackwell import GemmSetupError, padded_layers, warm_up
 from .ops.dispatch import gemm_backend
 from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats, stats_for
 from .patches.flux2 import patch_flux2
@@ -35,6 +36,15 @@ BFL_NUMERICS = (
     "(what diffusers computes on SM100+ with FlashInfer); below SM100 diffusers itself dequantizes them to W4A16, "
     "so there the outputs differ from diffusers' own unconverted ones"
 )
+BFL_FP16_NUMERICS = (
+    "; this model runs in FP16, where diffusers' own SM100+ path casts each activation to BF16 before quantizing and "
+    "asks the GEMM for BF16 output, while the converted layers quantize the FP16 activation and write FP16: the "
+    "outputs differ from diffusers' own (docs/blackwell.md, FP16)"
+)
+
+
+def _runs_fp16(linears: list[NVFP4Linear]) -> bool:
+    return any(m.compute_dtype == torch.float16 for m in linears)
 
 
 def _transformers(pipe_or_model) -> list[nn.Module]:
@@ -96,11 +106,13 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", cuda
         register_lora_support()
         swizzled = sum(m.swizzle_weight_scales_() for m in linears)
         record_checkpoint_config(model)
+        warmed = _warm_up_gemm(model, linears, restore)
         stats_id, stats = new_stats(verify)
         patcher = _PATCHERS.get(type(model).__name__)
         if patcher is not None:
             stats.sites.update(patcher(model, stats_id, restore))
-        setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore, "converted": converted})
+        setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore, "converted": converted,
+                                     "gemm_warm_up": warmed})
         logger.info(
             "fast paths on for %s: %d NVFP4 linears (converted now: %s; %d scale tensors swizzled now), fused sites "
             "%s, GEMM backend %s", type(model).__name__, len(linears), converted or "none", swizzled,
@@ -109,6 +121,17 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", cuda
     if cuda_graphs:
         capture_cuda_graphs(pipe_or_transformer)
     return fast_path_report(pipe_or_transformer)
+
+
+def _warm_up_gemm(model: nn.Module, linears: list[NVFP4Linear], restore: list) -> dict:
+    """Warm the Blackwell GEMM up for every layer shape (``ops/blackwell.warm_up``); on failure the converted layers
+    are put back before the error (which names what to install) propagates."""
+    try:
+        return warm_up(linears, execution_device(model, linears[0]))
+    except GemmSetupError:
+        for undo in reversed(restore):
+            undo()
+        raise
 
 
 def disable_fast_paths(pipe_or_transformer) -> None:
@@ -175,11 +198,17 @@ def fast_path_report(pipe_or_transformer) -> dict:
         stats = stats_for(state["stats_id"]) if state else None
         entry: dict[str, Any] = {"enabled": state is not None, "nvfp4_linears": len(linears)}
         if linears:
-            entry["gemm_backend"] = gemm_backend(execution_device(model, linears[0]))
+            device = execution_device(model, linears[0])
+            entry["gemm_backend"] = gemm_backend(device)
+            padded = padded_layers(linears, device)
+            if padded:
+                entry["gemm_padded_layers"] = padded
         if state is not None:
             entry["converted"] = dict(state["converted"])
+            if state.get("gemm_warm_up"):
+                entry["gemm_warm_up"] = dict(state["gemm_warm_up"])
             if BFL_SOURCE in state["converted"]:
-                entry["numerics"] = BFL_NUMERICS
+                entry["numerics"] = BFL_NUMERICS + (BFL_FP16_NUMERICS if _runs_fp16(linears) else "")
         if stats is not None:
             entry.update(stats.as_dict())
         if graphs.get(id(model)) is not None:

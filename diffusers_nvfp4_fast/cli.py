@@ -1,4 +1,4 @@
-"""``diffusers-nvfp4-fast``: parses arguments and hands over to ``loaders.inspect`` or ``demo``.
+"""``diffusers-nvfp4-fast``: parses arguments and hands over to ``loaders.inspect``, ``demo`` or ``selftest``.
 
 Nothing heavy is imported before a command runs, so ``--help`` answers without importing torch or diffusers.
 """
@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="also read the block-scale tensors (not the weights) and test the 128x4 padding")
     sub.add_parser("demo", help="quantize, load and run an embedded tiny model offline, fast paths off and on "
                                 "(options: diffusers-nvfp4-fast demo --help)")
+    sub.add_parser("selftest", help="check every kernel this GPU (or CPU) would use against its torch reference, byte "
+                                    "for byte (options: diffusers-nvfp4-fast selftest --help)")
     return parser
 
 
@@ -49,6 +51,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return int(demo_main(args_list[1:]) or 0)
+    if args_list[:1] == ["selftest"]:
+        from .selftest import main as selftest_main
+
+        return selftest_main(args_list[1:])
     args = _parser().parse_args(args_list)
     if args.command == "inspect":
         return _inspect(Path(args.path), args.json, args.check_scales)

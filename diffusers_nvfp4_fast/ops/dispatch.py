@@ -8,6 +8,8 @@ eager mode (docs/design.md §8: the eager step is bound by host time) and the cu
 from __future__ import annotations
 
 import functools
+import logging
+import re
 from collections.abc import Callable
 from types import ModuleType
 
@@ -21,8 +23,11 @@ except ImportError:
     _kernels_module = None
 
 kernels: ModuleType | None = _kernels_module
+logger = logging.getLogger("diffusers_nvfp4_fast")
 GEMM_BACKEND_VAR = "DIFFUSERS_NVFP4_GEMM_BACKEND"
-GEMM_BACKENDS = ("flashinfer", "triton", "emulated")
+GEMM_BACKENDS = ("flashinfer", "triton", "emulated", "cublaslt")
+# The first FlashInfer release whose CUTLASS mm_fp4 serves each Blackwell family (docs/blackwell.md, "Versions").
+FLASHINFER_MINIMUM = {10: "0.2.9", 11: "0.5.3", 12: "0.3.1"}
 
 
 class BackendUnavailableError(RuntimeError):
@@ -60,6 +65,15 @@ def call_op(op: Callable, impl: Callable, *args):
     return impl(*args)
 
 
+def gemm_device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of the CUDA device a GEMM on ``device`` runs on; None for any other device.
+
+    The one place the GEMM dispatch asks which GPU it is on. The Blackwell contract test replaces it to run the
+    FlashInfer / cuBLASLt call path on CPU tensors (tests/test_blackwell_contract.py); nothing else does.
+    """
+    return cuda_capability(device) if device.type == "cuda" else None
+
+
 def triton_runs_on(x: torch.Tensor) -> bool:
     """True where the Triton kernels run for ``x``: a CUDA tensor on SM80 or newer, with Triton installed."""
     return x.is_cuda and kernels is not None and cuda_capability(x.device) >= (8, 0)
@@ -73,6 +87,36 @@ def flashinfer() -> ModuleType | None:
     except ImportError:
         return None
     return module
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """'0.7.2.post1' -> (0, 7, 2): the numeric release part, enough to compare with ``FLASHINFER_MINIMUM``."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(part) for part in match.group().split(".")) if match else ()
+
+
+def flashinfer_problem(major: int, minor: int) -> str | None:
+    """Why FlashInfer's CUTLASS FP4 GEMM cannot serve an SM{major}{minor} GPU here, or None where it can."""
+    module = flashinfer()
+    if module is None:
+        return "FlashInfer is not installed (pip install 'diffusers-nvfp4-fast[blackwell]')"
+    needed = FLASHINFER_MINIMUM.get(major)
+    if needed is None:
+        return f"FlashInfer's CUTLASS FP4 GEMM serves SM100-SM121, this GPU is SM{major}{minor}"
+    version = str(getattr(module, "__version__", "0"))
+    if _release(version) < _release(needed):
+        return (f"FlashInfer {version} predates {needed}, the first release whose CUTLASS FP4 GEMM runs on "
+                f"SM{major}x (pip install -U 'flashinfer-python>={needed}')")
+    return None
+
+
+def _cublaslt_problem() -> str | None:
+    """Why torch's cuBLASLt NVFP4 GEMM (two-level scaled ``scaled_mm``) is not available in this torch."""
+    functional = torch.nn.functional
+    if not (hasattr(functional, "scaled_mm") and hasattr(functional, "ScalingType")
+            and hasattr(torch, "float4_e2m1fn_x2")):
+        return f"torch {torch.__version__} has no two-level NVFP4 torch.nn.functional.scaled_mm"
+    return None
 
 
 def forced_gemm_backend() -> str | None:
@@ -90,15 +134,14 @@ def _why_not(backend: str, device: torch.device) -> str | None:
     """Why ``backend`` cannot run on ``device``, or None where it can."""
     if backend == "emulated":
         return None
-    if device.type != "cuda":
+    capability = gemm_device_capability(device)
+    if capability is None or (backend == "triton" and device.type != "cuda"):
         return f"the tensors are on {device.type}, and {backend} runs on CUDA GPUs only"
-    major, minor = cuda_capability(device)
-    if backend == "flashinfer":
+    major, minor = capability
+    if backend in ("flashinfer", "cublaslt"):
         if major < 10:
-            return f"FlashInfer's FP4 GEMM needs SM100 or newer, this GPU is SM{major}{minor}"
-        if flashinfer() is None:
-            return "FlashInfer is not installed (pip install 'diffusers-nvfp4-fast[blackwell]')"
-        return None
+            return f"the FP4 tensor-core GEMM ({backend}) needs SM100 or newer, this GPU is SM{major}{minor}"
+        return flashinfer_problem(major, minor) if backend == "flashinfer" else _cublaslt_problem()
     if kernels is None:
         return "Triton is not installed (pip install triton)"
     if not 8 <= major < 10:
@@ -112,11 +155,34 @@ def _automatic_backend(device_type: str, index: int | None) -> str:
     for backend in ("flashinfer", "triton"):
         if _why_not(backend, device) is None:
             return backend
+    capability = gemm_device_capability(device)
+    if capability is not None and capability[0] >= 10:  # cached: said once per device
+        logger.warning(
+            "NVFP4 GEMMs on this SM%d%d GPU run in the exact but slow torch emulation: %s. Install FlashInfer, or "
+            "try %s=cublaslt (docs/blackwell.md).", *capability, _why_not("flashinfer", device), GEMM_BACKEND_VAR)
     return "emulated"
 
 
+def backend_choice(device: torch.device) -> tuple[str, str]:
+    """(the GEMM backend for ``device``, why it was chosen): what ``diffusers-nvfp4-fast selftest`` reports."""
+    backend = gemm_backend(device)
+    if forced_gemm_backend() is not None:
+        return backend, f"forced by {GEMM_BACKEND_VAR}"
+    if backend != "emulated":
+        return backend, "the fastest backend that runs on this device"
+    reasons = {b: _why_not(b, device) for b in ("flashinfer", "triton")}
+    return backend, "; ".join(f"not {b}: {why}" for b, why in reasons.items())
+
+
+def reset_backend_choice() -> None:
+    """Forget the cached automatic choice and the cached ``flashinfer`` import (tests that install a stand-in)."""
+    _automatic_backend.cache_clear()
+    flashinfer.cache_clear()
+
+
 def gemm_backend(device: torch.device) -> str:
-    """The GEMM backend for tensors on ``device``: 'flashinfer' (SM100+), 'triton' (SM80-SM90) or 'emulated' (torch).
+    """The GEMM backend for tensors on ``device``: 'flashinfer' (SM100+), 'triton' (SM80-SM90) or 'emulated' (torch);
+    'cublaslt' (SM100+, torch's cuBLASLt NVFP4 GEMM) only when forced.
 
     ``DIFFUSERS_NVFP4_GEMM_BACKEND`` forces one; a forced backend that cannot run here raises
     ``BackendUnavailableError`` naming the variable, the backend and the reason. The automatic choice is cached per

@@ -14,7 +14,8 @@ from typing import cast
 import torch
 
 from .. import format as nvfp4
-from .dispatch import call_op, flashinfer, gemm_backend, kernels
+from .blackwell import TENSOR_CORE_BACKENDS, tensor_core_gemm
+from .dispatch import call_op, gemm_backend, kernels
 from .quantize import quantize
 
 
@@ -50,17 +51,25 @@ def _linear_impl(
             "NVFP4Linear holds linear-layout weight scales; the FP4 GEMM needs 128x4. Call "
             "module.swizzle_weight_scales_() or enable_fast_paths(...) first."
         )
-    if backend == "flashinfer":
-        out = cast(ModuleType, flashinfer()).mm_fp4(  # gemm_backend checked that it is installed
-            x_packed, w_packed.t(), x_scales.view(torch.float8_e4m3fn), w_scales.view(torch.float8_e4m3fn).t(),
-            alpha, out_dtype, backend="cutlass",
-        )
+    if backend in TENSOR_CORE_BACKENDS:
+        out = tensor_core_output(backend, x_packed, x_scales, w_packed, w_scales, alpha, out_dtype)
     elif _kernel_takes_bias(bias, out_dtype):
         return cast(ModuleType, kernels).nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype,
                                                     bias=bias)
     else:
         out = cast(ModuleType, kernels).nvfp4_gemm(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype)
     return out if bias is None else out + bias
+
+
+def tensor_core_output(
+    backend: str, x_packed: torch.Tensor, x_scales: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor,
+    alpha: torch.Tensor, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The Blackwell GEMM (``ops/blackwell.py``) without the bias; an output dtype it cannot write (FP32) is computed
+    by the reference GEMM, whose bytes it would have to match anyway."""
+    if out_dtype not in (torch.bfloat16, torch.float16):
+        return linear_reference(x_packed, x_scales, w_packed, w_scales, alpha, None, out_dtype)
+    return tensor_core_gemm(backend, x_packed, x_scales, w_packed, w_scales, alpha, out_dtype)
 
 
 def _kernel_takes_bias(bias: torch.Tensor | None, out_dtype: torch.dtype) -> bool:

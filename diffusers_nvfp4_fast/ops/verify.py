@@ -11,11 +11,12 @@ capture nothing can be compared, so an unverified site records the unfused path 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -109,7 +110,7 @@ def bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_as_bytes(a), _as_bytes(b))
 
 
-def _describe_mismatch(names: tuple[str, ...], fused: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> str:
+def describe_mismatch(names: tuple[str, ...], fused: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> str:
     parts = []
     for name, a, b in zip(names, fused, ref):
         if a.shape != b.shape or a.dtype != b.dtype:
@@ -151,7 +152,7 @@ def run_checked(
         stats.verified[kind] += 1
         stats.fused_calls[kind] += 1
         return out
-    what = _describe_mismatch(output_names, out, ref)
+    what = describe_mismatch(output_names, out, ref)
     with _lock:
         _VERDICTS[key] = False
         _FAILED_KINDS[kind] = what
@@ -164,3 +165,19 @@ def run_checked(
         stacklevel=2,
     )
     return ref
+
+
+@contextlib.contextmanager
+def exact_fast_math_reference() -> Iterator[None]:
+    """Within the block, ``format.quantize_nvfp4(..., fast_math=True)`` on CUDA tensors computes the GPU's recipe:
+    its stand-in for ``rcp.approx.ftz.f32`` (a correctly rounded reciprocal, docs/design.md §3) is replaced by the
+    instruction itself, so fast-math kernels can be compared byte for byte. Needs Triton and a CUDA GPU."""
+    from .. import format as nvfp4
+    from ..kernels.rcp_approx import rcp_approx_cuda
+
+    original = nvfp4._rcp_approx
+    nvfp4._rcp_approx = rcp_approx_cuda
+    try:
+        yield
+    finally:
+        nvfp4._rcp_approx = original

@@ -1,40 +1,9 @@
-"""``rcp.approx.ftz.f32`` on the GPU, for references: with it in place of ``format._rcp_approx`` the pure-torch
-quantizer computes the fast-math recipe exactly as the kernels do (docs/design.md §3), so fast-math kernel outputs
-can be compared byte for byte, not only up to the approximate reciprocal."""
+"""The GPU's fast-math reciprocal in the torch reference (``ops.verify.exact_fast_math_reference``), for tests that
+compare fast-math kernel outputs byte for byte."""
 
 from __future__ import annotations
 
-import contextlib
+from diffusers_nvfp4_fast.kernels.rcp_approx import rcp_approx_cuda
+from diffusers_nvfp4_fast.ops.verify import exact_fast_math_reference
 
-import torch
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def _rcp_approx_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=1.0)
-    y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
-    tl.store(y_ptr + offs, y, mask=offs < n)
-
-
-def rcp_approx_cuda(x: torch.Tensor) -> torch.Tensor:
-    """Elementwise ``rcp.approx.ftz.f32`` of an FP32 CUDA tensor (any shape)."""
-    flat = x.to(torch.float32).contiguous().reshape(-1)
-    out = torch.empty_like(flat)
-    _rcp_approx_kernel[(triton.cdiv(flat.numel(), 1024),)](flat, out, flat.numel(), BLOCK=1024)
-    return out.reshape(x.shape)
-
-
-@contextlib.contextmanager
-def exact_fast_math_reference():
-    """Within the block, ``format.quantize_nvfp4(..., fast_math=True)`` on CUDA tensors is the GPU's recipe."""
-    from diffusers_nvfp4_fast import format as nvfp4
-
-    original = nvfp4._rcp_approx
-    nvfp4._rcp_approx = rcp_approx_cuda
-    try:
-        yield
-    finally:
-        nvfp4._rcp_approx = original
+__all__ = ["exact_fast_math_reference", "rcp_approx_cuda"]
