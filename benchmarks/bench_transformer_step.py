@@ -548,6 +548,8 @@ def run(args) -> dict:
     result["cases"] = cases
     result["goals"] = goals(cases, args.model)
     result["host_speed"] = host_speed(device)
+    if args.compile:  # recompiles, graph breaks, frames: why a compiled step might run eagerly or differ
+        result["dynamo_counters"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}
     result["wall_s"] = round(time.time() - t_start, 1)
     return result
 

@@ -169,7 +169,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--compile", choices=["blocks"], help="compile_repeated_blocks(fullgraph=True) after enabling, "
                     "inside exact_inductor (as bench_transformer_step.py --compile blocks)")
-    ap.add_argument("--host", action="store_true", help="cProfile the eager step's Python instead")
+    ap.add_argument("--host", action="store_true", help="cProfile the step's Python instead (with --compile: of the "
+                    "compiled step)")
     args = ap.parse_args()
     from diffusers_nvfp4_fast import enable_fast_paths, exact_inductor
 
@@ -178,7 +179,13 @@ def main() -> None:
     step.materialize(model, args.model, device, nvfp4=True)
     enable_fast_paths(model)
     inputs = step.make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
-    if args.host:
+    if args.host and args.compile:  # where the compiled step's host time goes
+        with exact_inductor():
+            result = host_profile(step.compiled(model, args.compile), inputs, device)
+        result["dynamo_counters"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}
+        mode = "compile_repeated_blocks(fullgraph=True) in exact_inductor, fast paths on, cProfile of one step"
+        name = "profile_host_compiled"
+    elif args.host:
         result = host_profile(model, inputs, device)
         mode, name = "eager, fast paths on, cProfile of one step after two warm-ups", "profile_host"
     elif args.compile:

@@ -45,7 +45,7 @@ def test_ulysses_on_two_cpu_processes(model, order, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2-GPU context-parallel test not run: fewer than two CUDA "
-                    "GPUs here; it runs on a two-GPU machine (benchmarks/gpu_session.sh cp)")
+                    "GPUs here; it runs on a two-GPU machine (benchmarks/gpu_run.sh cp)")
 @pytest.mark.parametrize("mode", ["ulysses", "ring"])
 @pytest.mark.parametrize("model", ["flux2", "qwen"])
 def test_gpu_two_ranks(model, mode, tmp_path):
