@@ -8,11 +8,7 @@ of back-to-back calls, the queue kept from filling by a sync between runs):
   launched directly), for the standalone quantize kernel (9 runtime arguments) and the fused Qwen-Image kernel (24);
 * the public wrappers (argument checks, output allocation, launch): ``quantize_nvfp4``, ``qwen_resnorm_quantize``,
   ``decode_nvfp4_rows``, the SM90 GEMM and the whole ``nvfp4_gemm`` (decode + GEMM);
-* a few torch operations for scale (``torch.empty``, an add, ``chunk``);
-* whole calls as the model makes them, with and without launch plans (``NVFP4Linear`` eager calls prepare their
-  launches once per row count, docs/design.md §8): an ``NVFP4Linear`` call (quantize + GEMM + bias), the same layer
-  fed decoded FP16 by a fused producer (``forward_decoded``), and one full-size Qwen-Image block with its fused
-  sites (text 512 + image 4096 tokens), whose host time is what an eager step is bound by.
+* a few torch operations for scale (``torch.empty``, an add, ``chunk``).
 
 Usage: ``python benchmarks/bench_launch_overhead.py`` -> ``results/launch_overhead-<device>.json``.
 """
@@ -32,7 +28,7 @@ gemm_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm")
 
 
 def host_us(fn, calls: int = 2000) -> float:
-    for _ in range(min(calls, 100)):
+    for _ in range(100):
         fn()
     torch.cuda.synchronize()
     best = float("inf")
@@ -60,71 +56,6 @@ def captured_launch(module, fn):
     finally:
         module.launch = original
     return seen["kernel"], seen["grid"], seen["args"], seen["kwargs"]
-
-
-def _without_plans(fn):
-    """``fn`` with NVFP4Linear's launch plans switched off (the calls before plans existed)."""
-    from diffusers_nvfp4_fast.linear import NVFP4Linear
-
-    def run():
-        saved = NVFP4Linear._plan
-        NVFP4Linear._plan = lambda *args, **kwargs: None  # type: ignore[method-assign]
-        try:
-            return fn()
-        finally:
-            NVFP4Linear._plan = saved  # type: ignore[method-assign]
-    return run
-
-
-def plan_figures(dev) -> dict:
-    """Host us of an NVFP4Linear call and of a Qwen-Image block, with and without launch plans; and whether both give
-    the same bytes."""
-    from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-
-    from diffusers_nvfp4_fast import NVFP4Linear, enable_fast_paths
-    from diffusers_nvfp4_fast.ops.qk_norm_rotary import probe_inputs
-    from diffusers_nvfp4_fast.testing import export
-
-    torch.manual_seed(0)
-    layer = NVFP4Linear.from_weight(torch.randn(3072, 3072, device=dev, dtype=torch.bfloat16) * 0.02,
-                                    torch.randn(3072, device=dev, dtype=torch.bfloat16) * 0.02, 8.0 / 2688).eval()
-    x = torch.randn(4096, 3072, device=dev, dtype=torch.bfloat16)
-    x16 = torch.randn(4096, 3072, device=dev).clamp(-6, 6).round().half()
-    figures = {}
-    with torch.inference_mode():
-        for name, fn in (("nvfp4_linear_call", lambda: layer(x)),
-                         ("nvfp4_linear_forward_decoded", lambda: layer.forward_decoded(x16))):
-            planned, ordinary = fn(), _without_plans(fn)()
-            figures[name] = {"planned_us": host_us(fn), "ordinary_us": host_us(_without_plans(fn)),
-                             "same_bytes": bool(torch.equal(planned.view(torch.int16), ordinary.view(torch.int16))),
-                             "planned": any(callable(p) for p in layer.__dict__.get("_plans", {}).values())}
-
-        class Holder(torch.nn.Module):
-            def __init__(self, block):
-                super().__init__()
-                self.transformer_blocks = torch.nn.ModuleList([block])
-
-        block = QwenImageTransformerBlock(dim=3072, num_attention_heads=24, attention_head_dim=128).to(
-            device=dev, dtype=torch.bfloat16).eval()
-        holder = Holder(block)
-        export.quantize_model_inplace(holder, (), 16.0)
-        holder.eval()
-        enable_fast_paths(holder)
-        img, txt = torch.randn(1, 4096, 3072, device=dev, dtype=torch.bfloat16), torch.randn(
-            1, 512, 3072, device=dev, dtype=torch.bfloat16)
-        temb = torch.randn(1, 3072, device=dev, dtype=torch.bfloat16)
-        rotary = (probe_inputs(1, 4096, 1, "cuda", 1)[2], probe_inputs(1, 512, 1, "cuda", 2)[2])
-
-        def step():
-            return block(img, txt, None, temb, rotary)
-
-        planned, ordinary = step(), _without_plans(step)()
-        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(planned, ordinary))
-        # 10 calls a run: about 250 launches, far from filling the launch queue (the host time stays visible).
-        figures["qwen_image_block"] = {"planned_us": host_us(step, 10),
-                                       "ordinary_us": host_us(_without_plans(step), 10), "same_bytes": same,
-                                       "nvfp4_linears": 14}
-    return figures
 
 
 def main() -> None:
@@ -174,7 +105,6 @@ def main() -> None:
         "add_us": host_us(lambda: residual + attn),
         "chunk3_us": host_us(lambda: mod.chunk(3, dim=-1)),
     }
-    figures.update(plan_figures(dev))
     result.update(shape={"rows": rows, "hidden": d}, host_us=figures,
                   timing="host microseconds per call: best of 3 runs of 2,000 back-to-back calls "
                          "after 100 warm-up calls")

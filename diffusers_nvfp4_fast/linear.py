@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from .format import BLOCK_SIZE, ScaleLayout, fast_math_from_env, padded_scale_shape, swizzle_scales
-from .ops.dispatch import forced_gemm_backend
-from .ops.linear import eager_plan, linear_fp16_x, nvfp4_linear, quantized_linear, takes_decoded_activation
+from .ops.linear import linear_fp16_x, nvfp4_linear, quantized_linear, takes_decoded_activation
 from .ops.quantize import quantize
 
 
@@ -207,46 +206,9 @@ class NVFP4Linear(nn.Module):
             raise ValueError(f"NVFP4Linear expected input [..., {self.in_features}], got {tuple(x.shape)}")
         if self.dynamic_input_scale:
             return self._forward_dynamic(x, bias)
-        rows, fast_math = x.reshape(-1, self.in_features), fast_math_from_env()
-        plan = self._plan(rows, x.dtype, fast_math, bias, quantize=True)
-        y = plan(rows) if plan is not None else None
-        if y is None:
-            y = quantized_linear(rows, self.input_scale_inv, fast_math, self.weight, self.weight_scale, self.alpha,
-                                 bias, x.dtype, self.scale_layout == "128x4")
-            self._make_plan(rows, x.dtype, fast_math, bias, quantize=True)
+        y = quantized_linear(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math_from_env(), self.weight,
+                             self.weight_scale, self.alpha, bias, x.dtype, self.scale_layout == "128x4")
         return y.reshape(*x.shape[:-1], self.out_features)
-
-    _PLANS_KEPT = 8  # row counts per layer (resolutions, CFG batches) whose launch plans are kept
-
-    def _plan_key(self, x: torch.Tensor, out_dtype: torch.dtype, fast_math: bool, bias: torch.Tensor | None,
-                  quantize: bool) -> tuple:
-        # Everything a plan fixes: the call's shape, dtypes and recipe, and where the layer's tensors are.
-        return (quantize, x.shape[0], x.dtype, out_dtype, x.device, fast_math, bias is not None, forced_gemm_backend(),
-                self.weight.data_ptr(), self.weight_scale.data_ptr(), self.alpha.data_ptr(),
-                self.input_scale_inv.data_ptr(), bias.data_ptr() if bias is not None else 0)
-
-    def _plan(self, x: torch.Tensor, out_dtype: torch.dtype, fast_math: bool, bias: torch.Tensor | None,
-              quantize: bool):
-        """This call's launch plan (``ops.linear.eager_plan``), or None: eager CUDA calls only, never while compiling
-        (the custom op runs there) or capturing with an unverified path."""
-        if not x.is_cuda or torch.compiler.is_compiling():
-            return None
-        plans = self.__dict__.setdefault("_plans", {})
-        return plans.get(self._plan_key(x, out_dtype, fast_math, bias, quantize)) or None
-
-    def _make_plan(self, x: torch.Tensor, out_dtype: torch.dtype, fast_math: bool, bias: torch.Tensor | None,
-                   quantize: bool) -> None:
-        """After an ordinary call recorded its binaries: prepare the plan of calls like it (False where none applies,
-        so it is not looked for again)."""
-        if not x.is_cuda or torch.compiler.is_compiling() or self.scale_layout != "128x4":
-            return
-        plans = self.__dict__.setdefault("_plans", {})
-        if len(plans) >= self._PLANS_KEPT:
-            plans.clear()
-        key = self._plan_key(x, out_dtype, fast_math, bias, quantize)
-        if key not in plans:
-            plans[key] = eager_plan(x.shape[0], x.dtype, out_dtype, self.input_scale_inv if quantize else None,
-                                    fast_math, self.weight, self.weight_scale, self.alpha, bias) or False
 
     def _forward_dynamic(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # Per-call activation global scale. Computed on the device without a host sync (CUDA graphs); an all-zero
@@ -289,12 +251,7 @@ class NVFP4Linear(nn.Module):
         """x16: FP16 ``[M, K]``, the exact decoded values of an activation quantized with this layer's
         ``input_scale_inv`` (only where ``takes_decoded_input``) -> ``[M, N]``, the bytes ``forward_prequantized``
         gives for the packed form."""
-        plan = self._plan(x16, out_dtype, False, self.bias, quantize=False)
-        y = plan(x16) if plan is not None else None
-        if y is None:
-            y = linear_fp16_x(x16, self.weight, self.weight_scale, self.alpha, self.bias, out_dtype)
-            self._make_plan(x16, out_dtype, False, self.bias, quantize=False)
-        return y
+        return linear_fp16_x(x16, self.weight, self.weight_scale, self.alpha, self.bias, out_dtype)
 
     def extra_repr(self) -> str:
         return (

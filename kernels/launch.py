@@ -192,25 +192,6 @@ def launch_by_site(kernel, grid: tuple[int, ...], site: tuple, *args, **kwargs) 
         _BY_SITE[key] = (kernel, compiled, tail)
 
 
-def recorded_launch(kernel, site: tuple):
-    """The binary ``launch_by_site`` recorded for ``site`` on the current device, as ``launch(grid, *args) -> bool``
-    (False, launching nothing, while a launch hook is installed or on another current device); None while no binary is
-    recorded. For launch plans that hold every other argument of a call site (``nvfp4_gemm_sm90.gemm_plan``)."""
-    device = torch.cuda.current_device()
-    entry = _BY_SITE.get((id(kernel), site, device))
-    if entry is None or entry[0] is not kernel:
-        return None
-    _, compiled, tail = entry
-
-    def launch_recorded(grid: tuple[int, ...], *args) -> bool:
-        if _hooks_installed() or torch.cuda.current_device() != device:
-            return False
-        _run(compiled, grid, device, (*args, *tail))
-        return True
-
-    return launch_recorded
-
-
 def _compile_and_launch(kernel, grid, device, key, args, kwargs) -> None:
     compiled = kernel[grid](*args, **kwargs)
     if key is None or not hasattr(compiled, "packed_metadata"):  # first call on this device, or an unknown Triton

@@ -671,12 +671,3 @@ def nvfp4_gemm_fp16_x(
         return _empty_product(out, bias)
     sm90 = sm90_kernel_for(m, k, w_packed, w_scales, "predecode")
     return _run(sm90, None, None, w_packed, w_scales, alpha, bias, out, x16, True, None, None)
-
-
-def gemm_fp16_x_plan(m: int, k: int, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
-                     out_dtype: torch.dtype, bias: torch.Tensor | None):
-    """``nvfp4_gemm_fp16_x`` for one weight and ``m`` rows as a prepared launcher (``nvfp4_gemm_sm90.gemm_plan``), or
-    None where that call would not run the SM90 kernel or its binary is not recorded yet."""
-    if INTERPRETING or _sm90_kernel_module() is None or m <= PREDECODE_MAX_M:
-        return None
-    return _sm90_kernel_module().gemm_plan(m, k, w_packed, w_scales, alpha, out_dtype, bias)

@@ -61,12 +61,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .launch import cdiv, cuda_capability, launch_by_site, recorded_launch, sm_count
+from .launch import cdiv, cuda_capability, launch_by_site, sm_count
 from .nvfp4_gemm import grouped_tile
 
-__all__ = [
-    "gemm_plan", "nvfp4_gemm_sm90", "sm90_supported", "sm90_block_m", "SM90_STAGES", "SM90_GROUP_N", "SM90_TILE_COST",
-]
+__all__ = ["nvfp4_gemm_sm90", "sm90_supported", "sm90_block_m", "SM90_STAGES", "SM90_GROUP_N", "SM90_TILE_COST"]
 
 BLOCK_N, BLOCK_K, NUM_WARPS = 128, 64, 8
 # Per-thread register cap of the launch: 8 MMA warps + the producer warp (a warpgroup of 4 as allocated) = 384
@@ -351,8 +349,12 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
     if block_m not in SM90_TILE_COST:
         raise ValueError(f"nvfp4_gemm_sm90: block_m={block_m}; it must be one of {sorted(SM90_TILE_COST)}")
     scale_cols = w_scales.shape[1]
-    site = _site(m, n, k, x16.stride(0), x16.dtype, x16.data_ptr() % 16 == 0, out, alpha, bias, scale_cols, block_m,
-                 stages, group_n)
+    bias_key = None if bias is None else (bias.dtype, bias.data_ptr() % 16 == 0)
+    # Everything Triton specializes this launch on (kernels.launch.launch_by_site): the integers, the dtypes and
+    # alignments of the pointers, the descriptors' shapes, strides and blocks (from m, n, k, the strides, block_m).
+    site = (m, n, k, x16.stride(0), x16.dtype, x16.data_ptr() % 16 == 0, out.dtype, out.stride(0),
+            out.data_ptr() % 16 == 0, alpha.dtype, alpha.data_ptr() % 16 == 0, bias_key, scale_cols, block_m, stages,
+            group_n)
     x_desc = _x_descriptor(x16, block_m, site)
     w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
     grid = (cdiv(m, block_m) * cdiv(n, BLOCK_N),)
@@ -362,53 +364,6 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
                    NEW_REINTERPRET=_NEW_REINTERPRET, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
                    maxnreg=MAX_REGISTERS)
     return out
-
-
-def _site(m: int, n: int, k: int, x_stride: int, x_dtype: torch.dtype, x_aligned: bool, out: torch.Tensor | tuple,
-          alpha: torch.Tensor, bias: torch.Tensor | None, scale_cols: int, block_m: int, stages: int,
-          group_n: int) -> tuple:
-    """Everything Triton specializes this launch on (kernels.launch.launch_by_site): the integers, the dtypes and
-    alignments of the pointers, the descriptors' shapes, strides and blocks (from m, n, k, the strides, block_m).
-    ``out`` is the output tensor, or its (dtype, row stride, 16-byte aligned) for a plan."""
-    out_key = (out.dtype, out.stride(0), out.data_ptr() % 16 == 0) if isinstance(out, torch.Tensor) else out
-    bias_key = None if bias is None else (bias.dtype, bias.data_ptr() % 16 == 0)
-    return (m, n, k, x_stride, x_dtype, x_aligned, *out_key, alpha.dtype, alpha.data_ptr() % 16 == 0, bias_key,
-            scale_cols, block_m, stages, group_n)
-
-
-def gemm_plan(m: int, k: int, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
-              out_dtype: torch.dtype, bias: torch.Tensor | None):
-    """A launcher of this weight's GEMM for ``[m, k]`` FP16 activations that are contiguous and 16-byte aligned (the
-    fresh output of a quantize or fused kernel): ``run(x16) -> out [m, n]``, or None from ``run`` for an activation
-    it does not take. The binary, the weight's descriptors, the grid and every constant are fixed here, so a call is
-    an allocation, the X descriptor and the launch: the bytes of ``nvfp4_gemm_sm90`` with default options, which
-    recorded the binary. Returns None until that binary is recorded, or for a bias the epilogue does not add.
-    Eager calls only (docs/design.md §8, "Launch plans")."""
-    n, device = w_packed.shape[0], w_packed.device
-    if not sm90_supported(k, w_packed, w_scales):  # nvfp4_gemm runs the Triton kernel for this weight
-        return None
-    if bias is not None and (bias.dtype != out_dtype or not bias.is_contiguous() or out_dtype == torch.float32):
-        return None
-    block_m = sm90_block_m(m, n, sm_count(device))
-    scale_cols = w_scales.shape[1]
-    site = _site(m, n, k, k, torch.float16, True, (out_dtype, n, True), alpha, bias, scale_cols, block_m,
-                 SM90_STAGES, SM90_GROUP_N)
-    launch = recorded_launch(_nvfp4_gemm_sm90_kernel, site)
-    if launch is None:
-        return None
-    w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
-    grid = (cdiv(m, block_m) * cdiv(n, BLOCK_N),)
-    bias_arg = alpha if bias is None else bias
-
-    def run(x16: torch.Tensor) -> torch.Tensor | None:
-        if x16.data_ptr() % 16 or not x16.is_contiguous():
-            return None
-        out = torch.empty((m, n), dtype=out_dtype, device=device)
-        x_desc = _x_descriptor(x16, block_m, site)
-        ok = launch(grid, x_desc, w_desc, s_desc, alpha, bias_arg, out, m, n, k, n, scale_cols // 4)
-        return out if ok else None
-
-    return run
 
 
 _X_DESCRIPTOR_FIELDS: dict[tuple, dict] = {}

@@ -5,16 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import (
-    as_block_rows,
-    cdiv,
-    launch,
-    launch_by_site,
-    launch_options,
-    padded_scale_shape,
-    recorded_launch,
-    tile_grid,
-)
+from .launch import as_block_rows, cdiv, launch, launch_by_site, launch_options, padded_scale_shape, tile_grid
 from .nvfp4_epilogue import block_tile, e4m3_value, load_blocks, quantize_blocks, store_blocks
 
 
@@ -152,41 +143,12 @@ def launch_decoded_quantize(
         words = out.view(torch.int64)
         # What Triton specializes this launch on (kernels.launch.launch_by_site): integers, pointer alignments,
         # dtypes, keywords (the device fixes HW_E2M1).
-        site = _decoded_site(m, k, row_stride, col_tiles, blocks.data_ptr() % 16 == 0, global_scale,
-                             words.data_ptr() % 16 == 0, x.dtype, fast_math, block_r, block_c, num_warps)
+        site = (m, k, row_stride, col_tiles, blocks.data_ptr() % 16 == 0, global_scale.dtype,
+                global_scale.data_ptr() % 16 == 0, words.data_ptr() % 16 == 0, x.dtype, fast_math, block_r, block_c,
+                num_warps)
         launch_by_site(
             kernel, (cdiv(m, block_r) * col_tiles,), site, blocks, global_scale, words, m, k, row_stride,
             col_tiles, BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
             **launch_options(x.device, fast_math, num_warps),
         )
     return out
-
-
-def _decoded_site(m: int, k: int, row_stride: int, col_tiles: int, x_aligned: bool, global_scale: torch.Tensor,
-                  out_aligned: bool, dtype: torch.dtype, fast_math: bool, block_r: int, block_c: int,
-                  num_warps: int) -> tuple:
-    return (m, k, row_stride, col_tiles, x_aligned, global_scale.dtype, global_scale.data_ptr() % 16 == 0,
-            out_aligned, dtype, fast_math, block_r, block_c, num_warps)
-
-
-def decoded_quantize_plan(m: int, k: int, dtype: torch.dtype, global_scale: torch.Tensor, fast_math: bool):
-    """A launcher of ``quantize_nvfp4_decoded`` (default options) for contiguous, 16-byte aligned ``[m, k]`` inputs of
-    ``dtype``: ``run(x) -> FP16 [m, k]``, or None from ``run`` for an input it does not take. None until
-    ``quantize_nvfp4_decoded`` recorded the binary for this site (``kernels.launch.recorded_launch``)."""
-    block_r, block_c, num_warps = 8, 16, 4
-    col_tiles = cdiv(k // 16, block_c)
-    site = _decoded_site(m, k, k // 4, col_tiles, True, global_scale, True, dtype, fast_math, block_r, block_c,
-                         num_warps)
-    launch_recorded = recorded_launch(_quantize_nvfp4_decoded_kernel, site)
-    if launch_recorded is None:
-        return None
-    grid = (cdiv(m, block_r) * col_tiles,)
-
-    def run(x: torch.Tensor) -> torch.Tensor | None:
-        if x.data_ptr() % 16 or not x.is_contiguous() or x.dtype != dtype:
-            return None
-        out = torch.empty((m, k), dtype=torch.float16, device=x.device)
-        ok = launch_recorded(grid, x.view(torch.int64), global_scale, out.view(torch.int64), m, k, k // 4, col_tiles)
-        return out if ok else None
-
-    return run

@@ -8,7 +8,6 @@ straight to the FP16 values the GEMM multiplies (same bytes as ``quantize`` then
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from types import ModuleType
 from typing import cast
 
@@ -162,30 +161,3 @@ def quantized_linear(
     """
     return call_op(_quantized_linear_op, _quantized_linear_impl, x.contiguous(), global_scale, fast_math, w_packed,
                    w_scales, alpha, bias, out_dtype, w_swizzled)
-
-
-def eager_plan(
-    rows: int, x_dtype: torch.dtype, out_dtype: torch.dtype, global_scale: torch.Tensor | None, fast_math: bool,
-    w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
-) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
-    """A prepared eager launcher of one layer's call on ``rows`` rows (docs/design.md §8, "Launch plans"):
-    ``quantized_linear`` when ``global_scale`` is given (``x [rows, K]`` of ``x_dtype``), else ``linear_fp16_x``
-    (``x16 [rows, K]``). The same kernels, binaries and arguments as those calls, with the checks and choices they
-    make per call done once. None where no plan applies (no SM90 kernel here, too few rows); ``run`` returns None for an
-    input it does not take (misaligned, strided), and the caller then takes the ordinary path."""
-    device, k = w_packed.device, 2 * w_packed.shape[1]
-    if not takes_decoded_activation(rows, device, bias, out_dtype, True):
-        return None
-    kern = cast(ModuleType, kernels)
-    gemm = kern.gemm_fp16_x_plan(rows, k, w_packed, w_scales, alpha, out_dtype, bias)
-    if gemm is None or global_scale is None:
-        return gemm
-    quantize = kern.decoded_quantize_plan(rows, k, x_dtype, global_scale, fast_math)
-    if quantize is None:
-        return None
-
-    def run(x: torch.Tensor) -> torch.Tensor | None:
-        x16 = quantize(x)
-        return None if x16 is None else gemm(x16)
-
-    return run
