@@ -67,7 +67,7 @@ def time_variant(model, inputs, args, device, nvfp4: bool) -> dict:
         return {"nvfp4_fast_off": runs["off"]["ms"], "nvfp4_fast_on": runs["on"]["ms"],
                 "exact": step.same_bytes(runs["on"]["out"], runs["off"]["out"]),
                 "fused_calls": dict(next(iter(runs["on"]["report"].values()))["fused_calls"])}
-    ms, _, _ = step.time_steps(model, inputs, args.warmup, args.steps_timed, device)
+    ms, _, _, _ = step.time_steps(model, inputs, args.warmup, args.steps_timed, device)
     return {"bf16": ms}
 
 

@@ -1,6 +1,7 @@
 """diffusers' own NVFP4 modules (``BFLQuantizationConfig``) vs the same model after ``enable_fast_paths``, on the GPU.
 
     python benchmarks/bench_native.py                 # one FLUX.2-dev-sized layer and a full FLUX.2-dev step
+    python benchmarks/bench_native.py --step-from file  # the step model written to a file and read by diffusers
     python benchmarks/bench_native.py --skip-step     # the layer only
 
 Layer: ``BFLNVFP4Linear`` 6144 -> 18432 at 4608 rows (a FLUX.2-dev feed-forward input projection at 1024x1024), random
@@ -147,12 +148,16 @@ def step_cases(tmp: Path, source: str) -> list[dict]:
     inputs = step.make_inputs("flux2-dev", model, 1024, 1024, 512, torch.device("cuda"))
     cases, ms = [], {}
     for variant in ("diffusers", "fast_paths"):
-        if variant == "fast_paths":
-            enable_fast_paths(model)
-        ms[variant], peak, _ = step.time_steps(model, inputs, 2, 5, torch.device("cuda"))
+        report = enable_fast_paths(model)["Flux2Transformer2DModel"] if variant == "fast_paths" else None
+        ms[variant], _, peak, _ = step.time_steps(model, inputs, 2, 5, torch.device("cuda"))
         cases.append({"shape": {"model": "FLUX.2-dev", "height": 1024, "width": 1024, "text_tokens": 512},
                       "variant": variant, "ms_per_step": round(ms[variant], 2),
                       "peak_gib": round(peak / 1.073741824, 3)})
+        if report is not None:  # what the converted route fused, for the comparison with the package's own loader
+            done = enable_fast_paths(model)["Flux2Transformer2DModel"]
+            cases[-1]["fast_path_report"] = {k: done.get(k) for k in ("sites", "fused_calls", "fallbacks",
+                                                                        "converted")}
+        print(cases[-1], flush=True)
     for case in cases:
         case["speedup_vs"] = {"diffusers": round(ms["diffusers"] / case["ms_per_step"], 3)}
         case["model_source"] = source
@@ -164,7 +169,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--skip-step", action="store_true", help="time the layer only")
-    ap.add_argument("--step-from", choices=("file", "memory"), default="file",
+    ap.add_argument("--step-from", choices=("file", "memory"), default="memory",
                     help="file: write a 19 GB file and load it with from_single_file; memory: build the same "
                          "BFLNVFP4Linear modules on the GPU directly")
     args = ap.parse_args()
@@ -174,6 +179,7 @@ def main() -> None:
                         "step: peak allocation of the process during the timed steps")
     result["goals"] = GOALS
     result["cases"] = layer_cases()
+    print(result["cases"], flush=True)
     if not args.skip_step:
         with tempfile.TemporaryDirectory() as tmp:
             result["cases"] += step_cases(Path(tmp), args.step_from)
