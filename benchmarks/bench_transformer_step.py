@@ -65,6 +65,8 @@ GOALS = {"nvfp4_vs_bf16_speed": {"flux2-dev": 1.15, "qwen-image": 1.0},
                                    "flux2-klein-9b": 1.15},
          "weight_memory_ratio": 3.5}
 
+_KLEIN_TINY = dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
+                   num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
 MODELS = {
     "flux2-dev": {
         "cls": "Flux2Transformer2DModel",
@@ -78,17 +80,13 @@ MODELS = {
         "cls": "Flux2Transformer2DModel",
         "full": dict(num_layers=5, num_single_layers=20, num_attention_heads=24, attention_head_dim=128,
                      joint_attention_dim=7680, guidance_embeds=False),
-        "tiny": dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-                     num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(4, 4, 4, 4),
-                     guidance_embeds=False),
+        "tiny": _KLEIN_TINY,
     },
     "flux2-klein-9b": {
         "cls": "Flux2Transformer2DModel",
         "full": dict(num_layers=8, num_single_layers=24, num_attention_heads=32, attention_head_dim=128,
                      joint_attention_dim=12288, guidance_embeds=False),
-        "tiny": dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
-                     num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(4, 4, 4, 4),
-                     guidance_embeds=False),
+        "tiny": _KLEIN_TINY,
     },
     "qwen-image": {
         "cls": "QwenImageTransformer2DModel",

@@ -132,22 +132,33 @@ def test_model_changes_are_part_of_the_key(modelopt_exports, monkeypatch):
     assert report["captures"] == 4 and report["evictions"] == 3 and report["graphs"] == 1
 
 
-def test_lora_scale_change_recaptures(modelopt_exports):
+def _lora_pipe(modelopt_exports, device: str | None = None):
+    """(pipe, call kwargs, {adapter weight: eager PNG SHA256}) of the tiny FLUX.2 pipeline with a LoRA, fast paths
+    on."""
     pytest.importorskip("peft", reason="peft is not installed: the LoRA case did not run (CI installs it)")
     from test_lora import TARGETS, lora_state_dict
 
-    pipe, kwargs = _pipe("flux2", modelopt_exports)
+    pipe, kwargs = _pipe("flux2", modelopt_exports, device=device)
     pipe.load_lora_weights(lora_state_dict("flux2", TARGETS["flux2"]), adapter_name="style")
     enable_fast_paths(pipe)
     shas = {}
     for weight in (1.0, 0.5):
         pipe.set_adapters(["style"], [weight])
         shas[weight] = _sha(pipe, kwargs)
-    capture_cuda_graphs(pipe, backend="simulate")
+    assert shas[1.0] != shas[0.5]
+    return pipe, kwargs, shas
+
+
+def _replay_each_scale(pipe, kwargs, shas: dict) -> None:
     for weight in (1.0, 0.5, 1.0):
         pipe.set_adapters(["style"], [weight])
         assert _sha(pipe, kwargs) == shas[weight]
-    assert shas[1.0] != shas[0.5]
+
+
+def test_lora_scale_change_recaptures(modelopt_exports):
+    pipe, kwargs, shas = _lora_pipe(modelopt_exports)
+    capture_cuda_graphs(pipe, backend="simulate")
+    _replay_each_scale(pipe, kwargs, shas)
     report = _graphs(pipe)
     assert report["captures"] == 2 and report["replays"] == 7, report
     pipe.unload_lora_weights()  # modules replaced: the walk sees the new structure
@@ -285,20 +296,9 @@ def test_gpu_replays_give_the_eager_image(which, modelopt_exports):
 
 @pytest.mark.gpu
 def test_gpu_lora_scale_and_weight_moves(modelopt_exports):
-    pytest.importorskip("peft", reason="peft is not installed: the LoRA case did not run")
-    from test_lora import TARGETS, lora_state_dict
-
-    pipe, kwargs = _pipe("flux2", modelopt_exports, device="cuda")
-    pipe.load_lora_weights(lora_state_dict("flux2", TARGETS["flux2"]), adapter_name="style")
-    enable_fast_paths(pipe)
-    shas = {}
-    for weight in (1.0, 0.5):
-        pipe.set_adapters(["style"], [weight])
-        shas[weight] = _sha(pipe, kwargs)
+    pipe, kwargs, shas = _lora_pipe(modelopt_exports, device="cuda")
     enable_fast_paths(pipe, cuda_graphs=True)
-    for weight in (1.0, 0.5, 1.0):
-        pipe.set_adapters(["style"], [weight])
-        assert _sha(pipe, kwargs) == shas[weight]
+    _replay_each_scale(pipe, kwargs, shas)
     pipe.transformer.to("cpu")
     pipe.transformer.to("cuda")  # every weight at a new address: the old graphs would read freed memory
     assert _sha(pipe, kwargs) == shas[1.0]
