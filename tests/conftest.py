@@ -1,10 +1,36 @@
 import os
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_DURATIONS: dict[str, float] = defaultdict(float)
+_START = [time.perf_counter()]
+
+
+def pytest_sessionstart(session):
+    _START[0] = time.perf_counter()
+
+
+def pytest_runtest_logreport(report):
+    _DURATIONS[report.nodeid] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Every run: the total and the slowest tests against the time budget (tests/support/time_budget.py)."""
+    from support.time_budget import verdict
+
+    result = verdict(dict(_DURATIONS), time.perf_counter() - _START[0])
+    terminalreporter.section("time budget")
+    for line in result.lines:
+        terminalreporter.write_line(line)
+    if result.too_slow:
+        terminalreporter.write_line(f"{len(result.too_slow)} test(s) past the per-test limit fail this run")
+        terminalreporter._session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,29 @@
+"""The suite's time budget (README, "The two commands"): every run prints its total and its slowest tests against
+it; only a test far past its own budget fails the run, so machine noise never does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SUITE_BUDGET_S = 600.0  # the whole README test command on a 2-core CI machine
+TEST_BUDGET_S = 30.0  # one test: setup + call + teardown
+FAIL_FACTOR = 4.0  # a test fails the run only past FAIL_FACTOR x TEST_BUDGET_S
+
+
+@dataclass
+class Verdict:
+    lines: list[str]
+    too_slow: list[str]  # tests past FAIL_FACTOR x TEST_BUDGET_S: these fail the run
+
+
+def verdict(durations: dict[str, float], total_s: float, slowest: int = 10) -> Verdict:
+    """The report of one run: ``durations`` maps test ids to seconds (all phases), ``total_s`` is the wall time."""
+    limit = FAIL_FACTOR * TEST_BUDGET_S
+    over_suite = " OVER BUDGET" if total_s > SUITE_BUDGET_S else ""
+    lines = [f"time budget: {total_s:.0f} s of {SUITE_BUDGET_S:.0f} s for the suite{over_suite}; "
+             f"{TEST_BUDGET_S:.0f} s per test (a test fails the run past {limit:.0f} s)"]
+    ranked = sorted(durations.items(), key=lambda item: -item[1])
+    for test, seconds in ranked[:slowest]:
+        mark = " FAILS: past the limit" if seconds > limit else " over budget" if seconds > TEST_BUDGET_S else ""
+        lines.append(f"  {seconds:7.1f} s  {test}{mark}")
+    return Verdict(lines, [test for test, seconds in ranked if seconds > limit])
