@@ -12,10 +12,9 @@ import torch
 from torch import nn
 
 from .linear import NVFP4Linear
-from .loaders.common import record_checkpoint_config
+from .loaders.common import install_model_methods, record_checkpoint_config
 from .loaders.diffusers_native import SOURCE as BFL_SOURCE
 from .loaders.diffusers_native import convert_diffusers_native
-from .lora import register_lora_support
 from .ops.dispatch import gemm_backend
 from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats, stats_for
 from .patches.flux2 import patch_flux2
@@ -59,7 +58,7 @@ def _convert(model: nn.Module, restore: list) -> dict[str, int]:
     converted = convert_diffusers_native(model, restore)
     if has_modelopt_modules(model):
         before = sum(isinstance(m, NVFP4Linear) for m in model.modules())
-        convert_modelopt_model(model)
+        convert_modelopt_model(model, restore=restore)
         converted[MODELOPT_SOURCE] = sum(isinstance(m, NVFP4Linear) for m in model.modules()) - before
     return converted
 
@@ -101,7 +100,7 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
                 stacklevel=2,
             )
             continue
-        register_lora_support()
+        install_model_methods(model)
         swizzled = sum(m.swizzle_weight_scales_() for m in linears)
         record_checkpoint_config(model)
         stats_id, stats = new_stats(verify)

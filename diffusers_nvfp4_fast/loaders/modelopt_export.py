@@ -283,6 +283,18 @@ def _load_nvfp4_layer(model: nn.Module, name: str, index: CheckpointIndex, layou
     return swizzled
 
 
+def refuse_lora_keys(model_dir: Path, index: CheckpointIndex) -> None:
+    """A model saved with a LoRA loaded stores peft's wrappers (``base_layer``, ``lora_A``, ``lora_B``): say so, rather
+    than list every one of its keys as unexpected."""
+    lora = [k for k in index.entries if ".base_layer." in k or ".lora_A." in k or ".lora_B." in k]
+    if lora:
+        raise NVFP4CheckpointError(
+            f"{model_dir}: this checkpoint holds a LoRA-wrapped model ({len(lora)} peft keys such as {lora[0]}): it "
+            "was saved with a LoRA loaded. Save the model again after pipe.unload_lora_weights(), and the LoRA itself "
+            "with pipe.save_lora_weights(...)"
+        )
+
+
 def load_modelopt_export(
     path_or_repo_id: str | os.PathLike,
     *,
@@ -310,6 +322,7 @@ def load_modelopt_export(
     with init_empty_weights(include_buffers=False):
         model = cls.from_config({k: v for k, v in config.items() if k != "quantization_config"})
     index = CheckpointIndex(weight_files(model_dir))
+    refuse_lora_keys(model_dir, index)
     problems: list[str] = []
     quantized = _plan_quantized(model, index, qinfo, scale_layout, problems)
     plain_keys = _check_plain_keys(model, index, quantized, problems)

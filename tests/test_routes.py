@@ -1,0 +1,250 @@
+"""Every loading route kept right (issue 33): what each route must refuse before it changes anything, what it must
+save and reload byte for byte, and what it must put back.
+
+Files are written from the session's real ModelOpt export of the tiny FLUX.2 transformer: in the layout diffusers'
+``BFLQuantizationConfig`` reads (low nibble first, linear scales) and in the official BFL / ComfyUI one (high nibble
+first, 128x4 scales), which diffusers splits wrongly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from diffusers_nvfp4_fast import (
+    NVFP4CheckpointError,
+    disable_fast_paths,
+    enable_fast_paths,
+    fast_path_report,
+    load_nvfp4_transformer,
+)
+from diffusers_nvfp4_fast.linear import NVFP4Linear
+from diffusers_nvfp4_fast.testing import tiny
+from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+from support.bfl_files import write_bfl_file
+
+DIFFUSERS_LAYOUT = dict(nibble_order="lo_first", swizzle=False, markers=False, header=False)
+
+
+@pytest.fixture(scope="module")
+def export(modelopt_exports) -> Path:
+    return modelopt_exports("flux2")
+
+
+@pytest.fixture(scope="module")
+def files(export, tmp_path_factory) -> dict[str, Path]:
+    """The transformer config alone (``from_single_file`` reads it instead of FLUX.2's), and both BFL files."""
+    tmp = tmp_path_factory.mktemp("routes")
+    cfg = json.loads((export / "config.json").read_text())
+    cfg.pop("quantization_config")
+    (tmp / "config").mkdir()
+    (tmp / "config" / "config.json").write_text(json.dumps(cfg))
+    write_bfl_file(export, tmp / "native.safetensors", **DIFFUSERS_LAYOUT)
+    write_bfl_file(export, tmp / "official.safetensors")
+    return {"config": tmp / "config", "native": tmp / "native.safetensors", "official": tmp / "official.safetensors"}
+
+
+def load_native(files: dict[str, Path], which: str = "native"):
+    from diffusers import BFLQuantizationConfig, Flux2Transformer2DModel
+
+    return Flux2Transformer2DModel.from_single_file(str(files[which]), config=str(files["config"]),
+                                                    quantization_config=BFLQuantizationConfig(),
+                                                    torch_dtype=torch.bfloat16)
+
+
+def modules(model) -> dict[str, torch.nn.Module]:
+    return dict(model.named_modules())
+
+
+def tensor_bytes(model) -> dict[str, torch.Tensor]:
+    return {k: v.reshape(-1).view(torch.uint8) for k, v in model.state_dict().items()}
+
+
+def assert_same_checkpoint(a, b) -> None:
+    ta, tb = tensor_bytes(a), tensor_bytes(b)
+    assert sorted(ta) == sorted(tb)
+    assert not [k for k in ta if not torch.equal(ta[k], tb[k])]
+
+
+def sha(transformer) -> str:
+    pipe, kwargs = tiny.tiny_flux2_pipeline(transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return png_sha256(run_pipeline(pipe, kwargs, steps=2))
+
+
+# Point 1: a conversion reads only tensors it understands.
+
+def test_official_layout_read_by_diffusers_is_refused_before_any_layer_changes(files):
+    """diffusers splits the official file's padded 128x4 scales into wrong shapes ((43, 4) for a [32, 32] layer);
+    converting them used to pad them up and give another image than the same weights through our loader."""
+    model = load_native(files, "official")
+    before = modules(model)
+    with pytest.raises(NVFP4CheckpointError) as info:
+        enable_fast_paths(model)
+    msg = str(info.value)
+    assert "transformer_blocks.0.attn.to_q.weight_scale: torch.float8_e4m3fn [43, 4], expected" in msg, msg
+    assert "[32, 2]" in msg and "BFL/Comfy layout" in msg and "load_nvfp4_transformer" in msg, msg
+    assert modules(model) == before and all(modules(model)[n] is m for n, m in before.items())
+    assert not fast_path_report(model)["Flux2Transformer2DModel"]["enabled"]
+
+
+def test_modelopt_layer_whose_tensor_does_not_fit_is_refused_before_any_change():
+    from diffusers_nvfp4_fast.loaders.modelopt_memory import convert_modelopt_model
+    from support.bfl_files import quantize_tiny_flux2
+
+    model = quantize_tiny_flux2(True)
+    layer = model.single_transformer_blocks[0].attn.to_out
+    layer.bias = torch.nn.Parameter(torch.zeros(layer.out_features + 1, dtype=torch.bfloat16))
+    before = modules(model)
+    with pytest.raises(NVFP4CheckpointError, match=r"single_transformer_blocks\.0\.attn\.to_out\.bias: \[33\], "
+                                                   r"expected \[32\]"):
+        convert_modelopt_model(model)
+    assert all(modules(model)[n] is m for n, m in before.items())
+
+
+# Point 6: disable puts the ModelOpt modules back.
+
+def test_disable_restores_a_modelopt_in_memory_model():
+    from diffusers_nvfp4_fast.loaders.modelopt_memory import has_modelopt_modules
+    from support.bfl_files import quantize_tiny_flux2
+
+    model = quantize_tiny_flux2(True)
+    before = modules(model)
+    amax = model.transformer_blocks[0].attn.to_q.input_quantizer.amax.clone()
+    converted = enable_fast_paths(model)["Flux2Transformer2DModel"]["converted"]
+    assert converted == {"ModelOpt (in memory)": 13} and not has_modelopt_modules(model)
+    disable_fast_paths(model)
+    assert has_modelopt_modules(model) and set(modules(model)) == set(before)
+    assert all(modules(model)[n] is m for n, m in before.items()), "the same ModelOpt objects are back"
+    assert torch.equal(model.transformer_blocks[0].attn.to_q.input_quantizer.amax, amax)
+    enable_fast_paths(model)  # and converts again
+    assert not has_modelopt_modules(model)
+
+
+# Points 2, 3, 7: save_pretrained on every route.
+
+def test_bfl_file_saves_and_reloads_byte_for_byte(files, tmp_path):
+    model = load_nvfp4_transformer(files["official"])
+    model.save_pretrained(tmp_path / "saved")
+    again = load_nvfp4_transformer(tmp_path / "saved")
+    assert_same_checkpoint(model, again)
+    assert sha(again) == sha(model)
+
+
+def test_diffusers_loaded_model_saves_after_enable_fast_paths(files, tmp_path):
+    model = load_native(files)
+    enable_fast_paths(model)
+    model.save_pretrained(tmp_path / "saved")
+    assert model.hf_quantizer is not None, "diffusers' quantizer is only hidden while saving"
+    assert_same_checkpoint(model, load_nvfp4_transformer(tmp_path / "saved"))
+    disable_fast_paths(model)  # diffusers' BFLNVFP4Linear layers are back: diffusers cannot save them
+    with pytest.raises(ValueError, match=r"diffusers' .*BFL quantizer built.*enable_fast_paths\(pipe\) converts"):
+        model.save_pretrained(tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+
+
+def test_pipeline_save_pretrained_and_reload_of_the_transformer(export, tmp_path):
+    """The README's pipeline-level round trip: ``pipe.save_pretrained(P)`` + ``load_nvfp4_transformer(P,
+    subfolder="transformer")``."""
+    pipe, kwargs = tiny.tiny_flux2_pipeline(load_nvfp4_transformer(export))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.save_pretrained(tmp_path / "pipe")
+    transformer = load_nvfp4_transformer(tmp_path / "pipe", subfolder="transformer")
+    assert_same_checkpoint(pipe.transformer, transformer)
+
+
+def test_failed_save_leaves_nothing_that_looks_like_a_checkpoint(export, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    model = load_nvfp4_transformer(export)
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        model.save_pretrained(tmp_path / "saved")
+    assert list(tmp_path.iterdir()) == [], "no config.json alone, no temporary directory"
+    monkeypatch.undo()
+    model.save_pretrained(tmp_path / "saved")  # an earlier checkpoint stays whole when a later save fails
+    monkeypatch.setattr(safetensors.torch, "save_file", disk_full)
+    with pytest.raises(OSError):
+        model.save_pretrained(tmp_path / "saved")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved"]
+    assert_same_checkpoint(model, load_nvfp4_transformer(tmp_path / "saved"))
+
+
+def test_bin_save_is_refused_before_anything_is_written(export, tmp_path):
+    model = load_nvfp4_transformer(export)
+    with pytest.raises(ValueError, match="written as safetensors only.*nothing was written"):
+        model.save_pretrained(tmp_path / "saved", safe_serialization=False)
+    assert not (tmp_path / "saved").exists()
+
+
+def test_lora_wrapped_model_is_refused_at_save_and_named_at_reload(export, tmp_path):
+    pytest.importorskip("peft", reason="peft is not installed, so the LoRA save test did not run")
+    from diffusers.models.modeling_utils import ModelMixin
+    from test_lora import SINGLE_TO_OUT, lora_state_dict
+
+    pipe, _ = tiny.tiny_flux2_pipeline(load_nvfp4_transformer(export))
+    pipe.load_lora_weights(lora_state_dict("flux2", SINGLE_TO_OUT), adapter_name="a")
+    with pytest.raises(ValueError, match=r"holds a LoRA \(peft\) on 2 layer\(s\).*unload_lora_weights"):
+        pipe.transformer.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+    ModelMixin.save_pretrained(pipe.transformer, tmp_path / "old")  # what diffusers' own save writes
+    with pytest.raises(NVFP4CheckpointError, match="this checkpoint holds a LoRA-wrapped model"):
+        load_nvfp4_transformer(tmp_path / "old")
+
+
+def test_saved_directory_replaces_an_earlier_sharded_checkpoint(export, tmp_path):
+    model = load_nvfp4_transformer(export)
+    model.save_pretrained(tmp_path / "saved", max_shard_size="20KB")
+    assert (tmp_path / "saved" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    (tmp_path / "saved" / "notes.txt").write_text("kept")
+    model.save_pretrained(tmp_path / "saved")
+    names = sorted(p.name for p in (tmp_path / "saved").iterdir())
+    assert names == ["config.json", "diffusion_pytorch_model.safetensors", "notes.txt"], names
+    assert_same_checkpoint(model, load_nvfp4_transformer(tmp_path / "saved"))
+
+
+def test_copied_model_saves_itself(export, tmp_path):
+    import copy
+
+    model = load_nvfp4_transformer(export)
+    twin = copy.deepcopy(model)
+    assert twin.save_pretrained.model is twin
+    twin.save_pretrained(tmp_path / "twin")
+    assert isinstance(load_nvfp4_transformer(tmp_path / "twin").single_transformer_blocks[0].attn.to_out, NVFP4Linear)
+
+
+# Point 4: a refused fuse_lora changes nothing; point 15: no peft warning for the layers this package supports.
+
+def test_refused_fuse_lora_leaves_the_image_unchanged(export):
+    pytest.importorskip("peft", reason="peft is not installed, so the fuse_lora test did not run")
+    from test_lora import TARGETS, lora_state_dict
+
+    pipe, kwargs = tiny.tiny_flux2_pipeline(load_nvfp4_transformer(export))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(lora_state_dict("flux2", TARGETS["flux2"]), adapter_name="a")  # BF16 x_embedder too
+    x_embedder = pipe.transformer.x_embedder.base_layer.weight.clone()
+    before = png_sha256(run_pipeline(pipe, kwargs, steps=2))
+    with pytest.raises(RuntimeError, match="fuse_lora cannot merge a LoRA into an NVFP4 layer.*Nothing was fused"):
+        pipe.fuse_lora(lora_scale=0.5)
+    assert png_sha256(run_pipeline(pipe, kwargs, steps=2)) == before
+    assert torch.equal(pipe.transformer.x_embedder.base_layer.weight, x_embedder), "the BF16 layer was not fused"
+
+
+def test_lora_on_nvfp4_layers_loads_without_peft_warnings(export):
+    pytest.importorskip("peft", reason="peft is not installed, so the LoRA warning test did not run")
+    import warnings
+
+    from test_lora import SINGLE_TO_OUT, lora_state_dict
+
+    pipe, _ = tiny.tiny_flux2_pipeline(load_nvfp4_transformer(export))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pipe.load_lora_weights(lora_state_dict("flux2", SINGLE_TO_OUT), adapter_name="a")
+    assert not [w for w in caught if "Unsupported layer type" in str(w.message)]
+    assert type(pipe.transformer.single_transformer_blocks[0].attn.to_out).__name__ == "NVFP4LoraLinear"
