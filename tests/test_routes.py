@@ -248,3 +248,28 @@ def test_lora_on_nvfp4_layers_loads_without_peft_warnings(export):
         pipe.load_lora_weights(lora_state_dict("flux2", SINGLE_TO_OUT), adapter_name="a")
     assert not [w for w in caught if "Unsupported layer type" in str(w.message)]
     assert type(pipe.transformer.single_transformer_blocks[0].attn.to_out).__name__ == "NVFP4LoraLinear"
+
+
+# Point 5: the fast paths follow a LoRA loaded after enable_fast_paths.
+
+def test_adaln_sites_follow_a_lora_loaded_after_enable_fast_paths(export):
+    pytest.importorskip("peft", reason="peft is not installed, so the LoRA-after-enable test did not run")
+    from test_lora import SINGLE_TO_OUT, lora_state_dict
+
+    pipe, kwargs = tiny.tiny_flux2_pipeline(load_nvfp4_transformer(export))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(lora_state_dict("flux2", SINGLE_TO_OUT + r"|.*transformer_blocks\.0\.attn\.to_q"),
+                           adapter_name="a")
+    off = png_sha256(run_pipeline(pipe, kwargs, steps=1))
+    pipe.unload_lora_weights()
+    enable_fast_paths(pipe)
+    pipe.load_lora_weights(lora_state_dict("flux2", SINGLE_TO_OUT + r"|.*transformer_blocks\.0\.attn\.to_q"),
+                           adapter_name="a")  # load_state_dict reloads every layer's scales, to_q gets wrapped
+    on = png_sha256(run_pipeline(pipe, kwargs, steps=1))
+    report = fast_path_report(pipe)["Flux2Transformer2DModel"]
+    assert on == off
+    assert report["fallbacks"] == {"flux2_adaln: lora": 1, "flux2_token_cat: lora": 2}, report["fallbacks"]
+    assert report["fused_calls"]["flux2_adaln"] == 3  # the text stream and both single blocks still fused
+    pipe.unload_lora_weights()
+    run_pipeline(pipe, kwargs, steps=1)
+    assert fast_path_report(pipe)["Flux2Transformer2DModel"]["fused_calls"]["flux2_adaln"] == 3 + 4
