@@ -40,7 +40,7 @@ from ..ops.qwen_resnorm_quantize import FLUX2_KIND, ResNormInputs
 from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_checked
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
-from ..ops.verify import count_fallback, failed_kind_reason, record_fallback, stats_for
+from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
 from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
 from .flux2_attention import (
     HALF_DTYPES,
@@ -86,7 +86,7 @@ def swiglu_fold_reason(act_fn: nn.Module, hidden: torch.Tensor, kind: str) -> st
     if reason is not None:
         return reason
     if torch.compiler.is_compiling():
-        return "torch.compile (inductor rounds SiLU differently; its own op is kept)"
+        return COMPILED  # inductor rounds SiLU differently
     if hidden.dtype not in HALF_DTYPES or hidden.shape[-1] % 32:
         return f"hidden {hidden.dtype} width {hidden.shape[-1]} (bf16/fp16, a multiple of 32)"
     if failed_kind_reason(kind) is not None:
@@ -140,7 +140,6 @@ class _FusedOutputMixin:
 
     def _project_out(self, attn: nn.Module, attn_out: torch.Tensor, mlp_hidden: torch.Tensor) -> torch.Tensor:
         act_fn = cast(nn.Module, attn.mlp_act_fn)
-        stats = stats_for(self._stats_id)
         fold = swiglu_fold_reason(act_fn, mlp_hidden, KIND_TOKEN_CAT)
         if fold is None:
             half = mlp_hidden[..., : mlp_hidden.shape[-1] // 2]  # a view: the gate reads its shape and dtype
@@ -149,16 +148,14 @@ class _FusedOutputMixin:
                 shape_class = f"A={attn_out.shape[-1]},H={half.shape[-1]},{attn_out.dtype},{attn_out.device}"
                 out = to_out(SwiGLUInput(mlp_hidden, attn_out, self._stats_id, KIND_TOKEN_CAT, shape_class))
                 return out.reshape(*attn_out.shape[:-1], to_out.out_features)
-        elif stats is not None:
-            record_fallback(stats, KIND_TOKEN_CAT, fold)
+        else:
+            count_fallback(self._stats_id, KIND_TOKEN_CAT, fold)
         return self._project_cat(attn, attn_out, act_fn(mlp_hidden))
 
     def _project_cat(self, attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         reason = token_cat_gate(attn, attn_out, mlp_out)
-        stats = stats_for(self._stats_id)
         if reason is not None:
-            if stats is not None:
-                record_fallback(stats, KIND, reason)
+            count_fallback(self._stats_id, KIND, reason)
             return cast(nn.Module, attn.to_out)(torch.cat([attn_out, mlp_out], dim=-1))
         to_out = cast(NVFP4Linear, attn.to_out)  # the gate passed: to_out is an NVFP4Linear
         shape_class = f"A={attn_out.shape[-1]},B={mlp_out.shape[-1]},{attn_out.dtype},{attn_out.device}"
