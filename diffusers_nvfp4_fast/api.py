@@ -19,6 +19,7 @@ from .ops.dispatch import gemm_backend
 from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats, stats_for
 from .patches.flux2 import patch_flux2
 from .patches.qwenimage import patch_qwenimage
+from .report import FastPathReport
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
 
@@ -45,6 +46,9 @@ def _transformers(pipe_or_model) -> list[nn.Module]:
             model = getattr(pipe_or_model, name, None)
             if model is not None:
                 found.append(model)
+        if not found and hasattr(pipe_or_model, "components"):
+            raise ValueError(f"{type(pipe_or_model).__name__} has no transformer (pipe.transformer is None): load "
+                             "one, e.g. transformer=load_nvfp4_transformer(...), and pass it to the pipeline")
     if not found:
         raise TypeError(f"expected a diffusers pipeline with a transformer or an nn.Module, "
                         f"got {type(pipe_or_model).__name__}")
@@ -69,7 +73,7 @@ def _restore_config(model: nn.Module, restore: list) -> None:
         restore.append(lambda: setattr(model, "_internal_dict", previous))
 
 
-def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> dict:
+def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fused: bool = True) -> dict:
     """Make an NVFP4 FLUX.2 / Qwen-Image pipeline (or transformer) faster without changing any output byte.
 
     Converts NVFP4 layers that diffusers' ``BFLQuantizationConfig`` or an in-memory ModelOpt quantization built to
@@ -80,13 +84,18 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
     Args:
         verify: "first" compares each fused site kind with the unfused path byte for byte at its first call per
             shape class and device (default); "always" at every call; "off" never.
+        fused: False converts and swizzles the NVFP4 layers but installs no fused site: the reference that fused
+            paths on must equal on every route (below SM100, disabling puts diffusers' W4A16 layers back). Enabling
+            again with the other value re-enables from scratch.
 
     Returns:
         ``fast_path_report`` of the pipeline.
     """
     for model in _transformers(pipe_or_transformer):
         state = getattr(model, _STATE_ATTR, None)
-        if state is not None:
+        if state is not None and state["fused"] != fused:
+            disable_fast_paths(model)
+        elif state is not None:
             cast(FastPathStats, stats_for(state["stats_id"])).verify_mode = verify  # registered while state is set
             continue
         restore: list = []
@@ -105,9 +114,10 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> d
         record_checkpoint_config(model)
         stats_id, stats = new_stats(verify)
         patcher = _PATCHERS.get(type(model).__name__)
-        if patcher is not None:
+        if patcher is not None and fused:
             stats.sites.update(patcher(model, stats_id, restore))
-        setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore, "converted": converted})
+        setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore, "converted": converted,
+                                     "fused": fused})
         logger.info(
             "fast paths on for %s: %d NVFP4 linears (converted now: %s; %d scale tensors swizzled now), fused sites "
             "%s, GEMM backend %s", type(model).__name__, len(linears), converted or "none", swizzled,
@@ -164,14 +174,15 @@ def execution_device(model: nn.Module, layer: nn.Module) -> torch.device:
     return cast(torch.Tensor, layer.weight).device
 
 
-def fast_path_report(pipe_or_transformer) -> dict:
+def fast_path_report(pipe_or_transformer) -> FastPathReport:
     """Per transformer: fused sites, fused calls, fallbacks by reason, verifications, NVFP4 layers (and how many were
     converted from which source), the numerics note for converted layers, the GEMM backend that runs.
 
-    Counts come from the ops at run time (also under torch.compile); calls replayed from a CUDA graph run no
-    Python and are not counted.
+    Counts come from the ops at run time (also under torch.compile, where a site that keeps diffusers' op counts once
+    per trace); calls replayed from a CUDA graph run no Python and are not counted. ``print(report)`` shows it per
+    site kind: the modules it is installed on (``site_modules``), fused calls, fallbacks with their reasons.
     """
-    report = {}
+    report = FastPathReport()
     for model in _transformers(pipe_or_transformer):
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
         state = getattr(model, _STATE_ATTR, None)
@@ -180,10 +191,12 @@ def fast_path_report(pipe_or_transformer) -> dict:
         if linears:
             entry["gemm_backend"] = gemm_backend(execution_device(model, linears[0]))
         if state is not None:
+            entry["fused"] = state["fused"]
             entry["converted"] = dict(state["converted"])
             if BFL_SOURCE in state["converted"]:
                 entry["numerics"] = BFL_NUMERICS
         if stats is not None:
             entry.update(stats.as_dict())
+            entry["site_modules"] = {kind: list(names) for kind, names in stats.site_modules.items()}
         report[type(model).__name__] = entry
     return report

@@ -273,3 +273,56 @@ def test_adaln_sites_follow_a_lora_loaded_after_enable_fast_paths(export):
     pipe.unload_lora_weights()
     run_pipeline(pipe, kwargs, steps=1)
     assert fast_path_report(pipe)["Flux2Transformer2DModel"]["fused_calls"]["flux2_adaln"] == 3 + 4
+
+
+# Point 13: a readable report; point 14: on == off with the public API on the diffusers route.
+
+def test_report_prints_per_site_with_modules_calls_and_reasons(export):
+    pipe, kwargs = tiny.tiny_flux2_pipeline(load_nvfp4_transformer(export))
+    pipe.set_progress_bar_config(disable=True)
+    report = enable_fast_paths(pipe)
+    assert isinstance(report, dict) and report["Flux2Transformer2DModel"]["sites"]["flux2_token_cat"] == 2
+    handle = pipe.transformer.transformer_blocks[0].attn.to_v.register_forward_hook(lambda *args: None)
+    run_pipeline(pipe, kwargs, steps=1)
+    handle.remove()
+    report = fast_path_report(pipe)
+    entry = report["Flux2Transformer2DModel"]
+    assert entry["site_modules"]["flux2_token_cat"] == ["single_transformer_blocks.0.attn",
+                                                        "single_transformer_blocks.1.attn"]
+    text = str(report)
+    assert "flux2_token_cat: 2 site(s) on single_transformer_blocks.[0-1].attn\n" \
+           "    fused: 2 call(s) (flux2_token_cat_swiglu 2)" in text, text
+    assert "flux2_adaln: 4 site(s) on transformer_blocks.0.attn (img), transformer_blocks.0.attn (txt), " \
+           "single_transformer_blocks.[0-1].attn\n    fused: 3 call(s)\n" \
+           "    fell back: hook on to_v: torch forward hook (1)" in text, text
+    assert "flux2_token_cat_swiglu:" not in text, "one site name everywhere"
+    assert json.loads(json.dumps(report)) == report
+    disable_fast_paths(pipe)
+    assert str(fast_path_report(pipe)) == "Flux2Transformer2DModel: fast paths off (16 NVFP4 linears)"
+
+
+def test_fused_false_converts_without_fused_sites_so_on_equals_off_on_the_diffusers_route(files, export):
+    pipe, kwargs = tiny.tiny_flux2_pipeline(load_nvfp4_transformer(export))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer = load_native(files)  # after the tiny pipeline's cast to BF16, which diffusers refuses for it
+    entry = enable_fast_paths(pipe, fused=False)["Flux2Transformer2DModel"]
+    assert entry["converted"] == {"diffusers BFLQuantizationConfig": 16} and entry["sites"] == {}
+    assert entry["fused"] is False and "fused paths off (fused=False)" in str(fast_path_report(pipe))
+    off = png_sha256(run_pipeline(pipe, kwargs, steps=2))
+    assert fast_path_report(pipe)["Flux2Transformer2DModel"]["fused_calls"] == {}
+    entry = enable_fast_paths(pipe)["Flux2Transformer2DModel"]  # fused=True re-enables with the sites
+    assert entry["fused"] is True and entry["sites"]["flux2_token_cat"] == 2
+    on = png_sha256(run_pipeline(pipe, kwargs, steps=2))
+    assert fast_path_report(pipe)["Flux2Transformer2DModel"]["fused_calls"]["flux2_token_cat_swiglu"] == 4
+    assert on == off
+    disable_fast_paths(pipe)
+    assert all(type(m).__name__ != "NVFP4Linear" for m in pipe.transformer.modules())
+
+
+# Point 9: errors that name the thing.
+
+def test_pipeline_without_transformer_says_so():
+    pipe, _ = tiny.tiny_flux2_pipeline()
+    pipe.transformer = None
+    with pytest.raises(ValueError, match=r"Flux2Pipeline has no transformer \(pipe.transformer is None\)"):
+        enable_fast_paths(pipe)

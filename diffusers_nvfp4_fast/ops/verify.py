@@ -39,6 +39,7 @@ class FastPathStats:
     verify_failed: Counter = field(default_factory=Counter)
     verify_mode: VerifyMode = "first"
     traced_fallbacks: Counter = field(default_factory=Counter)  # counted once per torch.compile trace, not per call
+    site_modules: dict[str, list[str]] = field(default_factory=dict)  # site kind -> modules it is installed on
 
     def as_dict(self) -> dict:
         return {
@@ -66,6 +67,17 @@ def new_stats(verify: VerifyMode) -> tuple[int, FastPathStats]:
         stats_id = next(_NEXT_ID)
         _STATS[stats_id] = stats
     return stats_id, stats
+
+
+def site_counter(stats_id: int) -> Callable[[str, str], None]:
+    """``add(kind, module name)`` for a patcher: counts one installed site of ``kind`` and records where it is."""
+    stats = _STATS.get(stats_id)
+
+    def add(kind: str, name: str) -> None:
+        if stats is not None:
+            stats.site_modules.setdefault(kind, []).append(name)
+
+    return add
 
 
 def drop_stats(stats_id: int) -> None:

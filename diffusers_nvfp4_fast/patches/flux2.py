@@ -40,7 +40,7 @@ from ..ops.qwen_resnorm_quantize import FLUX2_KIND, ResNormInputs
 from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_checked
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
-from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
+from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
 from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
 from .flux2_attention import (
     HALF_DTYPES,
@@ -427,29 +427,40 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
     meanwhile.
     """
     count = {KIND: 0, KIND_ROTARY: 0, KIND_QK: 0, KIND_FF: 0, FLUX2_KIND: 0, KIND_ADALN: 0}
-    for block in getattr(model, "transformer_blocks", []):
-        resnorm_sites = 0
-        for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)):
+    note = site_counter(stats_id)
+
+    def add(kind: str, name: str) -> None:
+        count[kind] += 1
+        note(kind, name)
+
+    for i, block in enumerate(getattr(model, "transformer_blocks", [])):
+        resnorm_sites = []
+        for ff_name in ("ff", "ff_context"):
+            ff = getattr(block, ff_name, None)
             if not isinstance(ff, flux2_module.Flux2FeedForward):
                 continue
             if nvfp4_layer(ff.linear_out) is not None:
                 restore.append(swap_forward(ff, fused_feed_forward(ff, stats_id)))
-                count[KIND_FF] += 1
-            resnorm_sites += nvfp4_layer(ff.linear_in) is not None
+                add(KIND_FF, f"transformer_blocks.{i}.{ff_name}")
+            if nvfp4_layer(ff.linear_in) is not None:
+                resnorm_sites.append(f"transformer_blocks.{i}.{ff_name}")
         attn = getattr(block, "attn", None)
         sites = {}
         if attn is not None and type(attn.processor) is flux2_module.Flux2AttnProcessor:
             norms = (attn.norm_q, attn.norm_k, getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None))
             qk = qk_site(norms, attn.head_dim)
             restore.append(swap_processor(attn, Flux2FusedAttnProcessor(attn.processor, stats_id, qk)))
-            count[KIND_ROTARY] += 1
-            count[KIND_QK] += qk
+            add(KIND_ROTARY, f"transformer_blocks.{i}.attn")
+            if qk:
+                add(KIND_QK, f"transformer_blocks.{i}.attn")
             sites = _double_block_sites(attn)
         if isinstance(block, flux2_module.Flux2TransformerBlock) and (resnorm_sites or sites):
             restore.append(_swap_block_forward(block, fused_double_block_forward, stats_id, sites))
-            count[FLUX2_KIND] += resnorm_sites
-            count[KIND_ADALN] += len(sites)
-    for block in getattr(model, "single_transformer_blocks", []):
+            for name in resnorm_sites:
+                add(FLUX2_KIND, name)
+            for stream in sites:
+                add(KIND_ADALN, f"transformer_blocks.{i}.attn ({stream})")
+    for i, block in enumerate(getattr(model, "single_transformer_blocks", [])):
         attn = block.attn
         original = attn.processor
         fused_cls = _REPLACEMENTS.get(type(original))
@@ -460,11 +471,13 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
         fused._original = original  # attention backend and context-parallel settings stay on it
         fused._qk = qk_site((attn.norm_q, attn.norm_k), attn.head_dim)
         restore.append(swap_processor(attn, fused))
-        count[KIND] += 1
-        count[KIND_ROTARY] += 1
-        count[KIND_QK] += fused._qk
+        name = f"single_transformer_blocks.{i}.attn"
+        add(KIND, name)
+        add(KIND_ROTARY, name)
+        if fused._qk:
+            add(KIND_QK, name)
         sites = _adaln_sites(attn, {"joint": ("to_qkv_mlp_proj",)})
         if isinstance(block, flux2_module.Flux2SingleTransformerBlock) and sites:
             restore.append(_swap_block_forward(block, fused_single_block_forward, stats_id, sites))
-            count[KIND_ADALN] += 1
+            add(KIND_ADALN, name)
     return {kind: n for kind, n in count.items() if n}

@@ -30,7 +30,7 @@ from ..ops.dispatch import triton_runs_on
 from ..ops.gelu_quantize import KIND as KIND_GELU
 from ..ops.gelu_quantize import gelu_mismatch, gelu_quantize_checked, gelu_quantize_decoded_checked
 from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs
-from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
+from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
 from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .qwen_attention import KIND as KIND_QK
@@ -334,7 +334,9 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
     """Swap the forward of every block whose image or text FC1 is NVFP4 (and diffusers' attention processor for
     the fused query/key norm and rotary embedding). Returns ``{site kind: count}``."""
     count = gelu_sites = adaln_sites = qk_sites = 0
-    for block in getattr(model, "transformer_blocks", []):
+    note = site_counter(stats_id)
+    for i, block in enumerate(getattr(model, "transformer_blocks", [])):
+        name = f"transformer_blocks.{i}"
         if not isinstance(block, qwen_module.QwenImageTransformerBlock):
             continue
         img_fc1, txt_fc1 = nvfp4_layer(_fc1(block.img_mlp)), nvfp4_layer(_fc1(block.txt_mlp))
@@ -347,6 +349,7 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
         if type(attn.processor) is qwen_module.QwenDoubleStreamAttnProcessor2_0:
             undo_qk = swap_processor(attn, QwenFusedAttnProcessor(attn.processor, stats_id))
             qk_sites += 1
+            note(KIND_QK, f"{name}.attn")
         # Both streams' FC1 must be fused to consume both unbiased outputs without an extra pass.
         if _bias_can_be_deferred(attn) and img_fc1 is not None and txt_fc1 is not None:
             undo_processor = swap_processor(attn, QwenDeferredBiasAttnProcessor(attn.processor, attn))
@@ -356,6 +359,8 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
         usable = {stream: site for stream, site in sites.items() if site.reason is None}
         block._nvfp4_adaln = usable  # type: ignore[assignment]  # (as above)
         adaln_sites += len(usable)
+        for stream in usable:
+            note(KIND_ADALN, f"{name}.attn ({stream})")
 
         def restore_block(block=block, undo=undo, undo_processor=undo_processor, undo_qk=undo_qk):
             for undo_swap in (undo_processor, undo_qk):  # the wrapper first: it holds the fused processor
@@ -366,7 +371,11 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
 
         restore.append(restore_block)
         count += 1
-        gelu_sites += sum(fc1 is not None and len(ff.net) > 2 and nvfp4_layer(ff.net[2]) is not None
-                          for fc1, ff in ((img_fc1, block.img_mlp), (txt_fc1, block.txt_mlp)))
+        note(KIND, name)
+        for fc1, ff_name in ((img_fc1, "img_mlp"), (txt_fc1, "txt_mlp")):
+            net = getattr(block, ff_name).net
+            if fc1 is not None and len(net) > 2 and nvfp4_layer(net[2]) is not None:
+                gelu_sites += 1
+                note(KIND_GELU, f"{name}.{ff_name}")
     extra = {KIND_GELU: gelu_sites, KIND_ADALN: adaln_sites, KIND_QK: qk_sites}
     return {KIND: count, **{kind: n for kind, n in extra.items() if n}}
