@@ -8,6 +8,7 @@ first, 128x4 scales), which diffusers splits wrongly."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -326,3 +327,82 @@ def test_pipeline_without_transformer_says_so():
     pipe.transformer = None
     with pytest.raises(ValueError, match=r"Flux2Pipeline has no transformer \(pipe.transformer is None\)"):
         enable_fast_paths(pipe)
+
+
+def test_missing_path_says_no_such_file_or_directory(tmp_path):
+    for missing in (tmp_path / "no" / "such" / "export", tmp_path / "missing.safetensors"):
+        with pytest.raises(FileNotFoundError, match="no such file or directory"):
+            load_nvfp4_transformer(missing)
+
+
+def test_broken_config_and_missing_shard_name_the_file(export, tmp_path):
+    bad = shutil.copytree(export, tmp_path / "bad_json")
+    (bad / "config.json").write_text("{not json")
+    with pytest.raises(NVFP4CheckpointError, match=rf"{bad / 'config.json'}: not valid JSON"):
+        load_nvfp4_transformer(bad)
+    nameless = shutil.copytree(export, tmp_path / "nameless")
+    config = json.loads((nameless / "config.json").read_text())
+    del config["_class_name"]
+    (nameless / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NVFP4CheckpointError, match=rf"{nameless / 'config.json'}: no _class_name"):
+        load_nvfp4_transformer(nameless)
+    model = load_nvfp4_transformer(export)
+    model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    shard = sorted((tmp_path / "sharded").glob("*-of-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(NVFP4CheckpointError, match=rf"lists 1 shard\(s\) that are not in .*: {shard.name}"):
+        load_nvfp4_transformer(tmp_path / "sharded")
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"PK\x03\x04" + bytes(64), "a zip archive"), (b"\x80\x02}q\x00" + bytes(64), "a Python pickle"),
+    (b"import torch\nprint('hello')\n", "does not begin with a safetensors header"),
+], ids=["zip", "pickle", "python"])
+def test_inspect_on_a_non_safetensors_file_says_so(tmp_path, capsys, content, says):
+    from diffusers_nvfp4_fast.cli import main
+
+    path = tmp_path / "model.bin"
+    path.write_bytes(content)
+    assert main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a safetensors file" in err and says in err and "truncated" not in err, err
+
+
+def test_dtype_is_accepted_and_unknown_keywords_are_named(export):
+    model = load_nvfp4_transformer(export, dtype=torch.float16)
+    assert model.x_embedder.weight.dtype == torch.float16
+    assert load_nvfp4_transformer(export, dtype=torch.float16, torch_dtype=torch.float16) is not None
+    with pytest.raises(ValueError, match="dtype=torch.float16 and torch_dtype=torch.bfloat16 disagree"):
+        load_nvfp4_transformer(export, dtype=torch.float16, torch_dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['low_cpu_mem_usage'\]"):
+        load_nvfp4_transformer(export, low_cpu_mem_usage=True)
+    with pytest.raises(TypeError, match=r"\['nibble_order'\] only apply to single-file"):
+        load_nvfp4_transformer(export, nibble_order="lo_first")
+
+
+def test_bfl_scale_errors_are_not_called_block_scales_and_flag_sources_differ(export, tmp_path):
+    def nan_scale(tensors, metadata):
+        tensors["single_blocks.0.linear2.weight_scale_2"] = torch.tensor(float("nan"))
+
+    path = tmp_path / "nan.safetensors"
+    write_bfl_file(export, path, edit=nan_scale)
+    with pytest.raises(NVFP4CheckpointError, match="1 problem.s. in NVFP4 scales:") as info:
+        load_nvfp4_transformer(path)
+    assert "block scales" not in str(info.value)
+    write_bfl_file(export, path, markers=False, file_flags={"nibble_order": "lo_first"},
+                   layer_flags={"nibble_order": "hi_first"})
+    with pytest.raises(NVFP4CheckpointError) as info:
+        load_nvfp4_transformer(path)
+    msg = str(info.value)
+    assert ("conflicting nibble_order for layer double_blocks.0.img_attn.qkv: the file-wide flags of header "
+            "_quantization_metadata say 'lo_first', header _quantization_metadata "
+            "layers['double_blocks.0.img_attn.qkv'] says 'hi_first'") in msg, msg
+
+
+def test_fit_to_budget_without_a_gpu_says_so(export, monkeypatch):
+    from diffusers_nvfp4_fast import fit_to_budget
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    pipe, _ = tiny.tiny_flux2_pipeline(load_nvfp4_transformer(export))
+    with pytest.warns(UserWarning, match="no CUDA device here, so the 24 GiB GPU budget does not apply"):
+        assert fit_to_budget(pipe, 24) == "resident"
