@@ -13,15 +13,15 @@ from torch import nn
 
 from .graphs import capture_cuda_graphs, denoisers, graph_report, release_cuda_graphs
 from .linear import NVFP4Linear
-from .loaders.common import record_checkpoint_config
+from .loaders.common import install_model_methods, record_checkpoint_config
 from .loaders.diffusers_native import SOURCE as BFL_SOURCE
 from .loaders.diffusers_native import convert_diffusers_native
-from .lora import register_lora_support
 from .ops.blackwell import GemmSetupError, padded_layers, warm_up
 from .ops.dispatch import gemm_backend
 from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats, stats_for
 from .patches.flux2 import patch_flux2
 from .patches.qwenimage import patch_qwenimage
+from .report import FastPathReport
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
 
@@ -59,7 +59,7 @@ def _convert(model: nn.Module, restore: list) -> dict[str, int]:
     converted = convert_diffusers_native(model, restore)
     if has_modelopt_modules(model):
         before = sum(isinstance(m, NVFP4Linear) for m in model.modules())
-        convert_modelopt_model(model)
+        convert_modelopt_model(model, restore=restore)
         converted[MODELOPT_SOURCE] = sum(isinstance(m, NVFP4Linear) for m in model.modules()) - before
     return converted
 
@@ -70,7 +70,8 @@ def _restore_config(model: nn.Module, restore: list) -> None:
         restore.append(lambda: setattr(model, "_internal_dict", previous))
 
 
-def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", cuda_graphs: bool = False) -> dict:
+def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fused: bool = True,
+                      cuda_graphs: bool = False) -> dict:
     """Make an NVFP4 FLUX.2 / Qwen-Image pipeline (or transformer) faster without changing any output byte.
 
     Converts NVFP4 layers that diffusers' ``BFLQuantizationConfig`` or an in-memory ModelOpt quantization built to
@@ -83,13 +84,18 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", cuda
             shape class and device (default); "always" at every call; "off" never.
         cuda_graphs: also replay every transformer call from a CUDA graph captured for its call signature
             (``capture_cuda_graphs``): the fastest exact mode where the host would otherwise bound the step.
+        fused: False converts and swizzles the NVFP4 layers but installs no fused site: the reference that fused
+            paths on must equal on every route (below SM100, disabling puts diffusers' W4A16 layers back). Enabling
+            again with the other value re-enables from scratch.
 
     Returns:
         ``fast_path_report`` of the pipeline.
     """
     for model in _transformers(pipe_or_transformer):
         state = getattr(model, _STATE_ATTR, None)
-        if state is not None:
+        if state is not None and state["fused"] != fused:
+            disable_fast_paths(model)
+        elif state is not None:
             cast(FastPathStats, stats_for(state["stats_id"])).verify_mode = verify  # registered while state is set
             continue
         restore: list = []
@@ -103,16 +109,16 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", cuda
                 stacklevel=2,
             )
             continue
-        register_lora_support()
+        install_model_methods(model)
         swizzled = sum(m.swizzle_weight_scales_() for m in linears)
         record_checkpoint_config(model)
         warmed = _warm_up_gemm(model, linears, restore)
         stats_id, stats = new_stats(verify)
         patcher = _PATCHERS.get(type(model).__name__)
-        if patcher is not None:
+        if patcher is not None and fused:
             stats.sites.update(patcher(model, stats_id, restore))
         setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore, "converted": converted,
-                                     "gemm_warm_up": warmed})
+                                     "gemm_warm_up": warmed, "fused": fused})
         logger.info(
             "fast paths on for %s: %d NVFP4 linears (converted now: %s; %d scale tensors swizzled now), fused sites "
             "%s, GEMM backend %s", type(model).__name__, len(linears), converted or "none", swizzled,
@@ -183,14 +189,15 @@ def execution_device(model: nn.Module, layer: nn.Module) -> torch.device:
     return cast(torch.Tensor, layer.weight).device
 
 
-def fast_path_report(pipe_or_transformer) -> dict:
+def fast_path_report(pipe_or_transformer) -> FastPathReport:
     """Per transformer: fused sites, fused calls, fallbacks by reason, verifications, NVFP4 layers (and how many were
     converted from which source), the numerics note for converted layers, the GEMM backend that runs.
 
-    Counts come from the ops at run time (also under torch.compile); calls replayed from a CUDA graph run no
-    Python and are not counted.
+    Counts come from the ops at run time (also under torch.compile, where a site that keeps diffusers' op counts once
+    per trace); calls replayed from a CUDA graph run no Python and are not counted. ``print(report)`` shows it per
+    site kind: the modules it is installed on (``site_modules``), fused calls, fallbacks with their reasons.
     """
-    report = {}
+    report = FastPathReport()
     graphs = {id(getattr(t, "_orig_mod", t)): graph_report(t) for t in denoisers(pipe_or_transformer)}
     for model in _transformers(pipe_or_transformer):
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
@@ -204,6 +211,7 @@ def fast_path_report(pipe_or_transformer) -> dict:
             if padded:
                 entry["gemm_padded_layers"] = padded
         if state is not None:
+            entry["fused"] = state["fused"]
             entry["converted"] = dict(state["converted"])
             if state.get("gemm_warm_up"):
                 entry["gemm_warm_up"] = dict(state["gemm_warm_up"])
@@ -211,6 +219,7 @@ def fast_path_report(pipe_or_transformer) -> dict:
                 entry["numerics"] = BFL_NUMERICS + (BFL_FP16_NUMERICS if _runs_fp16(linears) else "")
         if stats is not None:
             entry.update(stats.as_dict())
+            entry["site_modules"] = {kind: list(names) for kind, names in stats.site_modules.items()}
         if graphs.get(id(model)) is not None:
             entry["cuda_graphs"] = graphs[id(model)]
         report[type(model).__name__] = entry

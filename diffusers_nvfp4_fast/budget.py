@@ -24,6 +24,7 @@ when they are applied. Estimates per model, and the benchmark that measures them
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -176,8 +177,9 @@ def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = N
     return its name.
 
     ``device``: the compute device; by default the GPU where there is one, else the CPU (where the plans still run,
-    without streams, and save nothing). ``host_gib``: free host memory in GiB; by default what the OS reports (no host
-    check where it reports nothing). Logs a warning when setting the plan up may peak above the free host memory.
+    without streams, and save nothing: a warning says so). ``host_gib``: free host memory in GiB; by default what the
+    OS reports (no host check where it reports nothing). Logs a warning when setting the plan up may peak above the
+    free host memory.
 
     >>> enable_fast_paths(pipe)
     >>> fit_to_budget(pipe, 24)        # e.g. 'text_encoder_offload' for FLUX.2-dev with NVFP4 weights
@@ -192,5 +194,9 @@ def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = N
         logger.warning("diffusers-nvfp4-fast: plan %s moves %.1f GiB of weights to host memory; setting it up can peak "
                        "at about %.0f GiB (measured %.2fx, docs/budget.md), and %.1f GiB is free", plan, need,
                        need * HOST_PEAK_FACTOR, HOST_PEAK_FACTOR, host_gib)
+    if device is None and not torch.cuda.is_available():
+        warnings.warn(f"fit_to_budget: no CUDA device here, so the {budget_gib} GiB GPU budget does not apply; plan "
+                      f"{plan!r} (chosen from GPU estimates) runs on the CPU, where offloading saves nothing. Pass "
+                      "device='cpu' to say that this is meant.", UserWarning, stacklevel=2)
     apply_plan(pipe, plan, device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return plan

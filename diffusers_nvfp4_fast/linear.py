@@ -152,8 +152,10 @@ class NVFP4Linear(nn.Module):
         self.weight = _frozen(weight.view(torch.uint8).to(device).contiguous())
         self.weight_scale = _frozen(weight_scale.view(torch.uint8).to(device).contiguous())
         self.scale_layout = scale_layout
-        self.weight_scale_2 = weight_scale_2.reshape(()).to(device=device, dtype=torch.float32)
-        self.input_scale = input_scale.reshape(()).to(device=device, dtype=torch.float32)
+        # Copies: the parts of a fused checkpoint tensor (q/k/v) must not share one scalar, or safetensors refuses to
+        # save the model.
+        self.weight_scale_2 = weight_scale_2.reshape(()).to(device=device, dtype=torch.float32, copy=True)
+        self.input_scale = input_scale.reshape(()).to(device=device, dtype=torch.float32, copy=True)
         if bias is not None:
             self.bias = bias.to(device=device, dtype=self.bias.dtype if self.bias is not None else bias.dtype)
         self.alpha = torch.empty((), dtype=torch.float32, device=device)

@@ -33,6 +33,9 @@ def denoisers(pipe_or_transformer) -> list[nn.Module]:
         return [pipe_or_transformer]
     found = [m for name in ("transformer", "transformer_2")
              if isinstance(m := getattr(pipe_or_transformer, name, None), nn.Module)]
+    if not found and hasattr(pipe_or_transformer, "components"):
+        raise ValueError(f"{type(pipe_or_transformer).__name__} has no transformer (pipe.transformer is None): load "
+                         "one, e.g. transformer=load_nvfp4_transformer(...), and pass it to the pipeline")
     if not found:
         raise TypeError(f"expected a diffusers pipeline with a transformer or an nn.Module, got "
                         f"{type(pipe_or_transformer).__name__} (no transformer)")

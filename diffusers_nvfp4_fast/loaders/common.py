@@ -71,11 +71,20 @@ def replace_linear(model: nn.Module, name: str, linear: nn.Module, new: nn.Modul
     model.set_submodule(name, new)
 
 
+def install_model_methods(model: nn.Module) -> None:
+    """This instance's ``save_pretrained`` (a checkpoint ``load_nvfp4_transformer`` reads back, written whole or not
+    at all) and ``fuse_lora`` (refused before any layer is touched) for an NVFP4 model; peft learns ``NVFP4Linear``."""
+    from ..lora import install_fuse_lora_guard, register_lora_support
+    from .save import install_save_pretrained
+
+    register_lora_support()
+    install_save_pretrained(model)
+    install_fuse_lora_guard(model)
+
+
 def finish_model(model: nn.Module, source, device) -> None:
     """Refuse a model with tensors the checkpoint did not fill; eval mode; move to ``device``; record the checkpoint
-    facts for ``save_pretrained``; let peft put LoRA layers on its NVFP4 layers."""
-    from ..lora import register_lora_support
-
+    facts for ``save_pretrained``; install this package's ``save_pretrained`` and ``fuse_lora``."""
     meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
     if meta:
         raise NVFP4CheckpointError(f"{source}: no data for {meta}")
@@ -83,7 +92,7 @@ def finish_model(model: nn.Module, source, device) -> None:
     if device is not None:
         model.to(device)
     record_checkpoint_config(model)
-    register_lora_support()
+    install_model_methods(model)
 
 
 def load_summary(model: nn.Module, **facts) -> dict:
@@ -134,6 +143,35 @@ def scale_problems(name: str, weight_scale: torch.Tensor, weight_scale_2: torch.
     negative = int((scale_bytes > 0x80).sum()) - int((scale_bytes == 0xFF).sum())
     if negative:
         problems.append(f"{name}.weight_scale holds {negative} negative block scale(s) (sign bit set)")
+    return problems
+
+
+def _scalar_problem(name: str, t: torch.Tensor | None) -> str | None:
+    if t is None or (t.dtype == torch.float32 and t.numel() == 1):
+        return None
+    return f"{name}: {t.dtype} {list(t.shape)}, expected a float32 scalar"
+
+
+def layer_tensor_problems(name: str, out_features: int, in_features: int, weight: torch.Tensor,
+                          weight_scale: torch.Tensor, weight_scale_2: torch.Tensor,
+                          input_scale: torch.Tensor | None, bias: torch.Tensor | None) -> list[str]:
+    """What keeps one NVFP4 layer's tensors from being read as ``NVFP4Linear`` takes them (each naming the tensor,
+    its dtype and shape, and the expected ones); empty when they fit. Expected, for an ``[N, K]`` layer: packed uint8
+    ``[N, K/2]``, linear E4M3 (or uint8) block scales ``[N, K/16]``, float32 scalars, a bias ``[N]``."""
+    n, k = out_features, in_features
+    problems = []
+    if k % BLOCK_SIZE:
+        return [f"{name}: in_features {k} is not a multiple of {BLOCK_SIZE}, so it cannot be NVFP4"]
+    if weight.dtype != torch.uint8 or tuple(weight.shape) != (n, k // 2):
+        problems.append(f"{name}.weight: {weight.dtype} {list(weight.shape)}, expected packed uint8 {[n, k // 2]}")
+    if weight_scale.dtype not in (torch.float8_e4m3fn, torch.uint8) or \
+            tuple(weight_scale.shape) != (n, k // BLOCK_SIZE):
+        problems.append(f"{name}.weight_scale: {weight_scale.dtype} {list(weight_scale.shape)}, expected "
+                        f"float8_e4m3fn {[n, k // BLOCK_SIZE]} (linear block scales of a [{n}, {k}] layer)")
+    problems += [p for p in (_scalar_problem(f"{name}.weight_scale_2", weight_scale_2),
+                             _scalar_problem(f"{name}.input_scale", input_scale)) if p]
+    if bias is not None and tuple(bias.shape) != (n,):
+        problems.append(f"{name}.bias: {list(bias.shape)}, expected {[n]}")
     return problems
 
 

@@ -20,9 +20,15 @@ from torch import nn
 from ..format import swizzle_scales
 from ..linear import NVFP4Linear
 from ..patches.hooks import TORCH_FORWARD_HOOK, hooks_on
-from .common import copy_tp_annotations, raise_scale_problems, scale_problems
+from .common import copy_tp_annotations, layer_tensor_problems, raise_scale_problems, scale_problems
+from .errors import NVFP4CheckpointError
 
 SOURCE = "diffusers BFLQuantizationConfig"
+# diffusers 0.42 splits and reads block scales as linear [N, K/16]; another shape means another layout in the file.
+BFL_LAYOUT_HINT = (
+    "block scales that are not [N, K/16]: this file is in the BFL/Comfy layout (128x4 block scales), which diffusers' "
+    "BFLQuantizationConfig misreads; load it with diffusers_nvfp4_fast.load_nvfp4_transformer(path)"
+)
 
 
 def is_bfl_nvfp4(module: nn.Module) -> bool:
@@ -38,16 +44,18 @@ def _offload_hooks(module: nn.Module) -> list[str]:
 
 @torch.no_grad()
 def from_bfl_layer(layer: nn.Module) -> NVFP4Linear:
-    """An ``NVFP4Linear`` computing ``layer``'s checkpoint recipe: same packed weight object, 128x4 scales, same
-    ``weight_scale_2`` / ``input_scale`` / bias tensors, on the same device; no BF16 copy of the weight."""
+    """An ``NVFP4Linear`` computing ``layer``'s checkpoint recipe: same packed weight object and bias tensor, 128x4
+    scales, copies of ``weight_scale_2`` / ``input_scale``, on the same device; no BF16 copy of the weight."""
     bfl: Any = layer  # diffusers' BFLNVFP4Linear: its scales are registered buffers, which are not typed
     device = bfl.weight.device
     dtype = getattr(layer, "compute_dtype", None) or (bfl.bias.dtype if bfl.bias is not None else torch.bfloat16)
     new = NVFP4Linear(bfl.in_features, bfl.out_features, bias=False, dtype=dtype, device="meta")
     new.weight = bfl.weight  # the same (frozen) parameter: its storage and its identity for offloading hooks
     new.weight_scale = nn.Parameter(swizzle_scales(bfl.weight_scale.view(torch.uint8)), requires_grad=False)
-    new._buffers["weight_scale_2"] = bfl.weight_scale_2
-    new._buffers["input_scale"] = bfl.input_scale
+    # Own copies of the scalars: diffusers shares one tensor among the q/k/v parts of a fused layer, which
+    # safetensors cannot save.
+    new._buffers["weight_scale_2"] = bfl.weight_scale_2.detach().reshape(()).clone()
+    new._buffers["input_scale"] = bfl.input_scale.detach().reshape(()).clone()
     new._buffers["bias"] = bfl.bias.data if bfl.bias is not None else None
     new._buffers["alpha"] = torch.empty((), dtype=torch.float32, device=device)
     new._buffers["input_scale_inv"] = torch.empty((), dtype=torch.float32, device=device)
@@ -57,10 +65,24 @@ def from_bfl_layer(layer: nn.Module) -> NVFP4Linear:
     return new
 
 
+def _raise_tensor_problems(model_name: str, layers: dict[str, Any]) -> None:
+    """Refuse (before any layer changes) layers whose tensors are not what ``from_bfl_layer`` reads."""
+    problems = [p for name, m in layers.items()
+                for p in layer_tensor_problems(name, m.out_features, m.in_features, m.weight, m.weight_scale,
+                                               m.weight_scale_2, m.input_scale, m.bias)]
+    if problems:
+        hint = BFL_LAYOUT_HINT if any(".weight_scale:" in p for p in problems) else ""
+        raise NVFP4CheckpointError(
+            f"{model_name}: {len(problems)} problem(s) in the NVFP4 layers diffusers loaded; nothing was converted"
+            + (f" ({hint})" if hint else "") + ":\n  " + "\n  ".join(problems))
+
+
 def convert_diffusers_native(model: nn.Module, restore: list) -> dict[str, int]:
     """Replace every ``BFLNVFP4Linear`` in ``model`` by an ``NVFP4Linear`` (also inside LoRA wrappers).
 
-    Every layer is checked before anything changes; unusable scales raise one ``NVFP4CheckpointError``. Appends to
+    Every layer is checked before anything changes: tensors of another shape, dtype or layout than diffusers' own
+    reading gives (block scales ``[N, K/16]``; other shapes mean a BFL / ComfyUI-layout file that diffusers misread)
+    and unusable scales raise one ``NVFP4CheckpointError`` naming the layers. Appends to
     ``restore`` one undo per layer, which puts the original object back (unless the user replaced the layer since).
     Returns ``{source: number of layers converted}`` (empty when there was nothing to convert).
     """
@@ -77,6 +99,7 @@ def convert_diffusers_native(model: nn.Module, restore: list) -> dict[str, int]:
             "enable_fast_paths(pipe) first, then enable_model_cpu_offload / enable_sequential_cpu_offload / "
             "enable_group_offload."
         )
+    _raise_tensor_problems(type(model).__name__, originals)
     raise_scale_problems(type(model).__name__, [
         p for name, m in originals.items()
         for p in scale_problems(name, m.weight_scale, m.weight_scale_2, m.input_scale)

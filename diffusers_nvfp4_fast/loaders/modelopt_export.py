@@ -90,7 +90,7 @@ def read_quantization_info(model_dir: Path, config: dict) -> QuantizationInfo:
             source=str(model_dir / "config.json"),
         )
     elif (model_dir / "hf_quant_config.json").is_file():
-        nested = json.loads((model_dir / "hf_quant_config.json").read_text())
+        nested = read_json(model_dir / "hf_quant_config.json")
         q = nested.get("quantization", nested)
         info = QuantizationInfo(
             quant_algo=str(q.get("quant_algo", "")), group_size=int(q.get("group_size") or BLOCK_SIZE),
@@ -118,7 +118,11 @@ def resolve_dir(path_or_repo_id: str | os.PathLike, subfolder: str | None) -> Pa
         from huggingface_hub import snapshot_download
 
         patterns = [f"{subfolder}/*"] if subfolder else None
-        model_dir = Path(snapshot_download(str(path_or_repo_id), allow_patterns=patterns))
+        try:
+            model_dir = Path(snapshot_download(str(path_or_repo_id), allow_patterns=patterns))
+        except (OSError, ValueError) as e:  # not found, offline, invalid id: huggingface_hub's errors derive from them
+            raise FileNotFoundError(f"{path_or_repo_id}: no such local file or directory, and no Hugging Face repo "
+                                    f"could be downloaded ({type(e).__name__}: {e})") from e
         model_dir = model_dir / subfolder if subfolder else model_dir
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (is `subfolder` right?)")
@@ -129,14 +133,34 @@ def weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of an export: the index's shards, the single weights file, or every ``*.safetensors``."""
     index = model_dir / WEIGHTS_INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise NVFP4CheckpointError(f"{index}: no 'weight_map' object")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise NVFP4CheckpointError(f"{index}: lists {len(missing)} shard(s) that are not in {model_dir}: "
+                                       f"{', '.join(missing)} (an incomplete download or copy?)")
+        return files
     if (model_dir / WEIGHTS_NAME).is_file():
         return [model_dir / WEIGHTS_NAME]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{model_dir}: no .safetensors weights")
+        bins = sorted(f.name for f in model_dir.glob("*.bin"))
+        raise NVFP4CheckpointError(f"{model_dir}: no .safetensors weights" + (
+            f" ({', '.join(bins)}: this loader reads safetensors only)" if bins else ""))
     return files
+
+
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON file as a dict; ``NVFP4CheckpointError`` naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise NVFP4CheckpointError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise NVFP4CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _stored_layout(name: str, shape: tuple[int, ...], n: int, k: int, declared: str | None, info: QuantizationInfo,
@@ -201,13 +225,16 @@ def _check_nvfp4_layer(name: str, linear: nn.Linear, index: CheckpointIndex, dec
     return layout
 
 
-def _model_class(config: dict):
+def _model_class(config: dict, path: Path):
     import diffusers
 
     cls_name = config.get("_class_name")
-    cls = getattr(diffusers, cls_name, None) if cls_name else None
+    if not cls_name:
+        raise NVFP4CheckpointError(f"{path}: no _class_name (the diffusers model class, e.g. "
+                                   "'Flux2Transformer2DModel'); is this a diffusers model directory?")
+    cls = getattr(diffusers, str(cls_name), None)
     if cls is None:
-        raise NVFP4CheckpointError(f"config.json names _class_name={cls_name!r}, which diffusers does not provide")
+        raise NVFP4CheckpointError(f"{path}: _class_name={cls_name!r}, which diffusers does not provide")
     return cls
 
 
@@ -283,6 +310,18 @@ def _load_nvfp4_layer(model: nn.Module, name: str, index: CheckpointIndex, layou
     return swizzled
 
 
+def refuse_lora_keys(model_dir: Path, index: CheckpointIndex) -> None:
+    """A model saved with a LoRA loaded stores peft's wrappers (``base_layer``, ``lora_A``, ``lora_B``): say so, rather
+    than list every one of its keys as unexpected."""
+    lora = [k for k in index.entries if ".base_layer." in k or ".lora_A." in k or ".lora_B." in k]
+    if lora:
+        raise NVFP4CheckpointError(
+            f"{model_dir}: this checkpoint holds a LoRA-wrapped model ({len(lora)} peft keys such as {lora[0]}): it "
+            "was saved with a LoRA loaded. Save the model again after pipe.unload_lora_weights(), and the LoRA itself "
+            "with pipe.save_lora_weights(...)"
+        )
+
+
 def load_modelopt_export(
     path_or_repo_id: str | os.PathLike,
     *,
@@ -304,12 +343,13 @@ def load_modelopt_export(
     from accelerate import init_empty_weights
 
     model_dir = resolve_dir(path_or_repo_id, subfolder)
-    config = json.loads((model_dir / "config.json").read_text())
+    config = read_json(model_dir / "config.json")
     qinfo = read_quantization_info(model_dir, config)
-    cls = _model_class(config)
+    cls = _model_class(config, model_dir / "config.json")
     with init_empty_weights(include_buffers=False):
         model = cls.from_config({k: v for k, v in config.items() if k != "quantization_config"})
     index = CheckpointIndex(weight_files(model_dir))
+    refuse_lora_keys(model_dir, index)
     problems: list[str] = []
     quantized = _plan_quantized(model, index, qinfo, scale_layout, problems)
     plain_keys = _check_plain_keys(model, index, quantized, problems)

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..format import BLOCK_SIZE, padded_scale_shape, unswizzle_scales
 from ..linear import NVFP4Linear
-from .common import copy_tp_annotations, raise_scale_problems, scale_problems
+from .common import copy_tp_annotations, layer_tensor_problems, raise_scale_problems, scale_problems
 from .errors import NVFP4CheckpointError
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
@@ -198,11 +198,18 @@ def _packed_weight(layer: _Layer, weight_scale_2: torch.Tensor) -> tuple[torch.T
     return packed, weight_scale, weight.dtype
 
 
-def _build_layer(layer: _Layer, weight_scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> NVFP4Linear:
-    """The ``NVFP4Linear`` that replaces ``layer``: the export's tensors, block scales in the 128x4 layout."""
+def _build_layer(layer: _Layer, weight_scale_2: torch.Tensor, input_scale: torch.Tensor | None,
+                 problems: list[str]) -> NVFP4Linear | None:
+    """The ``NVFP4Linear`` that replaces ``layer``: the export's tensors, block scales in the 128x4 layout; None
+    (with ``problems`` added) where a tensor does not fit the layer."""
     module: Any = layer.module  # a ModelOpt QuantLinear (see _packed_weight)
     packed, weight_scale, dtype = _packed_weight(layer, weight_scale_2)
     bias = module.bias.detach() if module.bias is not None else None
+    found = layer_tensor_problems(layer.name, module.out_features, module.in_features, packed, weight_scale,
+                                  weight_scale_2, input_scale, bias)
+    if found:
+        problems += found
+        return None
     new = NVFP4Linear(module.in_features, module.out_features, bias=bias is not None,
                       dtype=bias.dtype if bias is not None else dtype, device=packed.device)
     new.load_nvfp4(
@@ -217,17 +224,31 @@ def _build_layer(layer: _Layer, weight_scale_2: torch.Tensor, input_scale: torch
     return new
 
 
-def _restore_plain_linear(model: nn.Module, name: str, module: nn.Linear) -> None:
+def _plain_linear(module: nn.Linear) -> nn.Linear:
     # A Linear whose quantizers are all off computes F.linear(x, weight, bias): the same module, minus ModelOpt.
     linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None, device="meta")
     linear.weight = module.weight
     linear.bias = module.bias
     copy_tp_annotations(module, linear)
-    model.set_submodule(name, linear)
+    return linear
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module, restore: list | None) -> None:
+    """Put ``new`` at ``name``; with ``restore``, append the undo that puts the ModelOpt module back (unless the
+    user replaced ``new`` since)."""
+    old = model.get_submodule(name)
+    model.set_submodule(name, new)
+    if restore is not None:
+        def undo() -> None:
+            if model.get_submodule(name) is new:
+                model.set_submodule(name, old)
+
+        restore.append(undo)
 
 
 @torch.no_grad()
-def convert_modelopt_model(model: nn.Module, *, dynamic_input_scale: bool = False) -> nn.Module:
+def convert_modelopt_model(model: nn.Module, *, dynamic_input_scale: bool = False,
+                           restore: list | None = None) -> nn.Module:
     """Replace ModelOpt quantized Linears in ``model`` (in place) and return it.
 
     NVFP4 layers (compressed by ``mtq.compress`` or still fake-quantized) become ``NVFP4Linear`` with the weight,
@@ -238,6 +259,8 @@ def convert_modelopt_model(model: nn.Module, *, dynamic_input_scale: bool = Fals
     Args:
         dynamic_input_scale: layers whose input quantizer has no amax (disabled or never calibrated) get
             ``NVFP4Linear.dynamic_input_scale`` instead of an error. Not the calibrated recipe.
+        restore: where given, one undo per replaced module is appended, which puts the ModelOpt module back (its
+            quantizers untouched): ``disable_fast_paths`` runs them.
 
     Raises:
         NVFP4CheckpointError: unsupported formats (non-NVFP4, static, 4/6, AWQ pre-scales), uncalibrated layers,
@@ -253,16 +276,23 @@ def convert_modelopt_model(model: nn.Module, *, dynamic_input_scale: bool = Fals
             f"{type(model).__name__}: {len(problems)} ModelOpt layer(s) cannot be converted to NVFP4Linear:\n  "
             + "\n  ".join(problems)
         )
-    built = [(layer, _build_layer(layer, weight_scale_2, input_scale)) for layer, weight_scale_2, input_scale in plans]
+    built: list[tuple[_Layer, NVFP4Linear]] = []
+    for layer, weight_scale_2, input_scale in plans:
+        new = _build_layer(layer, weight_scale_2, input_scale, problems)
+        if new is not None:
+            built.append((layer, new))
+    if problems:
+        raise NVFP4CheckpointError(f"{type(model).__name__}: {len(problems)} problem(s) in ModelOpt layer tensors; "
+                                   "nothing was converted:\n  " + "\n  ".join(problems))
     raise_scale_problems(type(model).__name__, [
         p for layer, new in built
         for p in scale_problems(layer.name, new.weight_scale, new.weight_scale_2,
                                 None if new.dynamic_input_scale else new.input_scale)
     ])
     for layer, new in built:
-        model.set_submodule(layer.name, new)
+        _replace(model, layer.name, new, restore)
     for name, module in plain:
-        _restore_plain_linear(model, name, module)
+        _replace(model, name, _plain_linear(cast(nn.Linear, module)), restore)
     leftover = sorted({type(m).__name__ for m in model.modules() if type(m).__module__.startswith("modelopt.")
                        and any(getattr(q, "is_enabled", False) for q in m.children())})
     if leftover:

@@ -49,13 +49,30 @@ def _corrupt(path: Path, what: str) -> NVFP4CheckpointError:
     return NVFP4CheckpointError(f"{path}: truncated or corrupt safetensors file ({what}); download or copy it again")
 
 
+def _not_safetensors(path: Path, start: bytes) -> NVFP4CheckpointError | None:
+    """The error for a file that is not safetensors at all (its header JSON must begin right after the length)."""
+    if start[8:9] == b"{":
+        return None
+    if start.startswith(b"PK\x03\x04"):
+        kind = "a zip archive, as torch.save writes (.bin / .pt)"
+    elif start[:1] == b"\x80":
+        kind = "a Python pickle (.bin / .pt / .ckpt)"
+    else:
+        kind = "it does not begin with a safetensors header"
+    return NVFP4CheckpointError(f"{path}: not a safetensors file ({kind}); these tools read .safetensors checkpoints")
+
+
 def _read_header_json(path: Path) -> tuple[dict, int]:
     size = path.stat().st_size
     with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
+        start = f.read(9)
+        if len(start) < 9:
             raise _corrupt(path, f"{size} bytes, too short for a header")
-        (n,) = struct.unpack("<Q", raw)
+        wrong_format = _not_safetensors(path, start)
+        if wrong_format is not None:
+            raise wrong_format
+        f.seek(8)
+        (n,) = struct.unpack("<Q", start[:8])
         if n > min(size - 8, _MAX_HEADER_BYTES):
             raise _corrupt(path, f"the header claims {n} bytes, the file has {size - 8} after the length field")
         try:

@@ -23,6 +23,9 @@ from typing import Literal
 import torch
 
 VerifyMode = Literal["first", "always", "off"]
+# The gate reason of a site that keeps diffusers' op under torch.compile (inductor computes it its own way, and
+# compiled on must equal compiled off: docs/design.md §1).
+COMPILED = "compiled: kept diffusers' op"
 _VERIFY_MODES = ("first", "always", "off")
 
 
@@ -36,13 +39,15 @@ class FastPathStats:
     verified: Counter = field(default_factory=Counter)
     verify_failed: Counter = field(default_factory=Counter)
     verify_mode: VerifyMode = "first"
+    traced_fallbacks: Counter = field(default_factory=Counter)  # counted once per torch.compile trace, not per call
+    site_modules: dict[str, list[str]] = field(default_factory=dict)  # site kind -> modules it is installed on
 
     def as_dict(self) -> dict:
         return {
             "verify": self.verify_mode,
             "sites": dict(self.sites),
             "fused_calls": dict(self.fused_calls),
-            "fallbacks": dict(self.fallbacks),
+            "fallbacks": dict(self.fallbacks + self.traced_fallbacks),
             "verifications": {"passed": sum(self.verified.values()), "failed": sum(self.verify_failed.values()),
                               "passed_by_kind": dict(self.verified), "failed_by_kind": dict(self.verify_failed)},
         }
@@ -65,6 +70,17 @@ def new_stats(verify: VerifyMode) -> tuple[int, FastPathStats]:
     return stats_id, stats
 
 
+def site_counter(stats_id: int) -> Callable[[str, str], None]:
+    """``add(kind, module name)`` for a patcher: counts one installed site of ``kind`` and records where it is."""
+    stats = _STATS.get(stats_id)
+
+    def add(kind: str, name: str) -> None:
+        if stats is not None:
+            stats.site_modules.setdefault(kind, []).append(name)
+
+    return add
+
+
 def drop_stats(stats_id: int) -> None:
     with _lock:
         _STATS.pop(stats_id, None)
@@ -75,15 +91,29 @@ def stats_for(stats_id: int) -> FastPathStats | None:
 
 
 def record_fallback(stats: FastPathStats, kind: str, reason: str) -> None:
-    """Called from gates in eager Python. Not counted while torch.compile traces: the count would be a side effect of
-    the compiled graph, and its guard on the counter would re-trace the graph at every call."""
+    """Called from gates in eager Python; under torch.compile gates call ``count_fallback``, which counts per trace."""
     if torch.compiler.is_compiling():
         return
     stats.fallbacks[f"{kind}: {reason}"] += 1
 
 
+@torch.compiler.assume_constant_result
+def _count_traced_fallback(stats_id: int, key: str) -> bool:
+    # torch.compile runs this while tracing and bakes its result into the graph as a constant: the count is a side
+    # effect of the trace, so the graph gets no guard on the counter (a count per call would re-trace every call).
+    stats = _STATS.get(stats_id)
+    if stats is not None:
+        with _lock:
+            stats.traced_fallbacks[key] += 1
+    return True
+
+
 def count_fallback(stats_id: int, kind: str, reason: str) -> None:
-    """``record_fallback`` on the stats of ``stats_id``, if they still exist (a gate's one-line fallback count)."""
+    """Count that a site of ``kind`` on the stats of ``stats_id`` (if they still exist) ran unfused, and why: per
+    call in eager mode, once per trace of the site under ``torch.compile``."""
+    if torch.compiler.is_compiling():
+        _count_traced_fallback(stats_id, f"{kind}: {reason}")
+        return
     stats = _STATS.get(stats_id)
     if stats is not None:
         record_fallback(stats, kind, reason)

@@ -7,8 +7,8 @@ The block forward hands the attention an ``AdaLNInput`` in place of the modulate
 ``NVFP4Linear.forward`` calls ``run_on``: the first projection runs the kernel with its own ``input_scale_inv`` (after
 its offloading hooks ran), the others reuse the result. That sharing is exact only while every projection has the
 same input scale: ``AdaLNSite`` checks that when the fast paths are enabled (ModelOpt calibrates the three projections
-on the same tensor, so their scales agree), and the gate re-checks that nothing was replaced or reloaded since
-(``NVFP4Linear.scale_version``).
+on the same tensor, so their scales agree), and checks it again at the first call after a projection was replaced or
+its scales were reloaded (``NVFP4Linear.scale_version``).
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ from .resnorm import layer_norm_reason
 
 
 class AdaLNSite:
-    """The projections of one stream that read the norm1 output, as found when the fast paths were enabled.
+    """The projections of one stream that read the norm1 output.
 
-    ``consumers``: attribute name -> module on ``owner`` (the attention); ``reason``: why the site cannot be fused at
-    all (projections not NVFP4, input scales differ or not loaded), else None.
+    ``consumers``: attribute name -> module on ``owner`` (the attention) as last checked; ``reason``: why the site
+    cannot be fused at all (projections not NVFP4, input scales differ or not loaded when enabled), else None. A
+    projection replaced later (a LoRA wrapping it, then unloaded) or whose scales were reloaded since (a LoRA load
+    runs ``load_state_dict`` on the whole model) is checked again at its next call: the site follows the model.
     """
 
     def __init__(self, owner: nn.Module, names: tuple[str, ...]):
@@ -44,14 +46,17 @@ class AdaLNSite:
         """Why this call cannot take the fused path (checked per call: the model may have changed since)."""
         if self.reason is not None:
             return self.reason
-        for name, module in self.consumers.items():
-            if getattr(self.owner, name, None) is not module:
-                return f"{name} was replaced after enable_fast_paths (LoRA?)"
-            reason = consumer_reason(cast(nn.Module, module), name)
+        consumers = {name: getattr(self.owner, name, None) for name in self.consumers}
+        for name, module in consumers.items():
+            reason = consumer_reason(module, name) if module is not None else f"{name} was removed"
             if reason is not None:
                 return reason
-        if _scale_versions(self.consumers) != self.versions:
-            return "NVFP4 scales were reloaded after enable_fast_paths (enable the fast paths again)"
+        versions = _scale_versions(consumers)
+        if consumers != self.consumers or versions != self.versions:
+            reason = _shared_scale_reason(consumers)  # one quantized input must still serve every projection
+            if reason is not None:
+                return f"{reason} (changed after enable_fast_paths)"
+            self.consumers, self.versions = consumers, versions
         return None
 
 

@@ -40,7 +40,7 @@ from ..ops.qwen_resnorm_quantize import FLUX2_KIND, ResNormInputs
 from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_checked
 from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
-from ..ops.verify import count_fallback, failed_kind_reason, record_fallback, stats_for
+from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
 from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
 from .flux2_attention import (
     HALF_DTYPES,
@@ -86,7 +86,7 @@ def swiglu_fold_reason(act_fn: nn.Module, hidden: torch.Tensor, kind: str) -> st
     if reason is not None:
         return reason
     if torch.compiler.is_compiling():
-        return "torch.compile (inductor rounds SiLU differently; its own op is kept)"
+        return COMPILED  # inductor rounds SiLU differently
     if hidden.dtype not in HALF_DTYPES or hidden.shape[-1] % 32:
         return f"hidden {hidden.dtype} width {hidden.shape[-1]} (bf16/fp16, a multiple of 32)"
     if failed_kind_reason(kind) is not None:
@@ -140,7 +140,6 @@ class _FusedOutputMixin:
 
     def _project_out(self, attn: nn.Module, attn_out: torch.Tensor, mlp_hidden: torch.Tensor) -> torch.Tensor:
         act_fn = cast(nn.Module, attn.mlp_act_fn)
-        stats = stats_for(self._stats_id)
         fold = swiglu_fold_reason(act_fn, mlp_hidden, KIND_TOKEN_CAT)
         if fold is None:
             half = mlp_hidden[..., : mlp_hidden.shape[-1] // 2]  # a view: the gate reads its shape and dtype
@@ -149,16 +148,14 @@ class _FusedOutputMixin:
                 shape_class = f"A={attn_out.shape[-1]},H={half.shape[-1]},{attn_out.dtype},{attn_out.device}"
                 out = to_out(SwiGLUInput(mlp_hidden, attn_out, self._stats_id, KIND_TOKEN_CAT, shape_class))
                 return out.reshape(*attn_out.shape[:-1], to_out.out_features)
-        elif stats is not None:
-            record_fallback(stats, KIND_TOKEN_CAT, fold)
+        else:
+            count_fallback(self._stats_id, KIND_TOKEN_CAT, fold)
         return self._project_cat(attn, attn_out, act_fn(mlp_hidden))
 
     def _project_cat(self, attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         reason = token_cat_gate(attn, attn_out, mlp_out)
-        stats = stats_for(self._stats_id)
         if reason is not None:
-            if stats is not None:
-                record_fallback(stats, KIND, reason)
+            count_fallback(self._stats_id, KIND, reason)
             return cast(nn.Module, attn.to_out)(torch.cat([attn_out, mlp_out], dim=-1))
         to_out = cast(NVFP4Linear, attn.to_out)  # the gate passed: to_out is an NVFP4Linear
         shape_class = f"A={attn_out.shape[-1]},B={mlp_out.shape[-1]},{attn_out.dtype},{attn_out.device}"
@@ -430,29 +427,40 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
     meanwhile.
     """
     count = {KIND: 0, KIND_ROTARY: 0, KIND_QK: 0, KIND_FF: 0, FLUX2_KIND: 0, KIND_ADALN: 0}
-    for block in getattr(model, "transformer_blocks", []):
-        resnorm_sites = 0
-        for ff in (getattr(block, "ff", None), getattr(block, "ff_context", None)):
+    note = site_counter(stats_id)
+
+    def add(kind: str, name: str) -> None:
+        count[kind] += 1
+        note(kind, name)
+
+    for i, block in enumerate(getattr(model, "transformer_blocks", [])):
+        resnorm_sites = []
+        for ff_name in ("ff", "ff_context"):
+            ff = getattr(block, ff_name, None)
             if not isinstance(ff, flux2_module.Flux2FeedForward):
                 continue
             if nvfp4_layer(ff.linear_out) is not None:
                 restore.append(swap_forward(ff, fused_feed_forward(ff, stats_id)))
-                count[KIND_FF] += 1
-            resnorm_sites += nvfp4_layer(ff.linear_in) is not None
+                add(KIND_FF, f"transformer_blocks.{i}.{ff_name}")
+            if nvfp4_layer(ff.linear_in) is not None:
+                resnorm_sites.append(f"transformer_blocks.{i}.{ff_name}")
         attn = getattr(block, "attn", None)
         sites = {}
         if attn is not None and type(attn.processor) is flux2_module.Flux2AttnProcessor:
             norms = (attn.norm_q, attn.norm_k, getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None))
             qk = qk_site(norms, attn.head_dim)
             restore.append(swap_processor(attn, Flux2FusedAttnProcessor(attn.processor, stats_id, qk)))
-            count[KIND_ROTARY] += 1
-            count[KIND_QK] += qk
+            add(KIND_ROTARY, f"transformer_blocks.{i}.attn")
+            if qk:
+                add(KIND_QK, f"transformer_blocks.{i}.attn")
             sites = _double_block_sites(attn)
         if isinstance(block, flux2_module.Flux2TransformerBlock) and (resnorm_sites or sites):
             restore.append(_swap_block_forward(block, fused_double_block_forward, stats_id, sites))
-            count[FLUX2_KIND] += resnorm_sites
-            count[KIND_ADALN] += len(sites)
-    for block in getattr(model, "single_transformer_blocks", []):
+            for name in resnorm_sites:
+                add(FLUX2_KIND, name)
+            for stream in sites:
+                add(KIND_ADALN, f"transformer_blocks.{i}.attn ({stream})")
+    for i, block in enumerate(getattr(model, "single_transformer_blocks", [])):
         attn = block.attn
         original = attn.processor
         fused_cls = _REPLACEMENTS.get(type(original))
@@ -463,11 +471,13 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
         fused._original = original  # attention backend and context-parallel settings stay on it
         fused._qk = qk_site((attn.norm_q, attn.norm_k), attn.head_dim)
         restore.append(swap_processor(attn, fused))
-        count[KIND] += 1
-        count[KIND_ROTARY] += 1
-        count[KIND_QK] += fused._qk
+        name = f"single_transformer_blocks.{i}.attn"
+        add(KIND, name)
+        add(KIND_ROTARY, name)
+        if fused._qk:
+            add(KIND_QK, name)
         sites = _adaln_sites(attn, {"joint": ("to_qkv_mlp_proj",)})
         if isinstance(block, flux2_module.Flux2SingleTransformerBlock) and sites:
             restore.append(_swap_block_forward(block, fused_single_block_forward, stats_id, sites))
-            count[KIND_ADALN] += 1
+            add(KIND_ADALN, name)
     return {kind: n for kind, n in count.items() if n}

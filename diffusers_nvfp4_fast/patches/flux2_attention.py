@@ -22,7 +22,7 @@ from ..ops import qk_norm_rotary as qk_op
 from ..ops.dispatch import triton_runs_on
 from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.rotary import rotary_checked
-from ..ops.verify import count_fallback, failed_kind_reason
+from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
 from .hooks import call_changed_reason
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # what the fused kernels take
@@ -33,7 +33,7 @@ QK_HEAD_DIM = 128  # the kernel's row width
 def rotary_reason(x: torch.Tensor, rotary_emb) -> str | None:
     """None when the rotary kernel reproduces ``apply_rotary_emb(x, rotary_emb, sequence_dim=1)`` for this call."""
     if torch.compiler.is_compiling():
-        return "torch.compile (inductor contracts the FP32 multiply-adds; its own ops are kept)"
+        return COMPILED  # inductor contracts the FP32 multiply-adds
     if not isinstance(rotary_emb, tuple) or len(rotary_emb) != 2:
         return "rotary embedding is not a (cos, sin) pair"
     cos, sin = rotary_emb
@@ -70,7 +70,7 @@ def qk_site(norms: tuple[Any, ...], head_dim: int) -> bool:
 def qk_norm_rotary_reason(norm: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
     """None when ``apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1)`` can run as one kernel, else the reason."""
     if torch.compiler.is_compiling():
-        return "torch.compile (inductor computes RMSNorm and the rotary products its own way; its ops are kept)"
+        return COMPILED  # inductor computes RMSNorm and the rotary products its own way
     if not qk_site((norm,), QK_HEAD_DIM):  # the module was replaced after enabling
         return f"query/key norm is {type(norm).__name__}, not an RMSNorm over 128 values with a weight and an eps"
     reason = call_changed_reason("query/key norm", norm)

@@ -17,7 +17,7 @@ from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb
 
 from ..ops import qk_norm_rotary as qk_op
 from ..ops.dispatch import triton_runs_on
-from ..ops.verify import count_fallback, failed_kind_reason
+from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
 from .flux2_attention import on_original
 from .hooks import call_changed_reason
 
@@ -89,6 +89,7 @@ class QwenFusedAttnProcessor:
         image_rotary_emb: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling():  # diffusers' processor, op for op: inductor then sees off's graph
+            count_fallback(self._stats_id, KIND, COMPILED)
             return self._original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
                                   attention_mask, image_rotary_emb)
         if encoder_hidden_states is None:

@@ -30,7 +30,7 @@ from ..ops.dispatch import triton_runs_on
 from ..ops.gelu_quantize import KIND as KIND_GELU
 from ..ops.gelu_quantize import gelu_mismatch, gelu_quantize_checked, gelu_quantize_decoded_checked
 from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs
-from ..ops.verify import count_fallback, failed_kind_reason
+from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
 from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
 from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .qwen_attention import KIND as KIND_QK
@@ -107,7 +107,7 @@ def bias_deferral_reason(attn: nn.Module) -> str | None:
     if not isinstance(attn.processor, QwenDeferredBiasAttnProcessor):
         return "attention processor replaced"
     if torch.compiler.is_compiling():
-        return "torch.compile (the block runs diffusers' forward, which adds the bias itself)"
+        return COMPILED  # the block runs diffusers' forward, which adds the bias itself
     to_out = list(cast(nn.ModuleList, attn.to_out))
     for label, module in (
         ("attention", attn), ("to_out.0", to_out[0]), ("to_add_out", cast(nn.Module, attn.to_add_out)),
@@ -185,7 +185,7 @@ def gelu_fc2_gate(ff: nn.Module, y: torch.Tensor) -> str | None:
     if reason is not None:
         return reason
     if torch.compiler.is_compiling():
-        return "torch.compile (inductor computes GELU its own way; its op is kept)"
+        return COMPILED  # inductor computes GELU its own way
     if y.dtype not in (torch.bfloat16, torch.float16) or y.shape[-1] % 16:
         return f"FC1 output {y.dtype} width {y.shape[-1]} (bf16/fp16, a multiple of 16)"
     if failed_kind_reason(KIND_GELU) is not None:
@@ -264,6 +264,22 @@ def _bias_deferred(block: nn.Module) -> bool:
     return reason is None
 
 
+def _count_compiled_sites(block: nn.Module) -> None:
+    """Under torch.compile the block runs diffusers' forward: each of its sites keeps diffusers' ops (counted once
+    per trace)."""
+    stats_id = cast(int, block._nvfp4_stats_id)
+    for ff in (cast(nn.Module, block.img_mlp), cast(nn.Module, block.txt_mlp)):
+        net = list(cast(nn.ModuleList, ff.net))
+        if nvfp4_layer(_fc1(ff)) is not None:
+            count_fallback(stats_id, KIND, COMPILED)
+            if len(net) > 2 and nvfp4_layer(net[2]) is not None:
+                count_fallback(stats_id, KIND_GELU, COMPILED)
+    for _ in cast(dict, block._nvfp4_adaln):
+        count_fallback(stats_id, KIND_ADALN, COMPILED)
+    if block._nvfp4_bias_site:
+        count_fallback(stats_id, BIAS_KIND, COMPILED)
+
+
 _DIFFUSERS_BLOCK_FORWARD = qwen_module.QwenImageTransformerBlock.forward  # a plain function: dynamo inlines it
 
 
@@ -280,6 +296,7 @@ def fused_block_forward(
     modulate_index: torch.Tensor | None = None,  # diffusers annotates list[int] but passes a tensor (or None)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if torch.compiler.is_compiling():  # diffusers' forward, op for op: inductor sees off's graph (design.md §1)
+        _count_compiled_sites(self)
         return _DIFFUSERS_BLOCK_FORWARD(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
                                         image_rotary_emb, joint_attention_kwargs, cast(Any, modulate_index))
     img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
@@ -317,7 +334,9 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
     """Swap the forward of every block whose image or text FC1 is NVFP4 (and diffusers' attention processor for
     the fused query/key norm and rotary embedding). Returns ``{site kind: count}``."""
     count = gelu_sites = adaln_sites = qk_sites = 0
-    for block in getattr(model, "transformer_blocks", []):
+    note = site_counter(stats_id)
+    for i, block in enumerate(getattr(model, "transformer_blocks", [])):
+        name = f"transformer_blocks.{i}"
         if not isinstance(block, qwen_module.QwenImageTransformerBlock):
             continue
         img_fc1, txt_fc1 = nvfp4_layer(_fc1(block.img_mlp)), nvfp4_layer(_fc1(block.txt_mlp))
@@ -330,6 +349,7 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
         if type(attn.processor) is qwen_module.QwenDoubleStreamAttnProcessor2_0:
             undo_qk = swap_processor(attn, QwenFusedAttnProcessor(attn.processor, stats_id))
             qk_sites += 1
+            note(KIND_QK, f"{name}.attn")
         # Both streams' FC1 must be fused to consume both unbiased outputs without an extra pass.
         if _bias_can_be_deferred(attn) and img_fc1 is not None and txt_fc1 is not None:
             undo_processor = swap_processor(attn, QwenDeferredBiasAttnProcessor(attn.processor, attn))
@@ -339,6 +359,8 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
         usable = {stream: site for stream, site in sites.items() if site.reason is None}
         block._nvfp4_adaln = usable  # type: ignore[assignment]  # (as above)
         adaln_sites += len(usable)
+        for stream in usable:
+            note(KIND_ADALN, f"{name}.attn ({stream})")
 
         def restore_block(block=block, undo=undo, undo_processor=undo_processor, undo_qk=undo_qk):
             for undo_swap in (undo_processor, undo_qk):  # the wrapper first: it holds the fused processor
@@ -349,7 +371,11 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
 
         restore.append(restore_block)
         count += 1
-        gelu_sites += sum(fc1 is not None and len(ff.net) > 2 and nvfp4_layer(ff.net[2]) is not None
-                          for fc1, ff in ((img_fc1, block.img_mlp), (txt_fc1, block.txt_mlp)))
+        note(KIND, name)
+        for fc1, ff_name in ((img_fc1, "img_mlp"), (txt_fc1, "txt_mlp")):
+            net = getattr(block, ff_name).net
+            if fc1 is not None and len(net) > 2 and nvfp4_layer(net[2]) is not None:
+                gelu_sites += 1
+                note(KIND_GELU, f"{name}.{ff_name}")
     extra = {KIND_GELU: gelu_sites, KIND_ADALN: adaln_sites, KIND_QK: qk_sites}
     return {KIND: count, **{kind: n for kind, n in extra.items() if n}}

@@ -19,7 +19,7 @@ from ..ops.qwen_resnorm_quantize import (
     qwen_resnorm_quantize_checked,
     qwen_resnorm_quantize_decoded_checked,
 )
-from ..ops.verify import failed_kind_reason
+from ..ops.verify import COMPILED, failed_kind_reason
 from .hooks import call_changed_reason, consumer_reason
 
 
@@ -30,7 +30,7 @@ def layer_norm_reason(norm: nn.Module, label: str) -> str | None:
     if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
         return f"{label} is not an affine-free LayerNorm"
     if torch.compiler.is_compiling():
-        return "torch.compile (inductor computes LayerNorm its own way; its op is kept)"
+        return COMPILED  # inductor computes LayerNorm its own way
     return None
 
 

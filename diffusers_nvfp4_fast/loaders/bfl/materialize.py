@@ -190,7 +190,7 @@ def _materialize_nvfp4(
             replace_linear(model, target, linear, new)
     if problems:
         raise NVFP4CheckpointError(
-            f"{plan.file}: {len(problems)} problem(s) in the block scales:\n  " + "\n  ".join(problems)
+            f"{plan.file}: {len(problems)} problem(s) in NVFP4 scales:\n  " + "\n  ".join(problems)
         )
     finish_model(model, plan.file, device)
     if sources["dynamic"]:

@@ -145,7 +145,7 @@ def read_quant_metadata(header: SafetensorsHeader, prefix: str, problems: list[s
             entries = {}
         for name, spec in entries.items():
             layer = name[len(prefix):] if prefix and name.startswith(prefix) else name
-            add(layer.removesuffix(".weight"), spec, f"header {HEADER_METADATA_KEY}")
+            add(layer.removesuffix(".weight"), spec, f"header {HEADER_METADATA_KEY} layers[{name!r}]")
     markers = 0
     for key, info in header.tensors.items():
         if not key.endswith("." + MARKER_SUFFIX):

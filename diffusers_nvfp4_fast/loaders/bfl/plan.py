@@ -120,8 +120,8 @@ def _resolve_fact(
     if explicit_layer and explicit_file and explicit_layer != explicit_file:
         assert info is not None  # explicit_layer came from it
         problems.append(
-            f"conflicting {fact} for layer {layer}: header {HEADER_METADATA_KEY} says {explicit_file!r} for the file, "
-            f"{info.sources[0]} says {explicit_layer!r}"
+            f"conflicting {fact} for layer {layer}: the file-wide flags of header {HEADER_METADATA_KEY} say "
+            f"{explicit_file!r}, {info.sources[0]} says {explicit_layer!r}"
         )
     explicit = explicit_layer or explicit_file
     if argument is not None:
