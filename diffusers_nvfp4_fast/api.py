@@ -13,9 +13,10 @@ from torch import nn
 
 from .graphs import capture_cuda_graphs, denoisers, graph_report, release_cuda_graphs
 from .linear import NVFP4Linear
-from .loaders.common import install_model_methods, record_checkpoint_config
+from .loaders.common import record_checkpoint_config
 from .loaders.diffusers_native import SOURCE as BFL_SOURCE
 from .loaders.diffusers_native import convert_diffusers_native
+from .loaders.finish import install_model_methods
 from .ops.blackwell import GemmSetupError, padded_layers, warm_up
 from .ops.dispatch import gemm_backend
 from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats, stats_for

@@ -13,8 +13,9 @@ from torch import nn
 
 from ...format import BLOCK_SIZE, ScaleLayout, round_up, swap_nibbles, unswizzle_scales
 from ...linear import NVFP4Linear
-from ..common import finish_model, load_summary, log_summary, replace_linear, scale_problems
+from ..common import load_summary, log_summary, replace_linear, scale_problems
 from ..errors import NVFP4CheckpointError
+from ..finish import finish_model
 from ..safetensors_header import SafetensorsHeader
 from .input_scales import missing_input_scale_message, read_input_scales
 from .metadata import NibbleOrder
