@@ -320,6 +320,51 @@ def test_fused_false_converts_without_fused_sites_so_on_equals_off_on_the_diffus
     assert all(type(m).__name__ != "NVFP4Linear" for m in pipe.transformer.modules())
 
 
+# Point 8: inspect on a ModelOpt export runs the loader's checks.
+
+def _edited_export(export: Path, out: Path, edit) -> Path:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(export, out)
+    for file in out.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        edit(tensors)
+        save_file(tensors, str(file), metadata=meta)
+    return out
+
+
+LAYER = "transformer_blocks.0.attn.to_q"
+
+
+def _set_byte(tensors, key, value):
+    tensors[key].view(torch.uint8).reshape(-1)[3] = value
+
+
+@pytest.mark.parametrize("edit, says, needs_block_scales", [
+    (lambda t: t.pop(f"{LAYER}.input_scale"), f"missing key {LAYER}.input_scale", False),
+    (lambda t: t.__setitem__(f"{LAYER}.weight", t[f"{LAYER}.weight"][:-1].clone()), f"{LAYER}.weight in", False),
+    (lambda t: t[f"{LAYER}.weight_scale_2"].fill_(float("nan")), f"{LAYER}.weight_scale_2 is nan", False),
+    (lambda t: _set_byte(t, f"{LAYER}.weight_scale", 0x7F), f"{LAYER}.weight_scale holds 1 E4M3 NaN byte", True),
+], ids=["missing-key", "wrong-shape", "nan-weight-scale-2", "e4m3-nan-byte"])
+def test_inspect_of_a_modelopt_export_refuses_what_the_loader_refuses(export, tmp_path, capsys, edit, says,
+                                                                      needs_block_scales):
+    from diffusers_nvfp4_fast.cli import main
+
+    bad = _edited_export(export, tmp_path / "bad", edit)
+    with pytest.raises(NVFP4CheckpointError, match=says):
+        load_nvfp4_transformer(bad)
+    assert main(["inspect", str(bad), "--check-scales"]) == 1
+    assert says in capsys.readouterr().out
+    assert main(["inspect", str(bad)]) == (0 if needs_block_scales else 1)
+    out = capsys.readouterr().out
+    assert (says not in out and "block scales not read (--check-scales reads them)" in out) if needs_block_scales \
+        else says in out
+    assert main(["inspect", str(export), "--check-scales"]) == 0
+    assert "loader dry run: Flux2Transformer2DModel" in capsys.readouterr().out
+
+
 # Point 9: errors that name the thing.
 
 def test_pipeline_without_transformer_says_so():

@@ -1,8 +1,9 @@
 """``diffusers-nvfp4-fast inspect``: what a checkpoint's header says, without reading weights.
 
 Key families with dtypes and shapes, quantization markers and header metadata, per-layer scale-layout guesses from
-shapes, the nibble order and where it comes from, missing ``input_scale``s, and (for BFL-format FLUX.2 files) a dry
-run of the loader: inferred model config and every problem it would raise. Attach its output (``--json`` for the
+shapes, the nibble order and where it comes from, missing ``input_scale``s, and a dry run of the loader (BFL-format
+FLUX.2 files: inferred model config; ModelOpt export directories: every key, dtype, shape and scale check of
+``load_modelopt_export``) with every problem it would raise. Attach its output (``--json`` for the
 machine-readable form) when reporting a checkpoint that does not load or looks wrong.
 """
 
@@ -157,6 +158,20 @@ def _dry_run(header: SafetensorsHeader) -> dict[str, Any]:
     return {k: dry[k] for k in keep}
 
 
+def _export_dry_run(model_dir: Path, check_scales: bool) -> dict[str, Any]:
+    """``load_modelopt_export``'s own checks: every key, dtype and shape, the per-tensor scales, and with
+    ``check_scales`` the block scales too."""
+    from .modelopt_export import export_scale_problems, plan_modelopt_export
+
+    try:
+        plan = plan_modelopt_export(model_dir)
+        problems = plan.problems or export_scale_problems(plan, block_scales=check_scales)
+    except Exception as e:  # the dry run must not hide the facts above
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"variant": plan.cls.__name__, "loader": "load_modelopt_export", "nvfp4_layers": len(plan.quantized),
+            "block_scales_checked": check_scales, "problems": problems}
+
+
 def _diffusers_warning(facts: dict[str, Any]) -> str | None:
     """For a ComfyUI-style FP4 file (markers or ``_quantization_metadata``) laid out high nibble first or with 128x4
     scales: diffusers 0.42's ``BFLQuantizationConfig`` reads low nibble first and linear scales, without an error."""
@@ -209,7 +224,9 @@ def inspect_checkpoint(path: str | Path, *, check_scales: bool = False) -> dict[
     facts["scale_shape_guesses"] = guesses
     facts["missing_input_scale"] = [x["layer"] for x in layers if not x.get("input_scale", True)]
     facts["nibble_note"] = _NIBBLE_NOTE
-    if header is not None and naming.startswith("BFL"):
+    if path.is_dir():
+        facts["loader_dry_run"] = _export_dry_run(path, check_scales)
+    elif header is not None and naming.startswith("BFL"):
         facts["loader_dry_run"] = _dry_run(header)
         facts["diffusers_warning"] = _diffusers_warning(facts)
     facts["metadata_problems"] = problems
@@ -283,6 +300,12 @@ def format_report(facts: dict[str, Any]) -> str:
     if dry:
         if "error" in dry:
             lines.append(f"  loader dry run: failed: {dry['error']}")
+        elif dry.get("loader") == "load_modelopt_export":
+            lines.append(f"  loader dry run: {dry['variant']}, {dry['nvfp4_layers']} NVFP4 layers; keys, dtypes, "
+                         "shapes and per-tensor scales checked; block scales "
+                         + ("checked" if dry["block_scales_checked"] else "not read (--check-scales reads them)"))
+            probs = dry["problems"]
+            lines.append(f"    problems: {len(probs)}" + "".join(f"\n      {p}" for p in probs[:30]))
         else:
             lines.append(f"  loader dry run: {dry['variant']} (config {dry['config_source']})")
             lines.append(f"    config: {json.dumps(dry['config'])}")

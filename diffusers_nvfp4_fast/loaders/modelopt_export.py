@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -20,7 +20,6 @@ from ..format import BLOCK_SIZE, ScaleLayout, padded_scale_shape, swap_nibbles
 from ..linear import NVFP4Linear
 from .common import (
     NVFP4_SUFFIXES,
-    finish_model,
     is_excluded,
     load_summary,
     log_summary,
@@ -30,6 +29,7 @@ from .common import (
     scale_problems,
 )
 from .errors import NVFP4CheckpointError
+from .finish import finish_model
 from .safetensors_header import CheckpointIndex
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
@@ -322,6 +322,54 @@ def refuse_lora_keys(model_dir: Path, index: CheckpointIndex) -> None:
         )
 
 
+@dataclass
+class ExportPlan:
+    """What ``load_modelopt_export`` will do, found from config.json and the headers before any weight is read.
+
+    ``model``: the diffusers class built on the meta device; ``quantized``: layer name -> stored scale layout;
+    ``problems``: every key, dtype and shape problem (empty when the checkpoint loads)."""
+
+    model_dir: Path
+    cls: type
+    model: nn.Module
+    index: CheckpointIndex
+    qinfo: QuantizationInfo
+    quantized: dict
+    plain_keys: list[str]
+    problems: list[str]
+
+
+def plan_modelopt_export(model_dir: Path, scale_layout: ScaleLayout | None = None) -> ExportPlan:
+    """Check every key of the export in ``model_dir`` against its diffusers class (headers only)."""
+    from accelerate import init_empty_weights
+
+    config = read_json(model_dir / "config.json")
+    qinfo = read_quantization_info(model_dir, config)
+    cls = _model_class(config, model_dir / "config.json")
+    with init_empty_weights(include_buffers=False):
+        model = cls.from_config({k: v for k, v in config.items() if k != "quantization_config"})
+    index = CheckpointIndex(weight_files(model_dir))
+    refuse_lora_keys(model_dir, index)
+    problems: list[str] = []
+    quantized = _plan_quantized(model, index, qinfo, scale_layout, problems)
+    plain_keys = _check_plain_keys(model, index, quantized, problems)
+    return ExportPlan(model_dir, cls, model, index, qinfo, quantized, plain_keys, problems)
+
+
+def export_scale_problems(plan: ExportPlan, *, block_scales: bool) -> list[str]:
+    """The loader's scale checks without loading weights: the per-tensor scales always (a few bytes per layer), the
+    block scales (1/16 of the weight bytes) when ``block_scales``; those checks are skipped otherwise."""
+    problems: list[str] = []
+    for name in plan.quantized:
+        keys = [f"{name}.weight_scale_2", f"{name}.input_scale"] + ([f"{name}.weight_scale"] if block_scales else [])
+        t = plan.index.load(keys)
+        dynamic = name in plan.qinfo.dynamic_layers
+        blocks = t.get(f"{name}.weight_scale", torch.zeros(1, dtype=torch.uint8))
+        problems += scale_problems(name, blocks, t[f"{name}.weight_scale_2"],
+                                   None if dynamic else t[f"{name}.input_scale"])
+    return problems
+
+
 def load_modelopt_export(
     path_or_repo_id: str | os.PathLike,
     *,
@@ -340,30 +388,21 @@ def load_modelopt_export(
         scale_layout: how the stored block scales are laid out ("linear" or "128x4"), for a checkpoint that does not
             say it and whose shapes fit both layouts; contradicting what the checkpoint says is an error.
     """
-    from accelerate import init_empty_weights
-
-    model_dir = resolve_dir(path_or_repo_id, subfolder)
-    config = read_json(model_dir / "config.json")
-    qinfo = read_quantization_info(model_dir, config)
-    cls = _model_class(config, model_dir / "config.json")
-    with init_empty_weights(include_buffers=False):
-        model = cls.from_config({k: v for k, v in config.items() if k != "quantization_config"})
-    index = CheckpointIndex(weight_files(model_dir))
-    refuse_lora_keys(model_dir, index)
-    problems: list[str] = []
-    quantized = _plan_quantized(model, index, qinfo, scale_layout, problems)
-    plain_keys = _check_plain_keys(model, index, quantized, problems)
-    if problems:
+    plan = plan_modelopt_export(resolve_dir(path_or_repo_id, subfolder), scale_layout)
+    if plan.problems:
         raise NVFP4CheckpointError(
-            f"{model_dir}: {len(problems)} problem(s) loading this NVFP4 checkpoint into {cls.__name__}:\n  "
-            + "\n  ".join(problems)
+            f"{plan.model_dir}: {len(plan.problems)} problem(s) loading this NVFP4 checkpoint into "
+            f"{plan.cls.__name__}:\n  " + "\n  ".join(plan.problems)
         )
-    plain = index.load(plain_keys)
+    model = plan.model
+    problems: list[str] = []
+    plain = plan.index.load(plan.plain_keys)
     model.load_state_dict({k: v.to(torch_dtype) for k, v in plain.items()}, strict=False, assign=True)
-    swizzled = sum(_load_nvfp4_layer(model, name, index, stored, qinfo, torch_dtype, problems)
-                   for name, stored in quantized.items())
-    raise_scale_problems(model_dir, problems)
-    finish_model(model, model_dir, device)
-    model._nvfp4_load_summary = load_summary(model, scales_swizzled_on_load=swizzled)
-    log_summary(model._nvfp4_load_summary, model_dir)
+    swizzled = sum(_load_nvfp4_layer(model, name, plan.index, stored, plan.qinfo, torch_dtype, problems)
+                   for name, stored in plan.quantized.items())
+    raise_scale_problems(plan.model_dir, problems)
+    finish_model(model, plan.model_dir, device)
+    summary = load_summary(model, scales_swizzled_on_load=swizzled)
+    cast(Any, model)._nvfp4_load_summary = summary
+    log_summary(summary, plan.model_dir)
     return model
