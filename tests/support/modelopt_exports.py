@@ -43,10 +43,9 @@ def _modelopt_config(which: str, model: nn.Module) -> dict:
     return cfg
 
 
-def export_with_modelopt(which: str, out_dir: Path) -> Path:
-    """Tiny ``which`` pipeline -> ModelOpt-quantized transformer exported to ``out_dir``; returns ``out_dir``."""
+def quantize_with_modelopt(which: str):
+    """Tiny ``which`` pipeline whose transformer ModelOpt quantized and calibrated in memory (not exported)."""
     import modelopt.torch.quantization as mtq
-    from modelopt.torch.export import export_hf_checkpoint
 
     pipe, kwargs = tiny.TINY_PIPELINES[which]()
     pipe.set_progress_bar_config(disable=True)
@@ -60,6 +59,16 @@ def export_with_modelopt(which: str, out_dir: Path) -> Path:
         mtq.quantize(model, _modelopt_config(which, model), forward_loop)
         if which != "qwen":
             mtq.disable_quantizer(model, lambda name: FLUX2_EXCLUDE_RE.match(name) is not None)
+    return pipe
+
+
+def export_with_modelopt(which: str, out_dir: Path) -> Path:
+    """Tiny ``which`` pipeline -> ModelOpt-quantized transformer exported to ``out_dir``; returns ``out_dir``."""
+    from modelopt.torch.export import export_hf_checkpoint
+
+    model = quantize_with_modelopt(which).transformer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         export_hf_checkpoint(model, export_dir=out_dir)
     return out_dir
 
