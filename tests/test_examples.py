@@ -1,5 +1,6 @@
 """The README's demo command and the example notebooks run on the embedded tiny models (CPU)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ def test_demo_command(model):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "identical" in out.stdout and "fused calls: {'" in out.stdout, out.stdout
+    assert re.search(r"^done in \d+\.\d s \(imports included\)$", out.stdout, re.M), out.stdout  # no "in seconds"
 
 
 @pytest.mark.parametrize("script", ["flux2_nvfp4.py", "qwen_image_nvfp4.py"])
