@@ -14,13 +14,14 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "enable_fast_paths": "api", "disable_fast_paths": "api", "fast_paths": "api", "fast_path_report": "api",
     "NVFP4Linear": "linear", "fit_to_budget": "budget",
-    "load_nvfp4_transformer": "loaders", "NVFP4CheckpointError": "loaders",
+    "load_nvfp4_transformer": "loaders", "load_summary": "loaders", "NVFP4CheckpointError": "loaders",
     "quantize_nvfp4": "format", "dequantize_nvfp4": "format", "swizzle_scales": "format", "unswizzle_scales": "format",
     "swap_nibbles": "format", "exact_inductor": "inductor",
 }
 __all__ = [
     "NVFP4CheckpointError", "NVFP4Linear", "dequantize_nvfp4", "disable_fast_paths", "enable_fast_paths",
-    "exact_inductor", "fast_path_report", "fast_paths", "fit_to_budget", "load_nvfp4_transformer", "quantize_nvfp4",
+    "exact_inductor", "fast_path_report", "fast_paths", "fit_to_budget", "load_nvfp4_transformer", "load_summary",
+    "quantize_nvfp4",
     "swap_nibbles", "swizzle_scales", "unswizzle_scales",
 ]
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
     from .format import dequantize_nvfp4, quantize_nvfp4, swap_nibbles, swizzle_scales, unswizzle_scales
     from .inductor import exact_inductor
     from .linear import NVFP4Linear
-    from .loaders import NVFP4CheckpointError, load_nvfp4_transformer
+    from .loaders import NVFP4CheckpointError, load_nvfp4_transformer, load_summary
 
 
 def __getattr__(name: str):

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .api import disable_fast_paths, enable_fast_paths, fast_path_report
-from .loaders import load_nvfp4_transformer
+from .loaders import load_nvfp4_transformer, load_summary
 from .testing.export import quantize_tiny_pipeline
 from .testing.tiny import TINY_PIPELINES
 from .utils import png_sha256, run_pipeline
@@ -67,7 +67,7 @@ def run_demo(
             on.save(Path(out_dir) / f"{model}-fast.png")
     return {
         "model": model, "device": device, "checkpoint": str(checkpoint) if out_dir else "(temporary)",
-        "load": transformer._nvfp4_load_summary, "sha256_fast_paths_off": png_sha256(off),
+        "load": load_summary(transformer), "sha256_fast_paths_off": png_sha256(off),
         "sha256_fast_paths_on": png_sha256(on), "identical": png_sha256(off) == png_sha256(on),
         "report": report, "seconds": {"build_quantize_load": round(t1 - t0, 2), "generate_twice": round(t2 - t1, 2)},
     }

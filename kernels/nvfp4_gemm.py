@@ -58,6 +58,7 @@ import triton.language as tl
 
 from .launch import INTERPRETING, cdiv, launch, next_power_of_2, sm_count
 from .rounding import SOFT_CONVERT, narrow_bf16, widen_bf16
+from .tiling import grouped_tile
 
 __all__ = ["nvfp4_gemm", "nvfp4_gemm_fp16_x", "decode_nvfp4_rows", "gemm_configs", "split_k_for", "PREDECODE_MAX_M"]
 
@@ -187,19 +188,6 @@ def linear_epilogue(sums, alpha_ptr, bias_ptr, offs_n, N, OUT_TY: tl.constexpr, 
 # ---------------------------------------------------------------------------------------------------------------
 # The GEMM kernel.
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_N: tl.constexpr):
-    """Program id -> (token tile, weight tile). GROUP_N weight tiles take consecutive ids, walked for every token
-    tile before the next group, so CTAs running at the same time share X and W tiles in L2. Also used by the Gluon
-    SM90 kernel."""
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_N * num_pid_m
-    first_n = (pid // group_size) * GROUP_N
-    group_n = min(num_pid_n - first_n, GROUP_N)
-    return (pid % group_size) // group_n, first_n + (pid % group_size) % group_n
 
 
 @triton.jit

@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .launch import cdiv, cuda_capability, launch_by_site, sm_count
-from .nvfp4_gemm import grouped_tile
+from .tiling import grouped_tile
 
 __all__ = ["nvfp4_gemm_sm90", "sm90_supported", "sm90_block_m", "SM90_STAGES", "SM90_GROUP_N", "SM90_TILE_COST"]
 
@@ -75,7 +75,7 @@ MAX_REGISTERS = 168
 # within 2 % of 5 stages on the other two; 3 stages lost 4-12 % (config_sweep in benchmarks/results/gemm-h200.json).
 # The bytes do not depend on it.
 SM90_STAGES = 4
-# Tile order (``nvfp4_gemm.grouped_tile``): going from 8 to 64 weight tiles per group moved the FLUX.2-dev
+# Tile order (``tiling.grouped_tile``): going from 8 to 64 weight tiles per group moved the FLUX.2-dev
 # shapes at M=4608 from 553-632 to 593-634 TFLOP/s with the kernel before warp specialization (H200,
 # benchmarks/results/gemm_config_sweep-h200.json); the largest weight (55296 x 6144) lost 3 %, the others gained 0-15 %.
 SM90_GROUP_N = 64

@@ -1,13 +1,17 @@
 """The layering of docs/design.md §2, checked on the source: kernels import nothing from the package, ops import
-no patches or loaders, no package module imports one that imports it back, and the command line starts without
-importing torch or diffusers."""
+no patches or loaders, loaders no patches, no module imports one that imports it back (package and kernels), the
+command line starts without importing torch or diffusers, and the kernels an install imports are its own."""
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "diffusers_nvfp4_fast"
@@ -114,3 +118,64 @@ def test_cli_help_imports_neither_torch_nor_diffusers():
             "print('HEAVY', sorted(m for m in ('torch', 'diffusers', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "inspect" in out.stdout and "HEAVY []" in out.stdout, out.stdout + out.stderr
+
+
+def test_loaders_import_no_patches_graphs_or_api():
+    graph = _package_graph()
+    higher = ("diffusers_nvfp4_fast.patches", "diffusers_nvfp4_fast.graphs", "diffusers_nvfp4_fast.api")
+    offenders = {m: sorted(i for i in deps if i.startswith(higher)) for m, deps in graph.items()
+                 if m.startswith("diffusers_nvfp4_fast.loaders")}
+    assert not any(offenders.values()), offenders
+
+
+def test_no_import_cycles_between_kernel_modules():
+    names = {p.stem for p in KERNELS.glob("*.py")}
+    edges = {p.stem: {m.rpartition(".")[2] for m in _imports(p, "diffusers_nvfp4_fast.kernels")
+                      if m.startswith("diffusers_nvfp4_fast.kernels.")} & names - {p.stem}
+             for p in KERNELS.glob("*.py") if p.stem != "__init__"}
+    assert edges["nvfp4_gemm_sm90"] >= {"launch", "tiling"}  # the walk sees the kernels' own imports
+    assert not find_cycles(edges)
+
+
+def test_a_kernel_import_failure_is_warned_with_its_error():
+    pytest.importorskip("triton", reason="without Triton the kernels are not imported at all (the silent case)")
+    code = (
+        "import sys, warnings\n"
+        "class Broken:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'diffusers_nvfp4_fast.kernels':\n"
+        "            raise ImportError('a broken kernel module')\n"
+        "sys.meta_path.insert(0, Broken())\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    from diffusers_nvfp4_fast.ops import dispatch\n"
+        "print('KERNELS', dispatch.kernels)\n"
+        "print('WHY', dispatch.KERNELS_UNAVAILABLE)\n"
+        "print('WARNED', [str(w.message) for w in caught if 'a broken kernel module' in str(w.message)] != [])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "KERNELS None" in out.stdout and "WARNED True" in out.stdout, out.stdout + out.stderr
+    assert "WHY diffusers_nvfp4_fast.kernels failed to import (ImportError: a broken kernel module)" in out.stdout
+
+
+def test_an_installed_package_uses_its_own_kernels(tmp_path):
+    """``pip install`` puts ``kernels/`` inside the package; imported from there (not from this checkout), the
+    package's kernels are its own files."""
+    pytest.importorskip("triton", reason="the kernels import Triton")
+    source, target = tmp_path / "source", tmp_path / "site"  # a copy, so the build leaves this checkout untouched
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "tests", "benchmarks",
+                                                                "examples", ".venv", "__pycache__"))
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                          str(source)], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, pip.stdout + pip.stderr
+    code = ("import diffusers_nvfp4_fast, diffusers_nvfp4_fast.kernels as k\n"
+            "from diffusers_nvfp4_fast.ops import dispatch\n"
+            "print(diffusers_nvfp4_fast.__file__); print(k.__file__); print(dispatch.kernels is k)")
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env=env)
+    package, kernels, same = out.stdout.split()
+    assert Path(package).parent == target / "diffusers_nvfp4_fast", out.stdout + out.stderr
+    assert Path(kernels) == target / "diffusers_nvfp4_fast" / "kernels" / "__init__.py" and same == "True"
+    installed = target / "diffusers_nvfp4_fast" / "kernels" / "tiling.py"
+    assert installed.read_bytes() == (KERNELS / "tiling.py").read_bytes()

@@ -17,7 +17,7 @@ import torch
 
 from diffusers_nvfp4_fast.cli import main as cli_main
 from diffusers_nvfp4_fast.linear import NVFP4Linear
-from diffusers_nvfp4_fast.loaders import NVFP4CheckpointError, load_nvfp4_transformer
+from diffusers_nvfp4_fast.loaders import NVFP4CheckpointError, load_nvfp4_transformer, load_summary
 from diffusers_nvfp4_fast.loaders.bfl import plan_bfl_checkpoint
 from diffusers_nvfp4_fast.loaders.bfl.config import flux2_variant, infer_flux2_config
 from diffusers_nvfp4_fast.loaders.calibrate import calibrate_input_scales
@@ -102,8 +102,8 @@ def expect_error(path: Path, *needles: str, **kwargs) -> str:
 def test_bfl_file_loads_the_same_bytes_as_the_modelopt_export(bfl_file, reference):
     model = load_nvfp4_transformer(bfl_file)
     assert_same_model(model, reference)
-    summary = model._nvfp4_load_summary
-    assert summary["format"] == "bfl" and summary["nvfp4_linears"] == reference._nvfp4_load_summary["nvfp4_linears"]
+    summary = load_summary(model)
+    assert summary["format"] == "bfl" and summary["nvfp4_linears"] == load_summary(reference)["nvfp4_linears"]
     assert summary["input_scale_sources"] == {"checkpoint": summary["nvfp4_linears"], "input_scales": 0, "dynamic": 0}
     # The fused NVFP4 img qkv was split, the BF16 txt qkv too, and both stayed what they were.
     attn = model.transformer_blocks[0].attn
@@ -305,7 +305,7 @@ def test_input_scales_mapping_or_side_file_restores_the_export(mixed_file, expor
     side.write_text(json.dumps({"input_scales": {k: float(v) for k, v in scales.items()}}))
     model = load_nvfp4_transformer(mixed_file, input_scales=side)
     assert_same_model(model, reference)
-    assert model._nvfp4_load_summary["input_scale_sources"]["input_scales"] == len(MIXED_DIFFUSERS)
+    assert load_summary(model)["input_scale_sources"]["input_scales"] == len(MIXED_DIFFUSERS)
     # Partial coverage still fails, for the rest; naming layers that have a scale (or do not exist) is an error.
     expect_error(mixed_file, "1 NVFP4 layer(s) have no input_scale", "single_transformer_blocks.1.attn.to_out",
                  input_scales={k: v for k, v in scales.items() if "single" not in k})

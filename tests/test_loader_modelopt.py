@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from diffusers_nvfp4_fast import NVFP4CheckpointError, NVFP4Linear, load_nvfp4_transformer
+from diffusers_nvfp4_fast import NVFP4CheckpointError, NVFP4Linear, load_nvfp4_transformer, load_summary
 from diffusers_nvfp4_fast.format import decode_nvfp4, swap_nibbles, unswizzle_scales
 from diffusers_nvfp4_fast.loaders.common import is_excluded, scale_layout_from_shape
 from diffusers_nvfp4_fast.testing import export
@@ -213,8 +213,8 @@ def test_scales_already_swizzled_are_detected_by_shape_and_not_swizzled_again(mo
     # Every tiny FLUX.2 layer has N % 128 or (K/16) % 4 nonzero, so the padded swizzled shape gives it away.
     path = _corrupt(modelopt_exports("klein"), tmp_path / "swizzled", edit)
     a, b = load_nvfp4_transformer(modelopt_exports("klein")), load_nvfp4_transformer(path)
-    assert (a._nvfp4_load_summary["scales_swizzled_on_load"] == 16
-            and b._nvfp4_load_summary["scales_swizzled_on_load"] == 0)
+    assert (load_summary(a)["scales_swizzled_on_load"] == 16
+            and load_summary(b)["scales_swizzled_on_load"] == 0)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
@@ -241,3 +241,14 @@ def test_tiny_exporter_writes_a_loadable_checkpoint(tmp_path):
     path = export.quantize_tiny_pipeline("klein", tmp_path / "klein")
     model = load_nvfp4_transformer(path)
     assert sum(isinstance(m, NVFP4Linear) for m in model.modules()) == 16
+
+
+def test_load_summary_is_public_a_copy_and_refuses_a_model_it_did_not_load(modelopt_exports):
+    model = load_nvfp4_transformer(modelopt_exports("flux2"))
+    summary = load_summary(model)
+    assert summary["format"] == "modelopt_export" and summary["class"] == "Flux2Transformer2DModel"
+    assert summary["nvfp4_linears"] == sum(isinstance(m, NVFP4Linear) for m in model.modules()) > 0
+    summary["nvfp4_linears"] = -1
+    assert load_summary(model)["nvfp4_linears"] > 0
+    with pytest.raises(ValueError, match="Linear was not loaded by load_nvfp4_transformer"):
+        load_summary(torch.nn.Linear(2, 2))

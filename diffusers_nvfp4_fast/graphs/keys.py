@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..format import env_value
-from ..patches.hooks import hooks_on, is_lora_layer
+from ..hooks import hooks_on, is_lora_layer
 
 # Kernels pick code paths by pointer alignment (torch passes cuBLASLt the alignment up to 256 bytes): a static input
 # reproduces its argument's alignment up to this many bytes. CPU kernels look no further than 64.

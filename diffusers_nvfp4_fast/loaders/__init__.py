@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from ..format import ScaleLayout
+from .common import load_summary
 from .errors import NVFP4CheckpointError
 
-__all__ = ["NVFP4CheckpointError", "load_nvfp4_transformer"]
+__all__ = ["NVFP4CheckpointError", "load_nvfp4_transformer", "load_summary"]
 
 
 SINGLE_FILE_KWARGS = ("config", "nibble_order", "input_scales", "dynamic_input_scale")

@@ -71,17 +71,34 @@ def replace_linear(model: nn.Module, name: str, linear: nn.Module, new: nn.Modul
     model.set_submodule(name, new)
 
 
-def load_summary(model: nn.Module, **facts) -> dict:
-    """``model._nvfp4_load_summary``: class, layer counts and byte sizes, plus the loader's own ``facts``."""
+_SUMMARY = "_nvfp4_load_summary"  # where a loader keeps its summary on the model it returns
+
+
+def record_load_summary(model: nn.Module, source, **facts) -> dict:
+    """Keep (for ``load_summary``) and log what was loaded: class, layer counts and byte sizes, plus the loader's own
+    ``facts``."""
     linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
-    return {
+    summary = {
         "class": type(model).__name__, **facts, "nvfp4_linears": len(linears),
         "bf16_linears": sum(isinstance(m, nn.Linear) for m in model.modules()),
         "nvfp4_bytes": sum(tensor_bytes(m) for m in linears), "total_bytes": tensor_bytes(model),
     }
+    model.__dict__[_SUMMARY] = summary
+    _log_summary(summary, source)
+    return summary
 
 
-def log_summary(summary: dict, source) -> None:
+def load_summary(model: nn.Module) -> dict:
+    """What ``load_nvfp4_transformer`` loaded into ``model``: ``class``, ``format``, ``nvfp4_linears``,
+    ``bf16_linears``, ``nvfp4_bytes``, ``total_bytes`` and the loader's own facts (scale layout, input-scale sources,
+    scales swizzled on load). A JSON-able dict; a copy. Raises ``ValueError`` for a model this package did not load."""
+    summary = model.__dict__.get(_SUMMARY)
+    if summary is None:
+        raise ValueError(f"{type(model).__name__} was not loaded by load_nvfp4_transformer, so it has no load summary")
+    return dict(summary)
+
+
+def _log_summary(summary: dict, source) -> None:
     logger.info(
         "Loaded %s from %s: %d NVFP4 linears (%.1f MB), %d BF16 linears, %.1f MB in all",
         summary["class"], source, summary["nvfp4_linears"], summary["nvfp4_bytes"] / 1e6, summary["bf16_linears"],

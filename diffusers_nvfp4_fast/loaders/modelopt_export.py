@@ -11,7 +11,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
@@ -21,9 +21,8 @@ from ..linear import NVFP4Linear
 from .common import (
     NVFP4_SUFFIXES,
     is_excluded,
-    load_summary,
-    log_summary,
     raise_scale_problems,
+    record_load_summary,
     replace_linear,
     scale_layout_from_shape,
     scale_problems,
@@ -402,7 +401,5 @@ def load_modelopt_export(
                    for name, stored in plan.quantized.items())
     raise_scale_problems(plan.model_dir, problems)
     finish_model(model, plan.model_dir, device)
-    summary = load_summary(model, scales_swizzled_on_load=swizzled)
-    cast(Any, model)._nvfp4_load_summary = summary
-    log_summary(summary, plan.model_dir)
+    record_load_summary(model, plan.model_dir, format="modelopt_export", scales_swizzled_on_load=swizzled)
     return model

@@ -8,8 +8,10 @@ eager mode (docs/design.md §8: the eager step is bound by host time) and the cu
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import re
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 
@@ -17,13 +19,26 @@ import torch
 
 from ..format import env_value
 
-try:  # the kernels need Triton; without it every op runs its torch reference
-    from .. import kernels as _kernels_module
-except ImportError:
-    _kernels_module = None
-
-kernels: ModuleType | None = _kernels_module
 logger = logging.getLogger("diffusers_nvfp4_fast")
+
+
+def _import_kernels() -> tuple[ModuleType | None, str]:
+    """This package's kernels, or None and why not. Only a missing Triton is expected and silent: any other import
+    failure (a checkout used without ``pip install -e .``, a Triton too old for a kernel) is warned with its error."""
+    if importlib.util.find_spec("triton") is None:
+        return None, "Triton is not installed (pip install triton)"
+    try:
+        from .. import kernels as module
+    except Exception as e:  # noqa: BLE001 - any failure: the ops run their torch references, and the user is told why
+        why = (f"diffusers_nvfp4_fast.kernels failed to import ({type(e).__name__}: {e}); is the package installed "
+               "(pip install -e .)?")
+        warnings.warn(f"diffusers-nvfp4-fast: {why} Every op runs its torch reference (same bytes, slower).",
+                      stacklevel=2)
+        return None, why
+    return module, ""
+
+
+kernels, KERNELS_UNAVAILABLE = _import_kernels()
 GEMM_BACKEND_VAR = "DIFFUSERS_NVFP4_GEMM_BACKEND"
 GEMM_BACKENDS = ("flashinfer", "triton", "emulated", "cublaslt")
 # The first FlashInfer release whose CUTLASS mm_fp4 serves each Blackwell family (docs/blackwell.md, "Versions").
@@ -143,7 +158,7 @@ def _why_not(backend: str, device: torch.device) -> str | None:
             return f"the FP4 tensor-core GEMM ({backend}) needs SM100 or newer, this GPU is SM{major}{minor}"
         return flashinfer_problem(major, minor) if backend == "flashinfer" else _cublaslt_problem()
     if kernels is None:
-        return "Triton is not installed (pip install triton)"
+        return KERNELS_UNAVAILABLE
     if not 8 <= major < 10:
         return f"the Triton GEMM runs on SM80-SM90, this GPU is SM{major}{minor}"
     return None

@@ -19,11 +19,11 @@ import torch
 from torch import nn
 
 from ..format import fast_math_from_env
+from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
 from ..ops.adaln_quantize import AdaLNInputs, adaln_quantize_checked, adaln_quantize_decoded_checked
 from ..ops.qwen_resnorm_quantize import kernel_runs_on
 from ..ops.verify import count_fallback, failed_kind_reason
-from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .resnorm import layer_norm_reason
 
 

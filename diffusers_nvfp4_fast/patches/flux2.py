@@ -34,6 +34,7 @@ from diffusers.models.transformers import transformer_flux2 as flux2_module
 from torch import nn
 
 from ..format import fast_math_from_env
+from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
 from ..ops.adaln_quantize import FLUX2_KIND as KIND_ADALN
 from ..ops.qwen_resnorm_quantize import FLUX2_KIND, ResNormInputs
@@ -51,7 +52,6 @@ from .flux2_attention import (
     rotate,
     single_stream_qk,
 )
-from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .resnorm import fused_residual_norm, resnorm_gate
 from .swap import current_inner_forward, swap_forward, swap_processor
 

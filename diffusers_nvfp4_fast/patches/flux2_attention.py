@@ -18,12 +18,12 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_flux2 as flux2_module
 from torch import nn
 
+from ..hooks import call_changed_reason
 from ..ops import qk_norm_rotary as qk_op
 from ..ops.dispatch import triton_runs_on
 from ..ops.rotary import KIND as KIND_ROTARY
 from ..ops.rotary import rotary_checked
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
-from .hooks import call_changed_reason
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # what the fused kernels take
 KIND_QK = qk_op.FLUX2_KIND

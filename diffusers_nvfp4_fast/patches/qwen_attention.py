@@ -15,11 +15,11 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
+from ..hooks import call_changed_reason
 from ..ops import qk_norm_rotary as qk_op
 from ..ops.dispatch import triton_runs_on
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
 from .flux2_attention import on_original
-from .hooks import call_changed_reason
 
 KIND = qk_op.KIND
 

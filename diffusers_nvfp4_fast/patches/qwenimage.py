@@ -24,6 +24,7 @@ from diffusers.models.transformers import transformer_qwenimage as qwen_module
 from torch import nn
 
 from ..format import fast_math_from_env
+from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
 from ..ops.adaln_quantize import QWEN_KIND as KIND_ADALN
 from ..ops.dispatch import triton_runs_on
@@ -32,7 +33,6 @@ from ..ops.gelu_quantize import gelu_mismatch, gelu_quantize_checked, gelu_quant
 from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
 from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
-from .hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from .qwen_attention import KIND as KIND_QK
 from .qwen_attention import QwenFusedAttnProcessor
 from .resnorm import fused_residual_norm, resnorm_gate

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..format import fast_math_from_env
+from ..hooks import call_changed_reason, consumer_reason
 from ..linear import NVFP4Linear
 from ..ops.qwen_resnorm_quantize import (
     KIND,
@@ -20,7 +21,6 @@ from ..ops.qwen_resnorm_quantize import (
     qwen_resnorm_quantize_decoded_checked,
 )
 from ..ops.verify import COMPILED, failed_kind_reason
-from .hooks import call_changed_reason, consumer_reason
 
 
 def layer_norm_reason(norm: nn.Module, label: str) -> str | None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from ...format import BLOCK_SIZE, ScaleLayout, round_up, swap_nibbles, unswizzle_scales
 from ...linear import NVFP4Linear
-from ..common import load_summary, log_summary, replace_linear, scale_problems
+from ..common import record_load_summary, replace_linear, scale_problems
 from ..errors import NVFP4CheckpointError
 from ..finish import finish_model
 from ..safetensors_header import SafetensorsHeader
@@ -201,11 +201,8 @@ def _materialize_nvfp4(
             "this is not the checkpoint's recipe", sources["dynamic"],
         )
     facts = plan.facts()
-    model._nvfp4_load_summary = load_summary(  # type: ignore[assignment]  # nn.Module takes any attribute
-        model, format="bfl", variant=plan.variant, input_scale_sources=sources, nibble_order=facts["nibble_order"],
-        scale_layout=facts["scale_layout"],
-    )
-    log_summary(cast(dict, model._nvfp4_load_summary), plan.file)
+    record_load_summary(model, plan.file, format="bfl", variant=plan.variant, input_scale_sources=sources,
+                        nibble_order=facts["nibble_order"], scale_layout=facts["scale_layout"])
     logger.info("%s (config %s): nibble order %s, scale layout %s; input scales %s", plan.variant, plan.config_source,
                 facts["nibble_order_source"], facts["scale_layout_source"], sources)
     return model

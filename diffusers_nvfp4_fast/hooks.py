@@ -8,7 +8,7 @@ from typing import cast
 
 from torch import nn
 
-from ..linear import NVFP4Linear
+from .linear import NVFP4Linear
 
 TORCH_FORWARD_HOOK = "torch forward hook"
 
