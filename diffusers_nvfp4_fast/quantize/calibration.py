@@ -83,10 +83,10 @@ def _place(pipe: Any, device: torch.device | str, offload: str | None) -> None:
 
 
 def load_pipeline(pipeline: str | os.PathLike, model: nn.Module, dtype: torch.dtype) -> Any:
-    """``DiffusionPipeline.from_pretrained(pipeline, transformer=model, torch_dtype=dtype)``, progress bars off."""
+    """``DiffusionPipeline.from_pretrained(pipeline, transformer=model, dtype=dtype)``, progress bars off."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(str(pipeline), transformer=model, torch_dtype=dtype)
+    pipe = DiffusionPipeline.from_pretrained(str(pipeline), transformer=model, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

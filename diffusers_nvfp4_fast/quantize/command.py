@@ -88,7 +88,7 @@ def _refuse_overlap(source_dir: Path, out_dir: Path) -> None:
 def _calibrate(source: BF16Source, quant: list[str], pipeline: Any, prompts: Sequence[str], dtype: torch.dtype,
                device: str, options: Mapping[str, Any]) -> dict[str, float]:
     """Input amax of every layer in ``quant``: the BF16 transformer, loaded whole, run in ``pipeline``."""
-    model = source.cls.from_pretrained(source.model_dir, torch_dtype=dtype)  # type: ignore[attr-defined]
+    model = source.cls.from_pretrained(source.model_dir, dtype=dtype)  # type: ignore[attr-defined]
     pipe = load_pipeline(pipeline, model, dtype) if isinstance(pipeline, (str, os.PathLike)) else pipeline
     try:
         return calibrate_pipeline(pipe, model, quant, prompts, device=device, **options)
