@@ -17,12 +17,12 @@ _PUBLIC = {
     "load_nvfp4_transformer": "loaders", "load_summary": "loaders", "NVFP4CheckpointError": "loaders",
     "quantize_nvfp4": "format", "dequantize_nvfp4": "format", "swizzle_scales": "format", "unswizzle_scales": "format",
     "swap_nibbles": "format", "exact_inductor": "inductor",
+    "quantize_transformer": "quantize", "QuantizedCheckpoint": "quantize",
 }
 __all__ = [
-    "NVFP4CheckpointError", "NVFP4Linear", "dequantize_nvfp4", "disable_fast_paths", "enable_fast_paths",
-    "exact_inductor", "fast_path_report", "fast_paths", "fit_to_budget", "load_nvfp4_transformer", "load_summary",
-    "quantize_nvfp4",
-    "swap_nibbles", "swizzle_scales", "unswizzle_scales",
+    "NVFP4CheckpointError", "NVFP4Linear", "QuantizedCheckpoint", "dequantize_nvfp4", "disable_fast_paths",
+    "enable_fast_paths", "exact_inductor", "fast_path_report", "fast_paths", "fit_to_budget", "load_nvfp4_transformer",
+    "load_summary", "quantize_nvfp4", "quantize_transformer", "swap_nibbles", "swizzle_scales", "unswizzle_scales",
 ]
 
 if TYPE_CHECKING:
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from .inductor import exact_inductor
     from .linear import NVFP4Linear
     from .loaders import NVFP4CheckpointError, load_nvfp4_transformer, load_summary
+    from .quantize import QuantizedCheckpoint, quantize_transformer
 
 
 def __getattr__(name: str):

@@ -1,4 +1,5 @@
-"""``diffusers-nvfp4-fast``: parses arguments and hands over to ``loaders.inspect``, ``demo`` or ``selftest``.
+"""``diffusers-nvfp4-fast``: parses arguments and hands over to ``loaders.inspect``, ``quantize``, ``demo`` or
+``selftest``.
 
 Nothing heavy is imported before a command runs, so ``--help`` answers without importing torch or diffusers.
 """
@@ -20,11 +21,72 @@ def _parser() -> argparse.ArgumentParser:
     ins.add_argument("--json", action="store_true", help="machine-readable output")
     ins.add_argument("--check-scales", action="store_true",
                      help="also read the block-scale tensors (not the weights) and test the 128x4 padding")
+    _add_quantize(sub)
     sub.add_parser("demo", help="quantize, load and run an embedded tiny model offline, fast paths off and on "
                                 "(options: diffusers-nvfp4-fast demo --help)")
     sub.add_parser("selftest", help="check every kernel this GPU (or CPU) would use against its torch reference, byte "
                                     "for byte (options: diffusers-nvfp4-fast selftest --help)")
     return parser
+
+
+def _add_quantize(sub) -> None:
+    q = sub.add_parser("quantize", help="make an NVFP4 checkpoint from a BF16 diffusers transformer (streamed layer "
+                                        "by layer; docs/checkpoints.md)")
+    q.add_argument("source", help="a diffusers transformer directory (config.json + safetensors) or a Hugging Face "
+                                  "repo id")
+    q.add_argument("out", help="the checkpoint directory to write (refused if not empty, unless --overwrite)")
+    q.add_argument("--subfolder", help="e.g. 'transformer' inside a pipeline repo or directory")
+    scales = q.add_mutually_exclusive_group(required=True)
+    scales.add_argument("--pipeline", help="calibrate input scales by running --prompts through this pipeline "
+                                           "(directory or repo id) with the BF16 transformer")
+    scales.add_argument("--dynamic", action="store_true",
+                        help="no calibration: every NVFP4 layer computes amax(input) / 2688 per call")
+    q.add_argument("--prompts", nargs="+", help="calibration prompts (default: three generic ones)")
+    q.add_argument("--steps", type=int, default=4, help="inference steps per calibration prompt (default 4)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--height", type=int, help="calibration image height (default: the pipeline's)")
+    q.add_argument("--width", type=int, help="calibration image width (default: the pipeline's)")
+    q.add_argument("--call-kwargs", default="{}", help="JSON object of further pipeline call arguments, e.g. "
+                                                        "'{\"guidance_scale\": 4.0}'")
+    q.add_argument("--offload", choices=["model", "sequential"],
+                   help="calibrate with diffusers' model / sequential CPU offload instead of the whole pipeline on "
+                        "--device")
+    q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the BF16-kept tensors and of the weights before quantization (default bfloat16)")
+    q.add_argument("--device", default="cpu", help="where weights are quantized and calibration runs (cuda / cpu)")
+    q.add_argument("--exclude", nargs="+", metavar="PATTERN",
+                   help="fnmatch patterns of Linears to keep BF16 (default: ModelOpt's recipe for the model class)")
+    q.add_argument("--max-shard-size", default="10GB", help="bytes per safetensors file (default 10GB)")
+    q.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    q.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    """``quantize`` exits 2 for a source, option or target it refuses (nothing is written), 0 when written."""
+    try:
+        call_kwargs = json.loads(args.call_kwargs)
+    except json.JSONDecodeError as e:
+        call_kwargs = e
+    if not isinstance(call_kwargs, dict):
+        print(f"diffusers-nvfp4-fast quantize: --call-kwargs {args.call_kwargs!r} is not a JSON object",
+              file=sys.stderr)
+        return 2
+    call_kwargs.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
+    import torch
+
+    from .quantize import quantize_transformer
+
+    try:
+        result = quantize_transformer(
+            args.source, args.out, subfolder=args.subfolder, pipeline=args.pipeline, prompts=args.prompts,
+            call_kwargs=call_kwargs, num_inference_steps=args.steps, seed=args.seed, dynamic=args.dynamic,
+            dtype=getattr(torch, args.dtype), device=args.device, offload=args.offload, exclude=args.exclude,
+            overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.no_progress)
+    except (OSError, ValueError) as e:
+        print(f"diffusers-nvfp4-fast quantize: {e}", file=sys.stderr)
+        return 2
+    print(result.summary())
+    return 0
 
 
 def _inspect(path: Path, as_json: bool, check_scales: bool) -> int:
@@ -58,4 +120,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(args_list)
     if args.command == "inspect":
         return _inspect(Path(args.path), args.json, args.check_scales)
+    if args.command == "quantize":
+        return _quantize(args)
     return 2

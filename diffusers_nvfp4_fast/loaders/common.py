@@ -180,19 +180,25 @@ def checkpoint_config(model: nn.Module) -> dict | None:
     """The ``quantization_config`` that describes ``model``'s NVFP4 layers as ``save_pretrained`` writes them: the
     ModelOpt keys plus the facts a loader must not guess (block-scale layout, nibble order, layers that compute their
     activation scale per call). None when the model has no NVFP4 layer or its layers mix scale layouts."""
-    from .. import __version__
-
     layers = {name: m for name, m in model.named_modules() if isinstance(m, NVFP4Linear)}
     layouts = {m.scale_layout for m in layers.values()}
     if not layers or len(layouts) != 1:
         return None
+    return quantization_config([name for name, m in model.named_modules() if isinstance(m, nn.Linear)],
+                               layouts.pop(), [name for name, m in layers.items() if m.dynamic_input_scale])
+
+
+def quantization_config(bf16_linears: list[str], scale_layout: str, dynamic_layers: list[str]) -> dict:
+    """The ``quantization_config`` of a checkpoint this package writes: ModelOpt's keys, the Linears kept BF16
+    (``ignore``), the block-scale layout, the nibble order, the layers that compute their activation scale per call."""
+    from .. import __version__
+
     group = {"num_bits": 4, "type": "float", "group_size": BLOCK_SIZE}
     return {
         "quant_method": PRODUCER, "quant_algo": "NVFP4", "producer": {"name": PRODUCER, "version": __version__},
         "config_groups": {"group_0": {"weights": group, "input_activations": group, "targets": ["Linear"]}},
-        "ignore": sorted(name for name, m in model.named_modules() if isinstance(m, nn.Linear)),
-        "weight_scale_layout": layouts.pop(), "nibble_order": "lo_first",
-        "dynamic_input_scale": sorted(name for name, m in layers.items() if m.dynamic_input_scale),
+        "ignore": sorted(bf16_linears), "weight_scale_layout": scale_layout, "nibble_order": "lo_first",
+        "dynamic_input_scale": sorted(dynamic_layers),
     }
 
 

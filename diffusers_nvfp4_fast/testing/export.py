@@ -1,7 +1,8 @@
 """Write NVFP4 checkpoints of (tiny or full-size) diffusers transformers with this package's own quantizer.
 
-``export_nvfp4`` writes the layout of a ModelOpt diffusers export (docs/design.md §4) in precise mode, which agrees
-with ModelOpt's weight quantizer byte for byte on ordinary blocks; the tests also use the real ModelOpt.
+``export_nvfp4`` writes the layout of a ModelOpt diffusers export (docs/design.md §4) of a model in memory, with the
+per-layer recipe of ``quantize.layers`` (precise mode, which agrees with ModelOpt's weight quantizer byte for byte on
+ordinary blocks); the tests also use the real ModelOpt. The supported command for files is ``quantize_transformer``.
 """
 
 from __future__ import annotations
@@ -14,27 +15,17 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ..format import quantize_nvfp4
 from ..linear import NVFP4Linear
 from ..loaders.common import is_excluded, qkv_group, replace_linear
+from ..quantize.calibration import record_input_amax
+from ..quantize.layers import nvfp4_layer_tensors, weight_amax
 from ..utils import run_pipeline
 from .tiny import TINY_EXCLUDES, TINY_PIPELINES
 
 
 def calibrate_input_amax(model: nn.Module, run: Callable[[], None], names: list[str]) -> dict[str, float]:
-    """Max |input| seen by each named Linear while ``run()`` executes."""
-    amax = dict.fromkeys(names, 0.0)
-    handles = []
-    for name in names:
-        def hook(_mod, args, _name=name):
-            amax[_name] = max(amax[_name], float(args[0].detach().abs().float().max()))
-        handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
-    try:
-        run()
-    finally:
-        for h in handles:
-            h.remove()
-    return amax
+    """Max |input| seen by each named Linear while ``run()`` executes (0.0 for one never called)."""
+    return record_input_amax(model, names, run)
 
 
 def export_nvfp4(
@@ -53,15 +44,10 @@ def export_nvfp4(
     state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     for name in quant:
         group = [g for g in qkv_group(name) if g in linears]
-        w_amax = max(float(linears[g].weight.detach().abs().float().max()) for g in group)
+        w_amax = max(weight_amax(linears[g].weight) for g in group)
         a_amax = max(input_amax.get(g, 0.0) for g in group) or 1.0
-        weight_scale_2 = torch.tensor(w_amax / (448.0 * 6.0), dtype=torch.float32)
-        packed, scales = quantize_nvfp4(linears[name].weight.detach().to(torch.bfloat16), 1.0 / weight_scale_2,
-                                        scale_layout="linear", fast_math=False)
-        state[f"{name}.weight"] = packed
-        state[f"{name}.weight_scale"] = scales.view(torch.float8_e4m3fn)
-        state[f"{name}.weight_scale_2"] = weight_scale_2
-        state[f"{name}.input_scale"] = torch.tensor(a_amax / (448.0 * 6.0), dtype=torch.float32)
+        tensors = nvfp4_layer_tensors(linears[name].weight.detach().to(torch.bfloat16), w_amax, a_amax)
+        state.update({f"{name}.{suffix}": t for suffix, t in tensors.items()})
     save_file(state, str(out_dir / "diffusion_pytorch_model.safetensors"))
     config = dict(cast(Any, model).config)  # a diffusers ModelMixin
     config["_class_name"] = type(model).__name__

@@ -11,19 +11,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-# ModelOpt's FLUX exclusion rule (its diffusers example's filter for flux-dev, used for FLUX.2 too).
-FLUX2_EXCLUDE = (
-    "x_embedder", "context_embedder", "proj_out", "norm_out*", "time_guidance_embed*",
-    "double_stream_modulation_img*", "double_stream_modulation_txt*", "single_stream_modulation*",
-)
-QWEN_EXCLUDE_TOP = ("img_in", "txt_in", "proj_out", "norm_out*", "time_text_embed*")
-
-
-def qwen_exclude(num_layers: int) -> tuple[str, ...]:
-    """Qwen-Image public exports keep the first two and last two blocks in BF16."""
-    keep = sorted({0, 1, num_layers - 2, num_layers - 1})
-    return QWEN_EXCLUDE_TOP + tuple(f"transformer_blocks.{i}" for i in keep)
-
+# The public NVFP4 checkpoints' BF16-kept layers (ModelOpt's recipes) are declared in quantize/recipes.py.
+from ..quantize.recipes import FLUX2_EXCLUDE, QWEN_EXCLUDE_TOP, qwen_exclude  # noqa: F401  (re-exported)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Offline tokenizers: 256 byte tokens plus specials, no merges.

@@ -1,0 +1,60 @@
+"""Which Linears stay BF16 in an NVFP4 checkpoint, per diffusers transformer class (ModelOpt's published recipes).
+
+Patterns are fnmatch patterns matched against a module name and each of its dotted prefixes (``loaders.common.
+is_excluded``). Sources (NVIDIA/TensorRT-Model-Optimizer, ``examples/diffusers/quantization/utils.py``):
+
+* FLUX.2 (dev and klein share ``Flux2Transformer2DModel``): ``filter_func_flux_dev``, the regex
+  ``proj_out.*|.*(time_text_embed|context_embedder|x_embedder|norm_out|time_guidance_embed|stream_modulation).*``;
+  spelled here as the module names that regex matches in diffusers 0.42.1's FLUX.2 transformer.
+* Qwen-Image: ``filter_func_qwen_image``, "quantize only ``transformer_blocks``, keeping the first two and the last
+  two in original precision"; the block count is read from the config (60 for Qwen-Image).
+* Qwen-Image 2.1 (``QwenImage21Transformer2DModel``): ModelOpt publishes no recipe for it; this project applies the
+  Qwen-Image rule (its layout is the same: embedders, one shared ``modulation`` and ``transformer_blocks``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+FLUX2_EXCLUDE = (
+    "x_embedder", "context_embedder", "proj_out", "norm_out*", "time_guidance_embed*",
+    "double_stream_modulation_img*", "double_stream_modulation_txt*", "single_stream_modulation*",
+)
+QWEN_EXCLUDE_TOP = ("img_in", "txt_in", "proj_out", "norm_out*", "time_text_embed*")
+QWEN21_EXCLUDE_TOP = (*QWEN_EXCLUDE_TOP, "modulation*")
+
+RECIPE_SOURCES = {
+    "Flux2Transformer2DModel": "ModelOpt examples/diffusers filter_func_flux_dev (FLUX.2-dev and FLUX.2-klein)",
+    "QwenImageTransformer2DModel": "ModelOpt examples/diffusers filter_func_qwen_image (Qwen-Image)",
+    "QwenImage21Transformer2DModel": "the Qwen-Image rule of ModelOpt's filter_func_qwen_image, applied to Qwen-Image "
+                                     "2.1 (ModelOpt publishes no recipe of its own for it)",
+}
+
+
+def qwen_exclude(num_layers: int, top: tuple[str, ...] = QWEN_EXCLUDE_TOP) -> tuple[str, ...]:
+    """Qwen-Image's rule: everything outside ``transformer_blocks`` and the first two and last two blocks stay BF16."""
+    keep = sorted({0, 1, num_layers - 2, num_layers - 1} & set(range(num_layers)))
+    return top + tuple(f"transformer_blocks.{i}" for i in keep)
+
+
+class UnknownModelClassError(ValueError):
+    """No exclusion recipe is known for this diffusers class (pass ``exclude=`` to give one)."""
+
+
+def exclude_patterns(class_name: str, config: Mapping[str, Any], source: object = "") -> tuple[str, ...]:
+    """The BF16-kept patterns for a transformer of ``class_name`` with diffusers ``config`` (its ``num_layers``).
+
+    Raises:
+        UnknownModelClassError: for a class without a recipe, naming it, the known ones and ``exclude=``.
+    """
+    if class_name == "Flux2Transformer2DModel":
+        return FLUX2_EXCLUDE
+    if class_name in ("QwenImageTransformer2DModel", "QwenImage21Transformer2DModel"):
+        top = QWEN21_EXCLUDE_TOP if class_name == "QwenImage21Transformer2DModel" else QWEN_EXCLUDE_TOP
+        return qwen_exclude(int(config["num_layers"]), top)
+    where = f"{source}: " if source else ""
+    raise UnknownModelClassError(
+        f"{where}_class_name={class_name!r} has no NVFP4 exclusion recipe (known: {', '.join(RECIPE_SOURCES)}); "
+        "pass the layers to keep in BF16 explicitly (--exclude PATTERN ... / exclude=[...])"
+    )
