@@ -116,7 +116,7 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, 
 
 
 def compile_qwen_resnorm(d: int = 3072, arch: int = 90, has_residual: bool = True, decoded: bool = False):
-    """Compile the fused Qwen residual-norm quantize kernel for hidden size ``d`` as ``qwen_resnorm_quantize`` launches
+    """Compile the fused residual-norm quantize kernel for hidden size ``d`` as ``resnorm_quantize_triton`` launches
     it (register cap, no FMA contraction, 4 warps), without a GPU; row strides divisible by 16 as at run time.
     ``has_residual=False``: the adaptive-LayerNorm variant; ``decoded``: FP16 output instead of packed bytes."""
     mod = importlib.import_module("diffusers_nvfp4_fast.kernels.layer_norm_quantize")

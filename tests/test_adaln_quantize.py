@@ -1,5 +1,5 @@
-"""The adaptive-LayerNorm quantize op (``ops/layer_norm_quantize.py``: ``LayerNorm(x) * (1 + scale) + shift -> NVFP4``) and
-the decoded-output variants of both norm kernels, against diffusers' eager ops.
+"""The adaptive-LayerNorm quantize op (``ops/layer_norm_quantize.py``: ``LayerNorm(x) * (1 + scale) + shift ->
+NVFP4``) and the decoded-output variants of both norm kernels, against diffusers' eager ops.
 
 CPU: the kernel under the Triton interpreter is compared with an emulation of torch's CUDA LayerNorm in
 ``test_layer_norm_quantize.py`` (``test_decoded_and_adaln_variants_match``); here the op's torch reference is checked
