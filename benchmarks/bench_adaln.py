@@ -23,7 +23,7 @@ from common import bandwidth_cases, copy_bandwidth_gbps, header, print_bandwidth
 
 from diffusers_nvfp4_fast import kernels  # noqa: E402
 from diffusers_nvfp4_fast.kernels.launch import padded_scale_shape  # noqa: E402
-from diffusers_nvfp4_fast.ops.adaln_quantize import AdaLNInputs, adaln_chain  # noqa: E402
+from diffusers_nvfp4_fast.ops.layer_norm_quantize import AdaLNInputs, adaln_chain  # noqa: E402
 
 EPS = 1e-6
 

@@ -23,7 +23,7 @@ import torch
 
 launch_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.launch")
 quantize_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.quantize_nvfp4")
-qwen_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.qwen_resnorm_quantize")
+qwen_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.layer_norm_quantize")
 gemm_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm")
 
 
@@ -80,7 +80,7 @@ def main() -> None:
         return quantize_mod.quantize_nvfp4_triton(x, g)
 
     def qwen():
-        return qwen_mod.qwen_resnorm_quantize_triton(residual, attn, bias, gate, scale, shift, g, eps=1e-6)
+        return qwen_mod.resnorm_quantize_triton(residual, attn, bias, gate, scale, shift, g, eps=1e-6)
 
     figures = {}
     for name, module, fn in (("quantize", quantize_mod, quantize), ("qwen_resnorm_quantize", qwen_mod, qwen)):

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth_gbps, header, write_result  # noqa: E402
 
 from diffusers_nvfp4_fast import kernels  # noqa: E402
-from diffusers_nvfp4_fast.ops.qwen_resnorm_quantize import ResNormInputs, qwen_residual_chain  # noqa: E402
+from diffusers_nvfp4_fast.ops.layer_norm_quantize import ResNormInputs, residual_norm_chain  # noqa: E402
 
 EPS = 1e-6
 GOAL_ROWS = 4096
@@ -73,18 +73,18 @@ def main() -> None:
     copy = copy_bandwidth_gbps()
     result = header("qwen_resnorm", copy)
     result["timing"] = "triton.testing.do_bench_cudagraph median (CUDA graph replays, L2 not flushed)"
-    compiled_chain = torch.compile(qwen_residual_chain, dynamic=False)
+    compiled_chain = torch.compile(residual_norm_chain, dynamic=False)
 
     for rows in args.rows:
         case = make_inputs(rows, d)
-        m_ref = qwen_residual_chain(ResNormInputs(*case), EPS)[1]
+        m_ref = residual_norm_chain(ResNormInputs(*case), EPS)[1]
         g = torch.tensor([448.0 * 6.0 / m_ref.float().abs().max().item()], dtype=torch.float32, device="cuda")
 
         def fused(fast_math=True, case=case, g=g):
-            return kernels.qwen_resnorm_quantize_triton(*case, g, eps=EPS, fast_math=fast_math)
+            return kernels.resnorm_quantize_triton(*case, g, eps=EPS, fast_math=fast_math)
 
         def eager(fast_math=True, case=case, g=g):
-            r, m = qwen_residual_chain(ResNormInputs(*case), EPS)
+            r, m = residual_norm_chain(ResNormInputs(*case), EPS)
             return (r, *kernels.quantize_nvfp4_triton(m.reshape(-1, d), g, fast_math=fast_math))
 
         def compiled(case=case, g=g):
@@ -98,7 +98,7 @@ def main() -> None:
             "eager": time_us(eager),
             "compiled": time_us(compiled),
             # context: no quantize
-            "eager_chain": time_us(lambda case=case: qwen_residual_chain(ResNormInputs(*case), EPS)),
+            "eager_chain": time_us(lambda case=case: residual_norm_chain(ResNormInputs(*case), EPS)),
         }
         exact_of = {"fused": exact, "eager": True, "compiled": exact_compiled, "eager_chain": None}
         nbytes = fused_bytes(rows, d)

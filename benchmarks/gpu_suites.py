@@ -31,7 +31,7 @@ MODEL_TESTS = ["tests/test_fast_paths.py", "tests/test_offload.py", "tests/test_
 
 SUITES: dict[str, list[tuple[str, list[str], int]]] = {
     "kernels": [("t_kernels", GPU_TESTS + KERNEL_TESTS, 330),
-                ("t_qwen_kernel", GPU_TESTS + ["tests/test_qwen_resnorm_quantize.py"], 200),
+                ("t_qwen_kernel", GPU_TESTS + ["tests/test_layer_norm_quantize.py"], 200),
                 ("t_gemm", GPU_TESTS + ["tests/test_gemm.py"], 330)],
     "models": [("t_models", GPU_TESTS + MODEL_TESTS, 400)],
     "graphs": [("t_graphs", GPU_TESTS + ["tests/test_cuda_graphs.py",

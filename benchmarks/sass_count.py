@@ -116,20 +116,20 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, 
 
 
 def compile_qwen_resnorm(d: int = 3072, arch: int = 90, has_residual: bool = True, decoded: bool = False):
-    """Compile the fused Qwen residual-norm quantize kernel for hidden size ``d`` as ``qwen_resnorm_quantize`` launches
+    """Compile the fused residual-norm quantize kernel for hidden size ``d`` as ``resnorm_quantize_triton`` launches
     it (register cap, no FMA contraction, 4 warps), without a GPU; row strides divisible by 16 as at run time.
     ``has_residual=False``: the adaptive-LayerNorm variant; ``decoded``: FP16 output instead of packed bytes."""
-    mod = importlib.import_module("diffusers_nvfp4_fast.kernels.qwen_resnorm_quantize")
+    mod = importlib.import_module("diffusers_nvfp4_fast.kernels.layer_norm_quantize")
     consts = {"D": d, "HAS_BIAS": has_residual, "APPROX_RSQRT": True, "SOFT_BF16": False,
               "MEAN_FMA": mod.TORCH_MEAN_FMA, "FAST_MATH": True, "HW_E2M1": arch >= 100, "ONE_SAMPLE": True,
               "HAS_RESIDUAL": has_residual, "DECODED": decoded}
-    names = list(inspect.signature(mod._qwen_resnorm_quantize_kernel.fn).parameters)
+    names = list(inspect.signature(mod._resnorm_quantize_kernel.fn).parameters)
     pointer_types = {"g_ptr": "*fp32", "packed_ptr": "*i64" if decoded else "*i32", "scales_ptr": "*u8"}
     sig = {n: pointer_types.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
            for n in names if n not in consts}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n.endswith("_ptr") or n.startswith("s_") or n == "padded_cols"}
-    src = ASTSource(mod._qwen_resnorm_quantize_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+    src = ASTSource(mod._resnorm_quantize_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"enable_fp_fusion": False, "num_warps": 4, "maxnreg": mod.MAX_REGISTERS})

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -19,7 +20,7 @@ from .loaders.diffusers_native import convert_diffusers_native
 from .loaders.finish import install_model_methods
 from .ops.blackwell import GemmSetupError, padded_layers, warm_up
 from .ops.dispatch import gemm_backend
-from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats, stats_for
+from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats
 from .patches.flux2 import patch_flux2
 from .patches.qwenimage import patch_qwenimage
 from .report import FastPathReport
@@ -27,6 +28,23 @@ from .report import FastPathReport
 logger = logging.getLogger("diffusers_nvfp4_fast")
 
 _STATE_ATTR = "_nvfp4_fast_paths"
+
+
+@dataclass
+class ModelState:
+    """What ``enable_fast_paths`` leaves on a model: its counters, the undo callables (run in reverse), the layers
+    it converted (source -> count), the GEMM warm-up it did, and whether it installed the fused sites."""
+
+    stats: FastPathStats
+    stats_id: int
+    fused: bool
+    restore: list[Callable[[], None]] = field(default_factory=list)
+    converted: dict[str, int] = field(default_factory=dict)
+    gemm_warm_up: dict = field(default_factory=dict)
+
+
+def _state(model: nn.Module) -> ModelState | None:
+    return model.__dict__.get(_STATE_ATTR)
 _PATCHERS = {
     "Flux2Transformer2DModel": patch_flux2,
     "QwenImageTransformer2DModel": patch_qwenimage,
@@ -93,11 +111,11 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
         ``fast_path_report`` of the pipeline.
     """
     for model in _transformers(pipe_or_transformer):
-        state = getattr(model, _STATE_ATTR, None)
-        if state is not None and state["fused"] != fused:
+        state = _state(model)
+        if state is not None and state.fused != fused:
             disable_fast_paths(model)
         elif state is not None:
-            cast(FastPathStats, stats_for(state["stats_id"])).verify_mode = verify  # registered while state is set
+            state.stats.verify_mode = verify
             continue
         restore: list = []
         _restore_config(model, restore)
@@ -118,8 +136,7 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
         patcher = _PATCHERS.get(type(model).__name__)
         if patcher is not None and fused:
             stats.sites.update(patcher(model, stats_id, restore))
-        setattr(model, _STATE_ATTR, {"stats_id": stats_id, "restore": restore, "converted": converted,
-                                     "gemm_warm_up": warmed, "fused": fused})
+        model.__dict__[_STATE_ATTR] = ModelState(stats, stats_id, fused, restore, converted, warmed)
         logger.info(
             "fast paths on for %s: %d NVFP4 linears (converted now: %s; %d scale tensors swizzled now), fused sites "
             "%s, GEMM backend %s", type(model).__name__, len(linears), converted or "none", swizzled,
@@ -150,19 +167,19 @@ def disable_fast_paths(pipe_or_transformer) -> None:
     """
     release_cuda_graphs(pipe_or_transformer)
     for model in _transformers(pipe_or_transformer):
-        state = getattr(model, _STATE_ATTR, None)
+        state = _state(model)
         if state is None:
             continue
-        for undo in reversed(state["restore"]):
+        for undo in reversed(state.restore):
             undo()
-        drop_stats(state["stats_id"])
-        delattr(model, _STATE_ATTR)
+        drop_stats(state.stats_id)
+        del model.__dict__[_STATE_ATTR]
 
 
 @contextlib.contextmanager
 def fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> Iterator[dict]:
     """``with fast_paths(pipe): ...`` enables the fast paths for the block and restores the model after it."""
-    already = all(getattr(m, _STATE_ATTR, None) is not None for m in _transformers(pipe_or_transformer))
+    already = all(_state(m) is not None for m in _transformers(pipe_or_transformer))
     report = enable_fast_paths(pipe_or_transformer, verify=verify)
     try:
         yield report
@@ -202,8 +219,8 @@ def fast_path_report(pipe_or_transformer) -> FastPathReport:
     graphs = {id(getattr(t, "_orig_mod", t)): graph_report(t) for t in denoisers(pipe_or_transformer)}
     for model in _transformers(pipe_or_transformer):
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
-        state = getattr(model, _STATE_ATTR, None)
-        stats = stats_for(state["stats_id"]) if state else None
+        state = _state(model)
+        stats = state.stats if state else None
         entry: dict[str, Any] = {"enabled": state is not None, "nvfp4_linears": len(linears)}
         if linears:
             device = execution_device(model, linears[0])
@@ -212,11 +229,11 @@ def fast_path_report(pipe_or_transformer) -> FastPathReport:
             if padded:
                 entry["gemm_padded_layers"] = padded
         if state is not None:
-            entry["fused"] = state["fused"]
-            entry["converted"] = dict(state["converted"])
-            if state.get("gemm_warm_up"):
-                entry["gemm_warm_up"] = dict(state["gemm_warm_up"])
-            if BFL_SOURCE in state["converted"]:
+            entry["fused"] = state.fused
+            entry["converted"] = dict(state.converted)
+            if state.gemm_warm_up:
+                entry["gemm_warm_up"] = dict(state.gemm_warm_up)
+            if BFL_SOURCE in state.converted:
                 entry["numerics"] = BFL_NUMERICS + (BFL_FP16_NUMERICS if _runs_fp16(linears) else "")
         if stats is not None:
             entry.update(stats.as_dict())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -22,6 +22,37 @@ def _keeps_identity(t: torch.Tensor, device: torch.device) -> bool:
     if "meta" in (t.device.type, device.type):
         return False
     return not t.is_inference() or torch.is_inference_mode_enabled()
+
+
+class FusedInput(Protocol):
+    """What a fused site hands an ``NVFP4Linear`` in place of its BF16 input ``[rows, K]`` (docs/design.md §5): the
+    producer's kernel runs inside the layer's call, with the layer's own ``input_scale_inv``, after every hook on the
+    call has run (offloading hooks bring the layer's tensors to the GPU first). The layer picks the form.
+
+    ``decodes``: the producer can also write the decoded FP16 values that a GEMM on SM80-SM90 with more than 64 rows
+    multiplies (``NVFP4Linear.takes_decoded_rows``); ``output`` turns the layer's ``[rows, N]`` into the call's result.
+    """
+
+    @property
+    def rows(self) -> int: ...
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def decodes(self) -> bool: ...
+
+    def quantize(self, input_scale_inv: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (packed uint8 ``[rows, K/2]``, 128x4 scales uint8)."""
+        ...
+
+    def decode(self, input_scale_inv: torch.Tensor, fast_math: bool) -> torch.Tensor:
+        """-> FP16 ``[rows, K]``, the exact values of ``quantize``'s result."""
+        ...
+
+    def output(self, y: torch.Tensor) -> Any:
+        """The call's result from the layer's output ``y`` ``[rows, N]``."""
+        ...
 
 
 class NVFP4Linear(nn.Module):
@@ -184,16 +215,24 @@ class NVFP4Linear(nn.Module):
         self.scale_layout = "128x4"
         return True
 
-    def forward(self, x):
+    def forward(self, x):  # x: torch.Tensor | FusedInput (left unannotated: callers replace forward)
         """x: ``[..., K]`` BF16/FP16 -> ``[..., N]`` in x's dtype.
 
-        A fused path passes an input object with a ``run_on(layer)`` method instead (``patches/``): it quantizes its
-        activation with this layer's scales and calls ``forward_prequantized``. Reading the layer's tensors only
-        here, after the hooks on the call have run, keeps it right under offloading, where the hooks bring them to
-        the GPU (docs/design.md §5)."""
+        A fused path passes a ``FusedInput`` instead (``patches/operands.py``): its kernel runs here with this layer's
+        scales, packed or decoded as this layer's GEMM takes it. Reading the layer's tensors only here, after the
+        hooks on the call have run, keeps it right under offloading, where the hooks bring them to the GPU
+        (docs/design.md §5)."""
+        fast_math = fast_math_from_env()  # the one read of the activation recipe (docs/design.md §3)
         if isinstance(x, torch.Tensor):
-            return self._forward(x, self.bias)
-        return x.run_on(self)
+            return self._forward(x, self.bias, fast_math)
+        return self._forward_fused(x, fast_math)
+
+    def _forward_fused(self, x: FusedInput, fast_math: bool) -> Any:
+        if x.decodes and self.takes_decoded_rows(x.rows, x.device, x.dtype):  # the GEMM multiplies FP16 values
+            y = self.forward_decoded(x.decode(self.input_scale_inv, fast_math), x.dtype)
+        else:
+            y = self.forward_prequantized(*x.quantize(self.input_scale_inv, fast_math), x.dtype)
+        return x.output(y)
 
     def forward_without_bias(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` without the bias add, for a caller that adds ``self.bias`` itself (a fused kernel).
@@ -201,24 +240,24 @@ class NVFP4Linear(nn.Module):
         ``forward(x)`` equals ``forward_without_bias(x) + self.bias`` byte for byte: the bias is always added to the
         output already rounded to x's dtype, in one correctly rounded add.
         """
-        return self._forward(x, None)
+        return self._forward(x, None, fast_math_from_env())
 
-    def _forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, bias: torch.Tensor | None, fast_math: bool) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"NVFP4Linear expected input [..., {self.in_features}], got {tuple(x.shape)}")
         if self.dynamic_input_scale:
-            return self._forward_dynamic(x, bias)
-        y = quantized_linear(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math_from_env(), self.weight,
+            return self._forward_dynamic(x, bias, fast_math)
+        y = quantized_linear(x.reshape(-1, self.in_features), self.input_scale_inv, fast_math, self.weight,
                              self.weight_scale, self.alpha, bias, x.dtype, self.scale_layout == "128x4")
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _forward_dynamic(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _forward_dynamic(self, x: torch.Tensor, bias: torch.Tensor | None, fast_math: bool) -> torch.Tensor:
         # Per-call activation global scale. Computed on the device without a host sync (CUDA graphs); an all-zero
         # or NaN amax falls back to 1.0, where any scale quantizes the same (zeros stay 0, NaN encodes as +6).
         rows = x.reshape(-1, self.in_features)
         amax = rows.abs().amax().to(torch.float32)
         input_scale = torch.where(amax > 0, amax / (448.0 * 6.0), torch.ones_like(amax))
-        y = quantized_linear(rows, 1.0 / input_scale, fast_math_from_env(), self.weight, self.weight_scale,
+        y = quantized_linear(rows, 1.0 / input_scale, fast_math, self.weight, self.weight_scale,
                              input_scale * self.weight_scale_2, bias, x.dtype, self.scale_layout == "128x4")
         return y.reshape(*x.shape[:-1], self.out_features)
 
@@ -239,19 +278,15 @@ class NVFP4Linear(nn.Module):
             self.scale_layout == "128x4",
         )
 
-    def takes_decoded_input(self, x: torch.Tensor) -> bool:
-        """Whether this layer's GEMM for ``x`` (``[rows, K]``) multiplies the activation's decoded FP16 values, so a
-        fused producer may hand them over with ``forward_decoded`` instead of packed bytes."""
-        return self.takes_decoded_rows(x.shape[0], x.device, x.dtype)
-
     def takes_decoded_rows(self, rows: int, device: torch.device, dtype: torch.dtype) -> bool:
-        """``takes_decoded_input`` for an activation of ``rows`` rows of ``dtype`` on ``device`` (no tensor needed)."""
+        """Whether this layer's GEMM for an activation of ``rows`` rows of ``dtype`` on ``device`` multiplies its
+        decoded FP16 values, so a fused producer may hand them over (``forward_decoded``) instead of packed bytes."""
         return not self.dynamic_input_scale and takes_decoded_activation(
             rows, device, self.bias, dtype, self.scale_layout == "128x4")
 
     def forward_decoded(self, x16: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
         """x16: FP16 ``[M, K]``, the exact decoded values of an activation quantized with this layer's
-        ``input_scale_inv`` (only where ``takes_decoded_input``) -> ``[M, N]``, the bytes ``forward_prequantized``
+        ``input_scale_inv`` (only where ``takes_decoded_rows``) -> ``[M, N]``, the bytes ``forward_prequantized``
         gives for the packed form."""
         return linear_fp16_x(x16, self.weight, self.weight_scale, self.alpha, self.bias, out_dtype)
 

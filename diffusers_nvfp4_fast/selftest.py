@@ -34,6 +34,7 @@ import torch
 
 from . import format as nvfp4
 from .ops import dispatch
+from .ops.layer_norm_quantize import AdaLNInputs, ResNormInputs
 from .ops.verify import bytes_equal, describe_mismatch, exact_fast_math_reference
 
 Outputs = tuple[torch.Tensor, ...]
@@ -142,10 +143,9 @@ def _quantize_checks(device: torch.device, gen: torch.Generator) -> list[dict[st
 
 def _fused_cases(device: torch.device, gen: torch.Generator, fast_math: bool) -> dict[str, tuple[Callable, Callable]]:
     """name -> (fused kernel call, the unfused torch path it replaces), at FLUX.2-dev / Qwen-Image widths."""
-    from .ops import adaln_quantize as adaln
     from .ops import gelu_quantize as gelu
+    from .ops import layer_norm_quantize as norm
     from .ops import qk_norm_rotary as qk
-    from .ops import qwen_resnorm_quantize as resnorm
     from .ops import rotary as rot
     from .ops import swiglu_quantize as swiglu
     from .ops import token_cat_quantize as token_cat
@@ -156,9 +156,9 @@ def _fused_cases(device: torch.device, gen: torch.Generator, fast_math: bool) ->
     fc1 = _randn(gen, device, rows, 12288, scale=2.0)
     mod = _randn(gen, device, 1, 6 * 3072, scale=0.3)
     shift, scale, gate = mod.chunk(2, dim=-1)[1].chunk(3, dim=-1)  # diffusers' strided views of img_mod's output
-    res = resnorm.ResNormInputs(_randn(gen, device, 1, rows, 3072, scale=4.0), _randn(gen, device, 1, rows, 3072),
+    res = ResNormInputs(_randn(gen, device, 1, rows, 3072, scale=4.0), _randn(gen, device, 1, rows, 3072),
                                 _randn(gen, device, 3072, scale=0.1), gate, scale, shift)
-    ada = adaln.AdaLNInputs(_randn(gen, device, 1, rows, 3072, scale=3.0), scale, shift)
+    ada = AdaLNInputs(_randn(gen, device, 1, rows, 3072, scale=3.0), scale, shift)
     q, weight, freqs = qk.probe_inputs(1, rows, 24, device=device)
     cos, sin = qk.flux2_tables(freqs)
     g = _global_scale(torch.cat([attn, mlp], -1))
@@ -173,10 +173,10 @@ def _fused_cases(device: torch.device, gen: torch.Generator, fast_math: bool) ->
                                       lambda: swiglu.swiglu_quantize_reference(hidden, None, g, fast_math)),
         "GELU quantize 512x12288": (lambda: gelu.gelu_quantize(fc1, gs, fast_math),
                                     lambda: gelu.gelu_quantize_reference(fc1, gs, fast_math)),
-        "residual-norm quantize 512x3072": (lambda: resnorm.qwen_resnorm_quantize(res, g, eps, fast_math),
-                                            lambda: resnorm.qwen_resnorm_quantize_reference(res, g, eps, fast_math)),
-        "adaptive-LayerNorm quantize 512x3072": (lambda: adaln.adaln_quantize(ada, g, eps, fast_math),
-                                                 lambda: adaln.adaln_quantize_reference(ada, g, eps, fast_math)),
+        "residual-norm quantize 512x3072": (lambda: norm.resnorm_quantize(*res, g, eps, fast_math),
+                                            lambda: norm.resnorm_quantize_reference(*res, g, eps, fast_math)),
+        "adaptive-LayerNorm quantize 512x3072": (lambda: norm.adaln_quantize(*ada, g, eps, fast_math),
+                                                 lambda: norm.adaln_quantize_reference(*ada, g, eps, fast_math)),
         "FLUX.2 rotary 512x24x128": (lambda: rot.rotary(q, cos, sin), lambda: rot.rotary_reference(q, cos, sin)),
         "FLUX.2 QK RMSNorm + rotary 512x24x128": (
             lambda: qk.flux2_qk_norm_rotary(q, weight, cos, sin, eps),
@@ -187,13 +187,13 @@ def _fused_cases(device: torch.device, gen: torch.Generator, fast_math: bool) ->
     } | _decoded_cases(device, res, ada, fc1, g, gs, eps, fast_math)
 
 
-def _decoded_cases(device, res, ada, fc1, g, gs, eps, fast_math) -> dict[str, tuple[Callable, Callable]]:
+def _decoded_cases(device, res: ResNormInputs, ada: AdaLNInputs, fc1, g, gs, eps, fast_math
+                   ) -> dict[str, tuple[Callable, Callable]]:
     """The kernels that write the decoded FP16 operand of the SM80-SM90 GEMM (only where that GEMM runs)."""
     if dispatch.gemm_backend(device) != "triton":
         return {}
-    from .ops import adaln_quantize as adaln
     from .ops import gelu_quantize as gelu
-    from .ops import qwen_resnorm_quantize as resnorm
+    from .ops import layer_norm_quantize as norm
     from .ops.quantize import quantize
 
     k = dispatch.kernels
@@ -205,11 +205,11 @@ def _decoded_cases(device, res, ada, fc1, g, gs, eps, fast_math) -> dict[str, tu
         "GELU quantize to FP16 512x12288": (lambda: k.gelu_quantize_decoded_triton(fc1, gs, fast_math=fast_math),
                                             lambda: gelu.gelu_quantize_decoded_reference(fc1, gs, fast_math)),
         "residual-norm quantize to FP16 512x3072": (
-            lambda: k.qwen_resnorm_quantize_triton(*res, g, eps=eps, fast_math=fast_math, decoded=True),
-            lambda: resnorm.qwen_resnorm_quantize_decoded_reference(res, g, eps, fast_math)),
+            lambda: k.resnorm_quantize_triton(*res, g, eps=eps, fast_math=fast_math, decoded=True),
+            lambda: norm.resnorm_quantize_decoded_reference(*res, g, eps, fast_math)),
         "adaptive-LayerNorm quantize to FP16 512x3072": (
             lambda: k.adaln_quantize_triton(*ada, g, eps=eps, fast_math=fast_math, decoded=True)[0],
-            lambda: adaln.adaln_quantize_decoded_reference(ada, g, eps, fast_math)),
+            lambda: norm.adaln_quantize_decoded_reference(*ada, g, eps, fast_math)),
     }
 
 

@@ -2,10 +2,10 @@
 are installed as ``diffusers_nvfp4_fast.kernels``; ``diffusers_nvfp4_fast/ops/`` calls them."""
 
 from .gelu_quantize import gelu_quantize_decoded_triton, gelu_quantize_triton, gelu_triton
+from .layer_norm_quantize import adaln_quantize_triton, resnorm_quantize_triton
 from .nvfp4_gemm import PREDECODE_MAX_M, nvfp4_gemm, nvfp4_gemm_fp16_x
 from .qk_norm_rotary import flux2_qk_norm_rotary_triton, qk_norm_rotary_triton
 from .quantize_nvfp4 import quantize_nvfp4_decoded, quantize_nvfp4_triton
-from .qwen_resnorm_quantize import adaln_quantize_triton, qwen_resnorm_quantize_triton
 from .rotary import rotary_triton
 from .swiglu_quantize import swiglu_quantize_triton
 from .token_cat_quantize import token_cat_quantize_triton
@@ -13,6 +13,6 @@ from .token_cat_quantize import token_cat_quantize_triton
 __all__ = [
     "PREDECODE_MAX_M", "adaln_quantize_triton", "flux2_qk_norm_rotary_triton", "gelu_quantize_decoded_triton",
     "gelu_quantize_triton", "gelu_triton", "nvfp4_gemm", "nvfp4_gemm_fp16_x", "qk_norm_rotary_triton",
-    "quantize_nvfp4_decoded", "quantize_nvfp4_triton", "qwen_resnorm_quantize_triton", "rotary_triton",
+    "quantize_nvfp4_decoded", "quantize_nvfp4_triton", "resnorm_quantize_triton", "rotary_triton",
     "swiglu_quantize_triton", "token_cat_quantize_triton",
 ]

@@ -1,8 +1,8 @@
-"""The adaptive-LayerNorm quantize op (``ops/adaln_quantize.py``: ``LayerNorm(x) * (1 + scale) + shift -> NVFP4``) and
-the decoded-output variants of both norm kernels, against diffusers' eager ops.
+"""The adaptive-LayerNorm quantize op (``ops/layer_norm_quantize.py``: ``LayerNorm(x) * (1 + scale) + shift ->
+NVFP4``) and the decoded-output variants of both norm kernels, against diffusers' eager ops.
 
 CPU: the kernel under the Triton interpreter is compared with an emulation of torch's CUDA LayerNorm in
-``test_qwen_resnorm_quantize.py`` (``test_decoded_and_adaln_variants_match``); here the op's torch reference is checked
+``test_layer_norm_quantize.py`` (``test_decoded_and_adaln_variants_match``); here the op's torch reference is checked
 against diffusers' own block code, and the op falls back to that reference off the GPU.
 
 GPU (``gpu``): the kernel against the eager chain on the GPU (torch's CUDA LayerNorm, BF16 ops, then the standalone
@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from diffusers_nvfp4_fast.format import decode_nvfp4
-from diffusers_nvfp4_fast.ops.adaln_quantize import (
+from diffusers_nvfp4_fast.ops.layer_norm_quantize import (
     AdaLNInputs,
     adaln_chain,
     adaln_quantize,
-    adaln_quantize_decoded_checked,
+    adaln_quantize_decoded,
     adaln_quantize_reference,
 )
+from diffusers_nvfp4_fast.ops.site import Site
 from diffusers_nvfp4_fast.ops.verify import new_stats
 
 EPS = 1e-6
@@ -58,14 +59,14 @@ def test_reference_chain_is_diffusers_qwen_and_flux2_norm1():
 def test_op_on_cpu_is_the_reference_and_decoded_is_its_decode():
     inputs = _case(1, 7, 32, per_token=True)
     g = _g(adaln_chain(inputs, EPS))
-    packed, scales = adaln_quantize(inputs, g, EPS, False)
-    ref = adaln_quantize_reference(inputs, g, EPS, False)
+    packed, scales = adaln_quantize(*inputs, g, EPS, False)
+    ref = adaln_quantize_reference(*inputs, g, EPS, False)
     assert torch.equal(packed, ref[0]) and torch.equal(scales, ref[1])
     stats_id, stats = new_stats("always")
-    x16 = adaln_quantize_decoded_checked(inputs, g, EPS, False, stats_id, "cpu-test", "test_adaln")
+    x16 = adaln_quantize_decoded.checked(Site(stats_id, "qwen_adaln"), *inputs, g, EPS, False)
     want = decode_nvfp4(packed, scales, dtype=torch.float16)
     assert torch.equal(x16.view(torch.int16), want.view(torch.int16))
-    assert stats.verified["test_adaln"] == 1 and not stats.verify_failed
+    assert stats.verified["qwen_adaln"] == 1 and not stats.verify_failed
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ def _gpu_reference(inputs: AdaLNInputs, g: torch.Tensor, fast_math: bool):
 
 
 def _check_gpu(inputs: AdaLNInputs, fast_math: bool) -> None:
-    from test_qwen_resnorm_quantize import poisoned_outputs
+    from test_layer_norm_quantize import poisoned_outputs
 
     from diffusers_nvfp4_fast.kernels import adaln_quantize_triton
 
@@ -122,7 +123,7 @@ def test_gpu_adaln_batch2_per_token_and_strided(fast_math):
 @pytest.mark.gpu
 def test_gpu_adaln_activation_like_rows():
     """Rows that stress the statistics (zero, constant, tiny, huge, one spike) and per-channel outliers."""
-    from test_qwen_resnorm_quantize import make_residual
+    from test_layer_norm_quantize import make_residual
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     for dist in ("activation-like", "edge-rows", "large-offset"):
@@ -137,17 +138,17 @@ def test_gpu_adaln_activation_like_rows():
 @pytest.mark.parametrize("d", [3072, 6144])
 def test_gpu_resnorm_decoded_is_the_decode_of_packed(d, fast_math):
     """The residual-norm kernel writing FC1's FP16 operand: residual_out as before, values = decode(packed)."""
-    from test_qwen_resnorm_quantize import EPS as QWEN_EPS
-    from test_qwen_resnorm_quantize import global_scale, make_case, poisoned_outputs
+    from test_layer_norm_quantize import EPS as QWEN_EPS
+    from test_layer_norm_quantize import global_scale, make_case, poisoned_outputs
 
-    from diffusers_nvfp4_fast.kernels import qwen_resnorm_quantize_triton
-    from diffusers_nvfp4_fast.ops.qwen_resnorm_quantize import ResNormInputs, qwen_residual_chain
+    from diffusers_nvfp4_fast.kernels import resnorm_quantize_triton
+    from diffusers_nvfp4_fast.ops.layer_norm_quantize import ResNormInputs, residual_norm_chain
 
     case = make_case(2, 2048, d=d, dist="activation-like", seed=d)
-    g = global_scale(qwen_residual_chain(ResNormInputs(*case), QWEN_EPS)[1])
+    g = global_scale(residual_norm_chain(ResNormInputs(*case), QWEN_EPS)[1])
     with poisoned_outputs():
-        r, packed, scales = qwen_resnorm_quantize_triton(*case, g, eps=QWEN_EPS, fast_math=fast_math)
-        r16, x16 = qwen_resnorm_quantize_triton(*case, g, eps=QWEN_EPS, fast_math=fast_math, decoded=True)
+        r, packed, scales = resnorm_quantize_triton(*case, g, eps=QWEN_EPS, fast_math=fast_math)
+        r16, x16 = resnorm_quantize_triton(*case, g, eps=QWEN_EPS, fast_math=fast_math, decoded=True)
     assert torch.equal(r16.view(torch.int16), r.view(torch.int16))
     want = decode_nvfp4(packed, scales, dtype=torch.float16)
     assert torch.equal(x16.view(torch.int16), want.view(torch.int16))

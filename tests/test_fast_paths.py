@@ -142,13 +142,13 @@ def test_verification_mismatch_falls_back_with_a_warning(modelopt_exports, monke
     """A single-stream site whose SwiGLU fold fails verification keeps the plain fused token-cat path."""
     pipe, kwargs = _pipeline("flux2", modelopt_exports)
     off = _sha(pipe, kwargs)
-    good = swiglu_op._swiglu_impl
+    good = swiglu_op.swiglu_quantize.impl
 
     def broken(hidden, attn, g, fast_math):
         packed, scales = good(hidden, attn, g, fast_math)
         return (packed if attn is None else _flip_first_byte(packed)), scales
 
-    monkeypatch.setattr(swiglu_op, "_swiglu_impl", broken)
+    monkeypatch.setattr(swiglu_op.swiglu_quantize, "impl", broken)
     enable_fast_paths(pipe)
     with pytest.warns(RuntimeWarning, match=r"flux2_token_cat_swiglu .*\(packed: 1 of \d+ bytes differ"):
         on = _sha(pipe, kwargs)
@@ -173,7 +173,7 @@ def test_token_cat_mismatch_falls_back_to_diffusers(modelopt_exports, monkeypatc
         packed, scales = quantize_op.quantize(cat.reshape(-1, cat.shape[-1]), g, fast_math)
         return _flip_first_byte(packed), scales
 
-    monkeypatch.setattr(token_cat_op, "_token_cat_impl", broken)
+    monkeypatch.setattr(token_cat_op.token_cat_quantize, "impl", broken)
     blocks = pipe.transformer.single_transformer_blocks
     handles = [b.attn.mlp_act_fn.register_forward_hook(lambda *_: None) for b in blocks]
     enable_fast_paths(pipe)
@@ -234,7 +234,7 @@ def test_qwen_gelu_falls_back_where_the_kernel_differs_from_torch(modelopt_expor
     monkeypatch.undo()
     dropout = pipe.transformer.transformer_blocks[2].img_mlp.net[1]
     dropout.p, dropout.training = 0.1, True
-    gate = qwenimage.gelu_fc2_gate(pipe.transformer.transformer_blocks[2].img_mlp, torch.zeros(2, 64).bfloat16())
+    gate = qwenimage.gelu_fc2_reason(pipe.transformer.transformer_blocks[2].img_mlp, torch.zeros(2, 64).bfloat16())
     disable_fast_paths(pipe)
     assert on == off
     assert report["fallbacks"] == {"qwen_gelu: 7 of 65536 values differ": 12}  # 4 sites x 3 steps
@@ -503,7 +503,8 @@ def test_qwen_attention_bias_moves_into_the_kernel(modelopt_exports, monkeypatch
     """NVFP4 output projections with a bias skip it and the fused kernel adds it: PNG bytes unchanged, the kernel
     gets the bias, training-mode dropout keeps the bias in the projection, and disable restores the processor."""
     from diffusers_nvfp4_fast.linear import NVFP4Linear
-    from diffusers_nvfp4_fast.patches import qwenimage, resnorm
+    from diffusers_nvfp4_fast.ops.layer_norm_quantize import resnorm_quantize
+    from diffusers_nvfp4_fast.patches import qwenimage
 
     pipe, kwargs = _pipeline("qwen", modelopt_exports)
     model = pipe.transformer
@@ -512,9 +513,8 @@ def test_qwen_attention_bias_moves_into_the_kernel(modelopt_exports, monkeypatch
     assert all(isinstance(b.attn.to_out[0], NVFP4Linear) and b.attn.to_out[0].bias is not None for b in blocks)
     originals = [b.attn.processor for b in blocks]
     seen_bias = []
-    checked = resnorm.qwen_resnorm_quantize_checked
-    monkeypatch.setattr(resnorm, "qwen_resnorm_quantize_checked",
-                        lambda inputs, *rest: seen_bias.append(inputs.bias is not None) or checked(inputs, *rest))
+    impl = resnorm_quantize.impl  # (residual, x, bias, ...)
+    monkeypatch.setattr(resnorm_quantize, "impl", lambda *args: seen_bias.append(args[2] is not None) or impl(*args))
     enable_fast_paths(pipe)
     assert all(isinstance(b.attn.processor, qwenimage.QwenDeferredBiasAttnProcessor) for b in blocks)
     assert all(qwenimage.defers_bias(b.attn) for b in blocks)

@@ -1,3 +1,6 @@
-"""The ops, one file each (custom op, fake, dispatch, torch reference): ``quantize``, ``linear``,
-``token_cat_quantize``, ``qwen_resnorm_quantize``; ``dispatch`` picks an implementation, ``verify`` does first-use
-byte verification and keeps the counters. Import from the submodules; docs/design.md §2 draws the layering."""
+"""The ops, one file each: ``quantize``, ``linear`` (the NVFP4 GEMM), and the fused ops, each declared once with
+``fused.FusedOp`` (its torch reference, its kernel call, its custom ops): ``token_cat_quantize``,
+``swiglu_quantize``, ``gelu_quantize``, ``layer_norm_quantize`` (residual-norm and adaptive-LayerNorm quantize),
+``rotary``, ``qk_norm_rotary``. ``dispatch`` picks an implementation, ``verify`` does first-use byte verification
+and keeps the counters, ``site`` names the site kinds. Import from the submodules; docs/design.md §2 draws the
+layering."""

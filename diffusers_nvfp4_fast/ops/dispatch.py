@@ -59,17 +59,6 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def custom_op_pair(name: str, impl: Callable, checked_impl: Callable, fake: Callable) -> tuple[Callable, Callable]:
-    """Register ``nvfp4_fast::<name>`` and ``nvfp4_fast::<name>_checked`` (the variant with first-use verification),
-    both with ``fake`` as their shape function (it must accept the checked variant's extra arguments)."""
-    ops = []
-    for op_name, fn in ((name, impl), (f"{name}_checked", checked_impl)):
-        op = torch.library.custom_op(f"nvfp4_fast::{op_name}", mutates_args=())(fn)
-        op.register_fake(fake)
-        ops.append(op)
-    return ops[0], ops[1]
-
-
 def call_op(op: Callable, impl: Callable, *args):
     """Run custom op ``op`` whose eager implementation is ``impl``: the op while compiling, ``impl`` otherwise.
 

@@ -2,7 +2,7 @@
 
 ``hidden`` is a feed-forward's FC1 output ``[..., K]``; the result is FC2's quantized input. Reference:
 ``gelu_quantize_reference`` (diffusers' own op, then the unfused quantize; docs/design.md §6). Kernel:
-``kernels.gelu_quantize_triton``; ``gelu_quantize_decoded_checked`` gives the exact FP16 values of that result
+``kernels.gelu_quantize_triton``; ``gelu_quantize_decoded`` gives the exact FP16 values of that result
 instead, for an FC2 whose GEMM multiplies those (SM80-SM90, more than 64 rows). Besides the first-use verification of
 each call shape, ``gelu_mismatch`` checks the kernel's GELU against torch's on all 65,536 values of the dtype, once
 per process and device: GELU is elementwise, so that check covers every input the fused op can see.
@@ -18,11 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import format as nvfp4
-from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
+from .dispatch import kernels, triton_runs_on
+from .fused import FusedOp
 from .quantize import empty_quantized, quantize
-from .verify import run_checked
-
-KIND = "qwen_gelu"  # quantize(gelu(FC1 output)) into FC2
 
 _MISMATCH: dict[tuple[str, torch.dtype], str | None] = {}  # (device, dtype) -> what differs, None if nothing
 _lock = threading.Lock()
@@ -63,36 +61,13 @@ def _gelu_impl(hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool
     return gelu_quantize_reference(hidden, global_scale, fast_math)
 
 
-def _gelu_fake(hidden, global_scale, fast_math, *_):
+def _gelu_fake(hidden, global_scale, fast_math):
     return empty_quantized(hidden, hidden.numel() // hidden.shape[-1], hidden.shape[-1])
 
 
-def _gelu_checked_impl(
-    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return cast("tuple[torch.Tensor, torch.Tensor]", run_checked(
-        stats_id, KIND, shape_class, ("packed", "scales"),
-        lambda: _gelu_impl(hidden, global_scale, fast_math),
-        lambda: gelu_quantize_reference(hidden, global_scale, fast_math),
-    ))
-
-
-_gelu_op, _gelu_checked_op = custom_op_pair("gelu_quantize", _gelu_impl, _gelu_checked_impl, _gelu_fake)
-
-
-def gelu_quantize(
-    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden ``[..., K]`` BF16/FP16, K % 16 == 0 -> packed uint8 ``[R, K/2]``, 128x4 scales uint8
-    ``[round_up(R,128), round_up(K/16,4)]`` of ``gelu(hidden, approximate="tanh")``."""
-    return call_op(_gelu_op, _gelu_impl, hidden, global_scale, fast_math)
-
-
-def gelu_quantize_checked(
-    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gelu_quantize`` with first-use byte verification against the reference (``verify.run_checked``)."""
-    return call_op(_gelu_checked_op, _gelu_checked_impl, hidden, global_scale, fast_math, stats_id, shape_class)
+# hidden [..., K] BF16/FP16, K % 16 == 0, global_scale, fast_math -> packed uint8 [R, K/2], 128x4 scales uint8
+# [round_up(R,128), round_up(K/16,4)] of gelu(hidden, approximate="tanh").
+gelu_quantize = FusedOp("gelu_quantize", _gelu_impl, gelu_quantize_reference, _gelu_fake, ("packed", "scales"))
 
 
 def gelu_quantize_decoded_reference(hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> torch.Tensor:
@@ -106,28 +81,10 @@ def _gelu_decoded_impl(hidden: torch.Tensor, global_scale: torch.Tensor, fast_ma
     return gelu_quantize_decoded_reference(hidden, global_scale, fast_math)
 
 
-def _gelu_decoded_fake(hidden, global_scale, fast_math, *_):
+def _gelu_decoded_fake(hidden, global_scale, fast_math):
     return hidden.new_empty((hidden.numel() // hidden.shape[-1], hidden.shape[-1]), dtype=torch.float16)
 
 
-def _gelu_decoded_checked_impl(
-    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str,
-) -> torch.Tensor:
-    return run_checked(
-        stats_id, KIND, shape_class + ",decoded", ("decoded",),
-        lambda: (_gelu_decoded_impl(hidden, global_scale, fast_math),),
-        lambda: (gelu_quantize_decoded_reference(hidden, global_scale, fast_math),),
-    )[0]
-
-
-_gelu_decoded_op, _gelu_decoded_checked_op = custom_op_pair(
-    "gelu_quantize_decoded", _gelu_decoded_impl, _gelu_decoded_checked_impl, _gelu_decoded_fake)
-
-
-def gelu_quantize_decoded_checked(
-    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str,
-) -> torch.Tensor:
-    """hidden ``[..., K]`` -> FP16 ``[R, K]``: the decoded values of ``gelu_quantize``'s result, with first-use byte
-    verification against the reference (``verify.run_checked``)."""
-    return call_op(_gelu_decoded_checked_op, _gelu_decoded_checked_impl, hidden, global_scale, fast_math, stats_id,
-                   shape_class)
+# hidden [..., K] -> FP16 [R, K]: the decoded values of gelu_quantize's result, for an FC2 whose GEMM multiplies those.
+gelu_quantize_decoded = FusedOp("gelu_quantize_decoded", _gelu_decoded_impl, gelu_quantize_decoded_reference,
+                                _gelu_decoded_fake, ("decoded",))

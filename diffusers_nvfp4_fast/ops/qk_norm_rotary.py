@@ -19,12 +19,10 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
-from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
+from .dispatch import kernels, triton_runs_on
+from .fused import FusedOp
 from .rotary import rotary_reference
-from .verify import run_checked
 
-KIND = "qwen_qk_rotary"
-FLUX2_KIND = "flux2_qk_rotary"
 EPS = 1e-6  # Qwen-Image's
 
 _TREE: dict[str, int | str] = {}  # device -> the kernel's tree that matches torch there, or why none does
@@ -108,37 +106,14 @@ def _flux2_impl(
     return flux2_qk_norm_rotary_reference(x, weight, cos, sin, eps)
 
 
-def _flux2_checked_impl(
-    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, stats_id: int,
-    shape_class: str,
-) -> torch.Tensor:
-    (out,) = run_checked(stats_id, FLUX2_KIND, shape_class, ("out",), lambda: (_flux2_impl(x, weight, cos, sin, eps),),
-                         lambda: (flux2_qk_norm_rotary_reference(x, weight, cos, sin, eps),))
-    return out
-
-
 def _contiguous_like_x(x, *_):  # both ops' shape function: the kernels write a contiguous tensor shaped like x
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-_flux2_op, _flux2_checked_op = custom_op_pair("flux2_qk_norm_rotary", _flux2_impl, _flux2_checked_impl,
-                                              _contiguous_like_x)
-
-
-def flux2_qk_norm_rotary(
-    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """x BF16 ``[B, S, H, 128]``, weight BF16 ``[128]``, cos / sin FP32 ``[S, 128]`` -> ``[B, S, H, 128]`` BF16:
-    the FLUX.2 kernel where Triton runs, ``flux2_qk_norm_rotary_reference`` elsewhere (the same bytes, GPU-tested)."""
-    return call_op(_flux2_op, _flux2_impl, x, weight, cos, sin, eps)
-
-
-def flux2_qk_norm_rotary_checked(
-    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, stats_id: int,
-    shape_class: str,
-) -> torch.Tensor:
-    """``flux2_qk_norm_rotary`` with first-use byte verification against torch's RMSNorm and diffusers' rotary."""
-    return call_op(_flux2_checked_op, _flux2_checked_impl, x, weight, cos, sin, eps, stats_id, shape_class)
+# x BF16 [B, S, H, 128], weight BF16 [128], cos / sin FP32 [S, 128], eps -> [B, S, H, 128] BF16: the FLUX.2 kernel
+# where Triton runs, flux2_qk_norm_rotary_reference elsewhere (the same bytes, GPU-tested).
+flux2_qk_norm_rotary = FusedOp("flux2_qk_norm_rotary", _flux2_impl, flux2_qk_norm_rotary_reference,
+                               _contiguous_like_x, ("out",))
 
 
 def _qk_norm_rotary_impl(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
@@ -148,27 +123,7 @@ def _qk_norm_rotary_impl(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Ten
     return qk_norm_rotary_reference(x, weight, freqs, eps)  # CPU, or no tree equals torch's here (same bytes)
 
 
-def _qk_norm_rotary_checked_impl(
-    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, stats_id: int, shape_class: str
-) -> torch.Tensor:
-    (out,) = run_checked(stats_id, KIND, shape_class, ("out",), lambda: (_qk_norm_rotary_impl(x, weight, freqs, eps),),
-                         lambda: (qk_norm_rotary_reference(x, weight, freqs, eps),))
-    return out
-
-
-_qk_norm_rotary_op, _qk_norm_rotary_checked_op = custom_op_pair(
-    "qk_norm_rotary", _qk_norm_rotary_impl, _qk_norm_rotary_checked_impl, _contiguous_like_x)
-
-
-def qk_norm_rotary(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
-    """x ``[B, S, H, 128]`` BF16, weight BF16 ``[128]``, freqs complex64 ``[S, 64]`` -> ``[B, S, H, 128]`` BF16:
-    the kernel where Triton runs, diffusers' chain elsewhere."""
-    return call_op(_qk_norm_rotary_op, _qk_norm_rotary_impl, x, weight, freqs, eps)
-
-
-def qk_norm_rotary_checked(
-    x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, stats_id: int, shape_class: str
-) -> torch.Tensor:
-    """``qk_norm_rotary`` with first-use byte verification against diffusers' chain (``verify.run_checked``)."""
-    return call_op(_qk_norm_rotary_checked_op, _qk_norm_rotary_checked_impl, x, weight, freqs, eps, stats_id,
-                   shape_class)
+# x [B, S, H, 128] BF16, weight BF16 [128], freqs complex64 [S, 64], eps -> [B, S, H, 128] BF16: the kernel where
+# Triton runs, diffusers' chain elsewhere.
+qk_norm_rotary = FusedOp("qk_norm_rotary", _qk_norm_rotary_impl, qk_norm_rotary_reference, _contiguous_like_x,
+                         ("out",))

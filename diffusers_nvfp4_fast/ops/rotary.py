@@ -12,10 +12,8 @@ from typing import Any, cast
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
-from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
-from .verify import run_checked
-
-KIND = "flux2_rotary"
+from .dispatch import kernels, triton_runs_on
+from .fused import FusedOp
 
 
 def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -30,27 +28,9 @@ def _rotary_impl(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotary_reference(x, cos, sin)
 
 
-def _rotary_fake(x, cos, sin, *_):
+def _rotary_fake(x, cos, sin):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _rotary_checked_impl(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stats_id: int, shape_class: str
-) -> torch.Tensor:
-    (out,) = run_checked(stats_id, KIND, shape_class, ("out",), lambda: (_rotary_impl(x, cos, sin),),
-                         lambda: (rotary_reference(x, cos, sin),))
-    return out
-
-
-_rotary_op, _rotary_checked_op = custom_op_pair("rotary", _rotary_impl, _rotary_checked_impl, _rotary_fake)
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x ``[B, S, H, D]`` BF16/FP16 (D a power of two), cos / sin FP32 ``[S, D]`` -> ``[B, S, H, D]`` in x's dtype."""
-    return call_op(_rotary_op, _rotary_impl, x, cos, sin)
-
-
-def rotary_checked(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, stats_id: int, shape_class: str
-                   ) -> torch.Tensor:
-    """``rotary`` with first-use byte verification against diffusers' function (``verify.run_checked``)."""
-    return call_op(_rotary_checked_op, _rotary_checked_impl, x, cos, sin, stats_id, shape_class)
+# x [B, S, H, D] BF16/FP16 (D a power of two), cos / sin FP32 [S, D] -> [B, S, H, D] in x's dtype.
+rotary = FusedOp("rotary", _rotary_impl, rotary_reference, _rotary_fake, ("out",))

@@ -14,12 +14,9 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
+from .dispatch import kernels, triton_runs_on
+from .fused import FusedOp
 from .quantize import empty_quantized, quantize
-from .verify import run_checked
-
-KIND_FF = "flux2_swiglu"  # double-stream feed-forward: quantize(swiglu(h)) into ff.linear_out
-KIND_TOKEN_CAT = "flux2_token_cat_swiglu"  # single-stream: quantize(cat([attn, swiglu(h)])) into to_out
 
 
 def swiglu_reference(hidden: torch.Tensor) -> torch.Tensor:
@@ -46,37 +43,12 @@ def _swiglu_impl(
     return swiglu_quantize_reference(hidden, attn, global_scale, fast_math)
 
 
-def _swiglu_fake(hidden, attn, global_scale, fast_math, *_):
+def _swiglu_fake(hidden, attn, global_scale, fast_math):
     k = hidden.shape[-1] // 2 + (attn.shape[-1] if attn is not None else 0)
     return empty_quantized(hidden, hidden.numel() // hidden.shape[-1], k)
 
 
-def _swiglu_checked_impl(
-    hidden: torch.Tensor, attn: torch.Tensor | None, global_scale: torch.Tensor, fast_math: bool, stats_id: int,
-    kind: str, shape_class: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return cast("tuple[torch.Tensor, torch.Tensor]", run_checked(
-        stats_id, kind, shape_class, ("packed", "scales"),
-        lambda: _swiglu_impl(hidden, attn, global_scale, fast_math),
-        lambda: swiglu_quantize_reference(hidden, attn, global_scale, fast_math),
-    ))
-
-
-_swiglu_op, _swiglu_checked_op = custom_op_pair("swiglu_quantize", _swiglu_impl, _swiglu_checked_impl, _swiglu_fake)
-
-
-def swiglu_quantize(
-    hidden: torch.Tensor, attn: torch.Tensor | None, global_scale: torch.Tensor, fast_math: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """hidden ``[..., 2H]``, optional attn ``[..., A]`` (same leading dims, BF16/FP16, H and A multiples of 16) ->
-    packed uint8 ``[R, (A+H)/2]``, 128x4 scales uint8 ``[round_up(R,128), round_up((A+H)/16,4)]``."""
-    return call_op(_swiglu_op, _swiglu_impl, hidden, attn, global_scale, fast_math)
-
-
-def swiglu_quantize_checked(
-    hidden: torch.Tensor, attn: torch.Tensor | None, global_scale: torch.Tensor, fast_math: bool, stats_id: int,
-    kind: str, shape_class: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``swiglu_quantize`` with first-use byte verification against the reference (``verify.run_checked``)."""
-    return call_op(_swiglu_checked_op, _swiglu_checked_impl, hidden, attn, global_scale, fast_math, stats_id, kind,
-                   shape_class)
+# hidden [..., 2H], optional attn [..., A] (same leading dims, BF16/FP16, H and A multiples of 16), global_scale FP32
+# one-element, fast_math -> packed uint8 [R, (A+H)/2], 128x4 scales uint8 [round_up(R,128), round_up((A+H)/16,4)].
+swiglu_quantize = FusedOp("swiglu_quantize", _swiglu_impl, swiglu_quantize_reference, _swiglu_fake,
+                          ("packed", "scales"))

@@ -10,11 +10,9 @@ from typing import cast
 
 import torch
 
-from .dispatch import call_op, custom_op_pair, kernels, triton_runs_on
+from .dispatch import kernels, triton_runs_on
+from .fused import FusedOp
 from .quantize import empty_quantized, quantize
-from .verify import run_checked
-
-KIND = "flux2_token_cat"
 
 
 def token_cat_quantize_reference(
@@ -34,35 +32,11 @@ def _token_cat_impl(
     return token_cat_quantize_reference(attn, mlp, global_scale, fast_math)
 
 
-def _token_cat_fake(attn, mlp, global_scale, fast_math, *_):
+def _token_cat_fake(attn, mlp, global_scale, fast_math):
     return empty_quantized(attn, attn.numel() // attn.shape[-1], attn.shape[-1] + mlp.shape[-1])
 
 
-def _token_cat_checked_impl(
-    attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return cast("tuple[torch.Tensor, torch.Tensor]", run_checked(
-        stats_id, KIND, shape_class, ("packed", "scales"),
-        lambda: _token_cat_impl(attn, mlp, global_scale, fast_math),
-        lambda: token_cat_quantize_reference(attn, mlp, global_scale, fast_math),
-    ))
-
-
-_token_cat_op, _token_cat_checked_op = custom_op_pair("token_cat_quantize", _token_cat_impl, _token_cat_checked_impl,
-                                                      _token_cat_fake)
-
-
-def token_cat_quantize(
-    attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, fast_math: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """attn ``[..., A]``, mlp ``[..., B]`` (same leading dims, BF16/FP16, A and B multiples of 16) -> packed uint8
-    ``[R, (A+B)/2]``, 128x4 scales uint8 ``[round_up(R,128), round_up((A+B)/16,4)]``."""
-    return call_op(_token_cat_op, _token_cat_impl, attn, mlp, global_scale, fast_math)
-
-
-def token_cat_quantize_checked(
-    attn: torch.Tensor, mlp: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, stats_id: int, shape_class: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``token_cat_quantize`` with first-use byte verification against the reference (``verify.run_checked``)."""
-    return call_op(_token_cat_checked_op, _token_cat_checked_impl, attn, mlp, global_scale, fast_math, stats_id,
-                   shape_class)
+# attn [..., A], mlp [..., B] (same leading dims, BF16/FP16, A and B multiples of 16), global_scale, fast_math ->
+# packed uint8 [R, (A+B)/2], 128x4 scales uint8 [round_up(R,128), round_up((A+B)/16,4)].
+token_cat_quantize = FusedOp("token_cat_quantize", _token_cat_impl, token_cat_quantize_reference, _token_cat_fake,
+                             ("packed", "scales"))

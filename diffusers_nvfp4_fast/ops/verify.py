@@ -1,9 +1,9 @@
 """First-use byte verification of fused ops, and the counters ``fast_path_report`` shows (docs/design.md §8).
 
-A fused call goes through ``run_checked``: at the first call for a (site kind, shape class) it also runs the
-unfused reference and compares every output byte; on a mismatch the site kind falls back for the rest of the
-process, with a warning naming what differed. Gates (in ``patches/``) decide whether a site runs fused at all and
-record their reasons here with ``record_fallback``.
+A fused call goes through ``run_checked`` (``ops/fused.py`` calls it): at the first call for a (site kind,
+verification key) it also runs the unfused reference and compares every output byte; on a mismatch the site kind
+falls back for the rest of the process, with a warning naming what differed. Gates (in ``patches/``) decide whether
+a site runs fused at all and record their reasons here with ``count_fallback``.
 
 The check runs inside a custom op, so it happens at run time even under ``torch.compile``; during CUDA graph
 capture nothing can be compared, so an unverified site records the unfused path into the graph instead.
@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+
+from .site import Site, SiteKind
 
 VerifyMode = Literal["first", "always", "off"]
 # The gate reason of a site that keeps diffusers' op under torch.compile (inductor computes it its own way, and
@@ -57,7 +59,7 @@ _lock = threading.Lock()
 _STATS: dict[int, FastPathStats] = {}
 _NEXT_ID = itertools.count(1)  # never reused: a stale id must not count into another model's stats
 _VERDICTS: dict[str, bool] = {}  # verification key -> passed (process-wide)
-_FAILED_KINDS: dict[str, str] = {}  # site kind -> what mismatched
+_FAILED_KINDS: dict[SiteKind, str] = {}  # site kind -> what mismatched
 
 
 def new_stats(verify: VerifyMode) -> tuple[int, FastPathStats]:
@@ -70,11 +72,11 @@ def new_stats(verify: VerifyMode) -> tuple[int, FastPathStats]:
     return stats_id, stats
 
 
-def site_counter(stats_id: int) -> Callable[[str, str], None]:
-    """``add(kind, module name)`` for a patcher: counts one installed site of ``kind`` and records where it is."""
+def site_counter(stats_id: int) -> Callable[[SiteKind, str], None]:
+    """``add(kind, module name)`` for a patcher: records where one installed site of ``kind`` is."""
     stats = _STATS.get(stats_id)
 
-    def add(kind: str, name: str) -> None:
+    def add(kind: SiteKind, name: str) -> None:
         if stats is not None:
             stats.site_modules.setdefault(kind, []).append(name)
 
@@ -90,7 +92,7 @@ def stats_for(stats_id: int) -> FastPathStats | None:
     return _STATS.get(stats_id)
 
 
-def record_fallback(stats: FastPathStats, kind: str, reason: str) -> None:
+def record_fallback(stats: FastPathStats, kind: SiteKind, reason: str) -> None:
     """Called from gates in eager Python; under torch.compile gates call ``count_fallback``, which counts per trace."""
     if torch.compiler.is_compiling():
         return
@@ -108,18 +110,18 @@ def _count_traced_fallback(stats_id: int, key: str) -> bool:
     return True
 
 
-def count_fallback(stats_id: int, kind: str, reason: str) -> None:
-    """Count that a site of ``kind`` on the stats of ``stats_id`` (if they still exist) ran unfused, and why: per
-    call in eager mode, once per trace of the site under ``torch.compile``."""
+def count_fallback(site: Site, reason: str) -> None:
+    """Count that ``site`` (if its stats still exist) ran unfused, and why: per call in eager mode, once per trace of
+    the site under ``torch.compile``."""
     if torch.compiler.is_compiling():
-        _count_traced_fallback(stats_id, f"{kind}: {reason}")
+        _count_traced_fallback(site.stats_id, f"{site.kind}: {reason}")
         return
-    stats = _STATS.get(stats_id)
+    stats = _STATS.get(site.stats_id)
     if stats is not None:
-        record_fallback(stats, kind, reason)
+        record_fallback(stats, site.kind, reason)
 
 
-def failed_kind_reason(kind: str) -> str | None:
+def failed_kind_reason(kind: SiteKind) -> str | None:
     """Non-None once a verification of ``kind`` has failed in this process."""
     return _FAILED_KINDS.get(kind)
 
@@ -152,22 +154,23 @@ def describe_mismatch(names: tuple[str, ...], fused: tuple[torch.Tensor, ...], r
 
 
 def run_checked(
-    stats_id: int,
-    kind: str,
-    shape_class: str,
+    site: Site,
+    call_key: str,
     output_names: tuple[str, ...],
     fused: Callable[[], tuple[torch.Tensor, ...]],
     reference: Callable[[], tuple[torch.Tensor, ...]],
 ) -> tuple[torch.Tensor, ...]:
-    """Run the fused implementation, verifying it against ``reference`` when the mode asks for it.
+    """Run the fused implementation, verifying it against ``reference`` when the mode asks for it; ``call_key`` is
+    the class of calls one verification stands for (``fused.verification_key``).
 
-    Runs inside the eager implementation of a custom op (see ops/dispatch.py), i.e. at run time in every mode.
+    Runs inside the eager implementation of a custom op (see ops/fused.py), i.e. at run time in every mode.
     """
-    stats = _STATS.get(stats_id) or FastPathStats()
+    kind = site.kind
+    stats = _STATS.get(site.stats_id) or FastPathStats()
     if kind in _FAILED_KINDS:
         stats.fallbacks[f"{kind}: verification failed earlier in this process"] += 1
         return reference()
-    key = f"{kind}|{shape_class}"
+    key = f"{kind}|{call_key}"
     mode = stats.verify_mode
     if mode == "off" or (mode == "first" and _VERDICTS.get(key)):
         stats.fused_calls[kind] += 1
@@ -188,7 +191,7 @@ def run_checked(
         _FAILED_KINDS[kind] = what
     stats.verify_failed[kind] += 1
     warnings.warn(
-        f"diffusers-nvfp4-fast: the fused {kind} path differs from the unfused path for {shape_class} ({what}); "
+        f"diffusers-nvfp4-fast: the fused {kind} path differs from the unfused path for {call_key} ({what}); "
         f"{kind} falls back to the unfused path for the rest of this process. Please report this with your torch, "
         "triton and GPU versions.",
         RuntimeWarning,

@@ -1,14 +1,14 @@
 """Adaptive LayerNorm sites shared by Qwen-Image and FLUX.2 (``qwen_adaln``, ``flux2_adaln``): a block's
 ``LayerNorm(x) * (1 + scale) + shift`` before its attention, and the input quantize of the projections that read it,
-as one kernel (``ops.adaln_quantize``); the modulated BF16 tensor is never written.
+as one kernel (``ops.layer_norm_quantize.adaln_quantize``); the modulated BF16 tensor is never written.
 
-The block forward hands the attention an ``AdaLNInput`` in place of the modulated tensor. The attention processor
+The block forward hands the attention an ``AdaLNOperand`` in place of the modulated tensor. The attention processor
 (diffusers' own Qwen-Image processor, or this package's FLUX.2 processors) passes it to each projection's call, where
-``NVFP4Linear.forward`` calls ``run_on``: the first projection runs the kernel with its own ``input_scale_inv`` (after
+``NVFP4Linear.forward`` runs it: the first projection runs the kernel with its own ``input_scale_inv`` (after
 its offloading hooks ran), the others reuse the result. That sharing is exact only while every projection has the
-same input scale: ``AdaLNSite`` checks that when the fast paths are enabled (ModelOpt calibrates the three projections
-on the same tensor, so their scales agree), and checks it again at the first call after a projection was replaced or
-its scales were reloaded (``NVFP4Linear.scale_version``).
+same input scale: ``AdaLNConsumers`` checks that when the fast paths are enabled (ModelOpt calibrates the three
+projections on the same tensor, so their scales agree), and checks it again at the first call after a projection was
+replaced or its scales were reloaded (``NVFP4Linear.scale_version``).
 """
 
 from __future__ import annotations
@@ -18,17 +18,17 @@ from typing import cast
 import torch
 from torch import nn
 
-from ..format import fast_math_from_env
 from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
-from ..ops.adaln_quantize import AdaLNInputs, adaln_quantize_checked, adaln_quantize_decoded_checked
-from ..ops.qwen_resnorm_quantize import kernel_runs_on
+from ..ops.layer_norm_quantize import AdaLNInputs, kernel_runs_on
+from ..ops.site import Site
 from ..ops.verify import count_fallback, failed_kind_reason
+from .operands import AdaLNOperand
 from .resnorm import layer_norm_reason
 
 
-class AdaLNSite:
-    """The projections of one stream that read the norm1 output.
+class AdaLNConsumers:
+    """The projections of one stream that read the norm1 output (an ``AdaLNOperand`` serves them all).
 
     ``consumers``: attribute name -> module on ``owner`` (the attention) as last checked; ``reason``: why the site
     cannot be fused at all (projections not NVFP4, input scales differ or not loaded when enabled), else None. A
@@ -77,12 +77,12 @@ def _shared_scale_reason(consumers: dict[str, nn.Module | None]) -> str | None:
     return None
 
 
-def adaln_reason(site: AdaLNSite, norm: nn.Module, x: torch.Tensor, params: tuple[torch.Tensor, ...],
-                 kind: str) -> str | None:
+def adaln_reason(consumers: AdaLNConsumers, norm: nn.Module, x: torch.Tensor, params: tuple[torch.Tensor, ...],
+                 counted: Site) -> str | None:
     """None when ``norm(x)`` modulated by ``params`` (scale, shift) can be handed to the site's projections as one
     fused kernel's output, else the reason."""
-    reason = (site.call_reason() or call_changed_reason("attention", site.owner) or call_changed_reason("norm1", norm)
-              or layer_norm_reason(norm, "norm1"))
+    reason = (consumers.call_reason() or call_changed_reason("attention", consumers.owner)
+              or call_changed_reason("norm1", norm) or layer_norm_reason(norm, "norm1"))
     if reason is not None:
         return reason
     if x.dtype != torch.bfloat16 or x.dim() != 3 or x.shape[-1] % 16:
@@ -93,72 +93,25 @@ def adaln_reason(site: AdaLNSite, norm: nn.Module, x: torch.Tensor, params: tupl
                 p.dim() == 3 and p.shape[1] not in (1, l_len)):
             return f"modulation parameter {tuple(p.shape)} {p.dtype} (bf16 [B, D], [B, 1, D] or [B, L, D])"
     rows = x.numel() // d
-    forms = {cast(NVFP4Linear, m).takes_decoded_rows(rows, x.device, x.dtype) for m in site.consumers.values()}
+    forms = {cast(NVFP4Linear, m).takes_decoded_rows(rows, x.device, x.dtype) for m in consumers.consumers.values()}
     if len(forms) > 1:
         return "the projections after norm1 take different activation forms (bias dtypes differ?)"
     if x.is_cuda and not kernel_runs_on(x):
         return "no Triton kernel for this GPU"
     if x.is_cuda and d % 512:
         return f"hidden size {d} not a multiple of 512 (the kernel reproduces torch's LayerNorm there only)"
-    if failed_kind_reason(kind) is not None:
+    if failed_kind_reason(counted.kind) is not None:
         return "verification failed earlier in this process"
     return None
 
 
-class AdaLNInput:
-    """What the attention receives in place of the modulated norm1 output. ``shape``, ``dtype`` and ``device`` are
-    the modulated tensor's; only the site's projections read its values, through their calls."""
-
-    __slots__ = ("inputs", "eps", "stats_id", "kind", "_operand")
-
-    def __init__(self, inputs: AdaLNInputs, eps: float, stats_id: int, kind: str):
-        self.inputs = inputs
-        self.eps = eps
-        self.stats_id = stats_id
-        self.kind = kind
-        self._operand: tuple[torch.Tensor, ...] | None = None
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.inputs.x.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.inputs.x.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.inputs.x.device
-
-    def run_on(self, layer: NVFP4Linear) -> torch.Tensor:
-        """``layer`` applied to the modulated tensor: ``[B, L, N]``. The first call quantizes with ``layer``'s input
-        scale (equal for every projection of the site); later calls reuse that operand."""
-        x = self.inputs.x
-        rows = x.numel() // x.shape[-1]
-        decoded = layer.takes_decoded_rows(rows, x.device, x.dtype)
-        if self._operand is None:
-            shape_class = f"D={x.shape[-1]},eps={self.eps},{x.device}"
-            args = (self.inputs, layer.input_scale_inv, self.eps, fast_math_from_env(), self.stats_id, shape_class,
-                    self.kind)
-            self._operand = (adaln_quantize_decoded_checked(*args),) if decoded else adaln_quantize_checked(*args)
-        if decoded != (len(self._operand) == 1):
-            raise RuntimeError(f"{self.kind}: the projections after norm1 take different activation forms "
-                               "(packed and decoded); the site's gate should have kept it unfused")
-        if decoded:
-            y = layer.forward_decoded(self._operand[0], x.dtype)
-        else:
-            y = layer.forward_prequantized(self._operand[0], self._operand[1], x.dtype)
-        return y.reshape(*x.shape[:-1], layer.out_features)
-
-
-def fused_norm1_input(block: nn.Module, site: AdaLNSite, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor,
-                     shift: torch.Tensor, processor_reason: str | None, kind: str) -> AdaLNInput | None:
-    """The ``AdaLNInput`` for this call of ``block``'s norm1 site, or None after counting why it stays unfused.
-    ``processor_reason``: the model's check of the attention processor (None: its code reads the input only through
-    the projections' calls and ``shape``/``device``)."""
-    stats_id = cast(int, block._nvfp4_stats_id)
-    reason = processor_reason or adaln_reason(site, norm, x, (scale, shift), kind)
+def fused_norm1_input(counted: Site, consumers: AdaLNConsumers, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor,
+                     shift: torch.Tensor, processor_reason: str | None) -> AdaLNOperand | None:
+    """The ``AdaLNOperand`` for this call of a block's norm1 site, or None after counting (under ``counted``) why it
+    stays unfused. ``processor_reason``: the model's check of the attention processor (None: its code reads the
+    input only through the projections' calls and ``shape``/``device``)."""
+    reason = processor_reason or adaln_reason(consumers, norm, x, (scale, shift), counted)
     if reason is not None:
-        count_fallback(stats_id, kind, reason)
+        count_fallback(counted, reason)
         return None
-    return AdaLNInput(AdaLNInputs(x, scale, shift), float(cast(nn.LayerNorm, norm).eps), stats_id, kind)
+    return AdaLNOperand(AdaLNInputs(x, scale, shift), float(cast(nn.LayerNorm, norm).eps), counted)

@@ -26,37 +26,35 @@ reproduce, and compiled on must equal compiled off.
 from __future__ import annotations
 
 import types
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers import transformer_flux2 as flux2_module
 from torch import nn
 
-from ..format import fast_math_from_env
 from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
-from ..ops.adaln_quantize import FLUX2_KIND as KIND_ADALN
-from ..ops.qwen_resnorm_quantize import FLUX2_KIND, ResNormInputs
-from ..ops.rotary import KIND as KIND_ROTARY
-from ..ops.swiglu_quantize import KIND_FF, KIND_TOKEN_CAT, swiglu_quantize_checked
-from ..ops.token_cat_quantize import KIND, token_cat_quantize_checked
+from ..ops.layer_norm_quantize import ResNormInputs
+from ..ops.site import SiteKind, sites_for
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
-from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
+from .adaln import AdaLNConsumers, fused_norm1_input
 from .flux2_attention import (
     HALF_DTYPES,
-    KIND_QK,
     Flux2FusedAttnProcessor,
+    Sites,
     on_original,
     qk_site,
     rotate,
     single_stream_qk,
 )
-from .resnorm import fused_residual_norm, resnorm_gate
+from .operands import AdaLNOperand, SwiGLUOperand, TokenCatOperand
+from .resnorm import fused_residual_norm, resnorm_reason
+from .state import BlockState, block_state, install_state, remove_state
 from .swap import current_inner_forward, swap_forward, swap_processor
 
 
-def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> str | None:
+def token_cat_reason(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> str | None:
     """None when the fused path applies to this call, else the reason it does not. ``mlp_out`` is the SwiGLU output,
     or anything of its shape and dtype (the gate reads only those)."""
     reason = consumer_reason(cast(nn.Module, attn.to_out), "to_out")
@@ -72,12 +70,12 @@ def token_cat_gate(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tenso
         return f"widths {a}+{b} != to_out.in_features {to_out_features} (sharded?)"
     if attn_out.shape[:-1] != mlp_out.shape[:-1]:
         return "attn and mlp rows differ"
-    if failed_kind_reason(KIND) is not None:
+    if failed_kind_reason("flux2_token_cat") is not None:
         return "verification failed earlier in this process"
     return None
 
 
-def swiglu_fold_reason(act_fn: nn.Module, hidden: torch.Tensor, kind: str) -> str | None:
+def swiglu_fold_reason(act_fn: nn.Module, hidden: torch.Tensor, kind: SiteKind) -> str | None:
     """None when ``act_fn(hidden)`` can be computed inside the quantize kernel of site ``kind``, else the reason it
     cannot."""
     if type(act_fn) is not flux2_module.Flux2SwiGLU:
@@ -94,77 +92,40 @@ def swiglu_fold_reason(act_fn: nn.Module, hidden: torch.Tensor, kind: str) -> st
     return None
 
 
-class SwiGLUInput(NamedTuple):
-    """What a fused path hands an NVFP4 projection in place of ``cat([attn, swiglu(hidden)])`` (``attn`` None: of
-    ``swiglu(hidden)``); the layer quantizes it with its own ``input_scale_inv`` once its hooks have run."""
-
-    hidden: torch.Tensor
-    attn: torch.Tensor | None
-    stats_id: int
-    kind: str
-    shape_class: str
-
-    def run_on(self, layer: NVFP4Linear) -> torch.Tensor:
-        packed, scales = swiglu_quantize_checked(
-            self.hidden, self.attn, layer.input_scale_inv, fast_math_from_env(), self.stats_id, self.kind,
-            self.shape_class,
-        )
-        return layer.forward_prequantized(packed, scales, self.hidden.dtype)
-
-
-class TokenCatInput(NamedTuple):
-    """What the fused path hands ``to_out``: the two halves of its input; the layer quantizes them itself (one kernel,
-    with its own ``input_scale_inv``) once its hooks have run."""
-
-    attn: torch.Tensor
-    mlp: torch.Tensor
-    stats_id: int
-    shape_class: str
-
-    def run_on(self, layer: NVFP4Linear) -> torch.Tensor:
-        packed, scales = token_cat_quantize_checked(
-            self.attn, self.mlp, layer.input_scale_inv, fast_math_from_env(), self.stats_id, self.shape_class
-        )
-        return layer.forward_prequantized(packed, scales, self.attn.dtype)
-
-
 class _FusedOutputMixin:
     """The shared tail of both processors: SwiGLU, the concatenation and ``to_out``, fused as far as the gates
     allow (SwiGLU and token-cat quantize in one kernel; token-cat quantize; diffusers' own code)."""
 
-    _stats_id: int = 0
-    _original: object = None  # diffusers' processor instance (set by patch_flux2)
-    _qk: bool = False  # flux2_attention.qk_site holds (set by patch_flux2)
     _attention_backend = on_original("_attention_backend")
     _parallel_config = on_original("_parallel_config")
 
+    def __init__(self, original, sites: Sites, qk: bool):
+        self._original = original  # diffusers' processor: attention backend and context-parallel settings stay on it
+        self._sites = sites
+        self._qk = qk  # flux2_attention.qk_site holds
+
     def _project_out(self, attn: nn.Module, attn_out: torch.Tensor, mlp_hidden: torch.Tensor) -> torch.Tensor:
         act_fn = cast(nn.Module, attn.mlp_act_fn)
-        fold = swiglu_fold_reason(act_fn, mlp_hidden, KIND_TOKEN_CAT)
+        fold = swiglu_fold_reason(act_fn, mlp_hidden, "flux2_token_cat_swiglu")
         if fold is None:
             half = mlp_hidden[..., : mlp_hidden.shape[-1] // 2]  # a view: the gate reads its shape and dtype
-            if token_cat_gate(attn, attn_out, half) is None:
-                to_out = cast(NVFP4Linear, attn.to_out)
-                shape_class = f"A={attn_out.shape[-1]},H={half.shape[-1]},{attn_out.dtype},{attn_out.device}"
-                out = to_out(SwiGLUInput(mlp_hidden, attn_out, self._stats_id, KIND_TOKEN_CAT, shape_class))
-                return out.reshape(*attn_out.shape[:-1], to_out.out_features)
+            if token_cat_reason(attn, attn_out, half) is None:
+                fused = SwiGLUOperand(mlp_hidden, attn_out, self._sites["flux2_token_cat_swiglu"])
+                return cast(nn.Module, attn.to_out)(fused)
         else:
-            count_fallback(self._stats_id, KIND_TOKEN_CAT, fold)
+            count_fallback(self._sites["flux2_token_cat_swiglu"], fold)
         return self._project_cat(attn, attn_out, act_fn(mlp_hidden))
 
     def _project_cat(self, attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
-        reason = token_cat_gate(attn, attn_out, mlp_out)
+        reason = token_cat_reason(attn, attn_out, mlp_out)
         if reason is not None:
-            count_fallback(self._stats_id, KIND, reason)
+            count_fallback(self._sites["flux2_token_cat"], reason)
             return cast(nn.Module, attn.to_out)(torch.cat([attn_out, mlp_out], dim=-1))
-        to_out = cast(NVFP4Linear, attn.to_out)  # the gate passed: to_out is an NVFP4Linear
-        shape_class = f"A={attn_out.shape[-1]},B={mlp_out.shape[-1]},{attn_out.dtype},{attn_out.device}"
-        out = to_out(TokenCatInput(attn_out, mlp_out, self._stats_id, shape_class))
-        return out.reshape(*attn_out.shape[:-1], to_out.out_features)
+        return cast(nn.Module, attn.to_out)(TokenCatOperand(attn_out, mlp_out, self._sites["flux2_token_cat"]))
 
 
 # Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, Flux2ParallelSelfAttnProcessor.__call__.
-def _qkv_mlp(attn, hidden_states, image_rotary_emb, stats_id: int, qk: bool):
+def _qkv_mlp(attn, hidden_states, image_rotary_emb, sites: Sites, qk: bool):
     # diffusers' split of the fused input projection, kept identical (including its tensor-parallel arithmetic).
     projected = attn.to_qkv_mlp_proj(hidden_states)
     qkv_dim = 3 * attn.inner_dim
@@ -172,40 +133,38 @@ def _qkv_mlp(attn, hidden_states, image_rotary_emb, stats_id: int, qk: bool):
     local_qkv = projected.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
     qkv, mlp = torch.split(projected, [local_qkv, projected.shape[-1] - local_qkv], dim=-1)
     query, key, value = (t.unflatten(-1, (-1, attn.head_dim)) for t in qkv.chunk(3, dim=-1))
-    fused = single_stream_qk(attn, query, key, image_rotary_emb, stats_id) if qk and image_rotary_emb is not None \
+    fused = single_stream_qk(attn, query, key, image_rotary_emb, sites) if qk and image_rotary_emb is not None \
         else None
     if fused is not None:
         return *fused, value, mlp
     query, key = attn.norm_q(query), attn.norm_k(key)
     if image_rotary_emb is not None:
-        query = rotate(query, image_rotary_emb, stats_id)
-        key = rotate(key, image_rotary_emb, stats_id)
+        query = rotate(query, image_rotary_emb, sites)
+        key = rotate(key, image_rotary_emb, sites)
     return query, key, value, mlp
 
 
-def swiglu_out(ff: nn.Module, hidden: torch.Tensor, stats_id: int) -> torch.Tensor:
+def swiglu_out(ff: nn.Module, hidden: torch.Tensor, sites: Sites) -> torch.Tensor:
     """``linear_out(act_fn(hidden))`` of a ``Flux2FeedForward`` on ``linear_in``'s output, with SwiGLU folded into
     ``linear_out``'s quantize where the gates allow (site ``flux2_swiglu``)."""
     linear_out, act_fn = cast(nn.Module, ff.linear_out), cast(nn.Module, ff.act_fn)
-    reason = consumer_reason(linear_out, "linear_out") or swiglu_fold_reason(act_fn, hidden, KIND_FF)
+    reason = consumer_reason(linear_out, "linear_out") or swiglu_fold_reason(act_fn, hidden, "flux2_swiglu")
     if reason is not None:
-        count_fallback(stats_id, KIND_FF, reason)
+        count_fallback(sites["flux2_swiglu"], reason)
         return linear_out(act_fn(hidden))
-    shape_class = f"H={hidden.shape[-1] // 2},{hidden.dtype},{hidden.device}"
-    out = linear_out(SwiGLUInput(hidden, None, stats_id, KIND_FF, shape_class))
-    return out.reshape(*hidden.shape[:-1], cast(NVFP4Linear, linear_out).out_features)  # consumer_reason passed
+    return linear_out(SwiGLUOperand(hidden, None, sites["flux2_swiglu"]))
 
 
-def fused_feed_forward(ff: nn.Module, stats_id: int):
+def fused_feed_forward(ff: nn.Module, sites: Sites):
     """``Flux2FeedForward.forward`` with SwiGLU and the quantize of ``linear_out``'s input in one kernel."""
     original = current_inner_forward(ff)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         reason = consumer_reason(cast(nn.Module, ff.linear_out), "linear_out")
         if reason is not None:
-            count_fallback(stats_id, KIND_FF, reason)
+            count_fallback(sites["flux2_swiglu"], reason)
             return original(x)
-        return swiglu_out(ff, cast(nn.Module, ff.linear_in)(x), stats_id)
+        return swiglu_out(ff, cast(nn.Module, ff.linear_in)(x), sites)
 
     return forward
 
@@ -218,7 +177,7 @@ def _ff_stream_reason(ff: nn.Module, norm: nn.Module, residual: torch.Tensor, at
     if any(p.dtype != torch.bfloat16 or p.dim() != 3 or p.shape[:2] != (residual.shape[0], 1) for p in params):
         return "modulation parameters are not per sample [B, 1, D] bf16"
     bypassed = {"norm2": norm, "feed-forward": ff}
-    return resnorm_gate(cast(nn.Module, ff.linear_in), bypassed, norm, residual, attn_out, None, FLUX2_KIND)
+    return resnorm_reason(cast(nn.Module, ff.linear_in), bypassed, norm, residual, attn_out, None, "flux2_resnorm")
 
 
 def _ff_stream(block: nn.Module, ff: nn.Module, norm: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor,
@@ -226,38 +185,39 @@ def _ff_stream(block: nn.Module, ff: nn.Module, norm: nn.Module, residual: torch
                gate_mlp: torch.Tensor) -> torch.Tensor:
     """``residual + gate_msa*attn_out``, then norm2 + modulate + feed-forward + gate_mlp residual, with the first
     part and ``linear_in``'s quantize in one kernel where the gate allows."""
-    stats_id = cast(int, block._nvfp4_stats_id)
+    sites = block_state(block).sites
     reason = _ff_stream_reason(ff, norm, residual, attn_out, (gate_msa, scale_mlp, shift_mlp))
     if reason is not None:
         if nvfp4_layer(getattr(ff, "linear_in", None)) is not None:  # a site that could not fuse this call
-            count_fallback(stats_id, FLUX2_KIND, reason)
+            count_fallback(sites["flux2_resnorm"], reason)
         hidden = residual + gate_msa * attn_out
         norm_hidden = norm(hidden) * (1 + scale_mlp) + shift_mlp
         return hidden + gate_mlp * ff(norm_hidden)
     inputs = ResNormInputs(residual, attn_out, None, gate_msa, scale_mlp, shift_mlp)
-    hidden, y = fused_residual_norm(cast(NVFP4Linear, ff.linear_in), norm, inputs, stats_id, FLUX2_KIND)
-    return hidden + gate_mlp * swiglu_out(ff, y, stats_id)
+    hidden, y = fused_residual_norm(cast(NVFP4Linear, ff.linear_in), norm, inputs, sites["flux2_resnorm"])
+    return hidden + gate_mlp * swiglu_out(ff, y, sites)
 
 
 def _attention_input(block: nn.Module, stream: str, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor,
-                     shift: torch.Tensor) -> torch.Tensor | AdaLNInput:
-    """The attention's input for this stream: diffusers' ``(1 + scale) * norm(x) + shift``, or an ``AdaLNInput``
+                     shift: torch.Tensor) -> torch.Tensor | AdaLNOperand:
+    """The attention's input for this stream: diffusers' ``(1 + scale) * norm(x) + shift``, or an ``AdaLNOperand``
     that the projections after it quantize in one kernel (site ``flux2_adaln``)."""
-    site = cast(dict, block._nvfp4_adaln).get(stream)
-    if site is not None:
-        reason = _processor_reason(cast(nn.Module, block.attn), site)
-        fused = fused_norm1_input(block, site, norm, x, scale, shift, reason, KIND_ADALN)
+    state = block_state(block)
+    consumers = state.adaln.get(stream)
+    if consumers is not None:
+        reason = _processor_reason(cast(nn.Module, block.attn), consumers)
+        fused = fused_norm1_input(state.sites["flux2_adaln"], consumers, norm, x, scale, shift, reason)
         if fused is not None:
             return fused
     return (1 + scale) * norm(x) + shift
 
 
-def _processor_reason(attn: nn.Module, site: AdaLNSite) -> str | None:
+def _processor_reason(attn: nn.Module, consumers: AdaLNConsumers) -> str | None:
     """None when the attention's processor is one of this package's (their code reads the inputs only through the
     projections' calls and ``shape``) and calls the projections the site recorded."""
     if type(attn.processor) not in _ADALN_PROCESSORS:
         return f"attention processor is {type(attn.processor).__name__}"
-    if getattr(attn, "fused_projections", False) != ("to_qkv" in site.consumers):
+    if getattr(attn, "fused_projections", False) != ("to_qkv" in consumers.consumers):
         return "query/key/value projections fused or unfused after enable_fast_paths"
     return None
 
@@ -336,7 +296,7 @@ class Flux2FusedParallelSelfAttnProcessor(_FusedOutputMixin):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb, self._stats_id, self._qk)
+        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb, self._sites, self._qk)
         out = dispatch_attention_fn(
             query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
             parallel_config=self._parallel_config,
@@ -361,7 +321,7 @@ class Flux2FusedKVParallelSelfAttnProcessor(_FusedOutputMixin):
         num_txt_tokens: int = 0,
         num_ref_tokens: int = 0,
     ) -> torch.Tensor:
-        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb, self._stats_id, self._qk)
+        query, key, value, mlp = _qkv_mlp(attn, hidden_states, image_rotary_emb, self._sites, self._qk)
         if kv_cache_mode == "extract" and kv_cache is not None and num_ref_tokens > 0:
             ref = slice(num_txt_tokens, num_txt_tokens + num_ref_tokens)
             kv_cache.store(key[:, ref].clone(), value[:, ref].clone())
@@ -391,32 +351,32 @@ _REPLACEMENTS: dict[type, type[Flux2FusedParallelSelfAttnProcessor | Flux2FusedK
 _ADALN_PROCESSORS = (Flux2FusedAttnProcessor, *_REPLACEMENTS.values())
 
 
-def _adaln_sites(attn: nn.Module, streams: dict[str, tuple[str, ...]]) -> dict[str, AdaLNSite]:
-    """stream -> its norm1 site, for the streams whose projections can share one quantized input."""
-    sites = {stream: AdaLNSite(attn, names) for stream, names in streams.items()}
-    return {stream: site for stream, site in sites.items() if site.reason is None}
+def _adaln_consumers(attn: nn.Module, streams: dict[str, tuple[str, ...]]) -> dict[str, AdaLNConsumers]:
+    """stream -> its norm1 site's projections, for the streams whose projections can share one quantized input."""
+    found = {stream: AdaLNConsumers(attn, names) for stream, names in streams.items()}
+    return {stream: consumers for stream, consumers in found.items() if consumers.reason is None}
 
 
-def _double_block_sites(attn: nn.Module) -> dict[str, AdaLNSite]:
+def _double_block_consumers(attn: nn.Module) -> dict[str, AdaLNConsumers]:
     if getattr(attn, "fused_projections", False):
-        return _adaln_sites(attn, {"img": ("to_qkv",), "txt": ("to_added_qkv",)})
-    return _adaln_sites(attn, {"img": ("to_q", "to_k", "to_v"), "txt": ("add_q_proj", "add_k_proj", "add_v_proj")})
+        return _adaln_consumers(attn, {"img": ("to_qkv",), "txt": ("to_added_qkv",)})
+    return _adaln_consumers(attn, {"img": ("to_q", "to_k", "to_v"),
+                                   "txt": ("add_q_proj", "add_k_proj", "add_v_proj")})
 
 
-def _swap_block_forward(block: nn.Module, forward, stats_id: int, sites: dict[str, AdaLNSite]):
-    """Install ``forward`` (a fused block forward) on ``block``; returns the undo callable."""
-    block._nvfp4_stats_id = stats_id  # type: ignore[assignment]  # nn.Module takes any attribute
-    block._nvfp4_adaln = sites  # type: ignore[assignment]  # (as above)
+def _swap_block_forward(block: nn.Module, forward, state: BlockState):
+    """Install ``forward`` (a fused block forward) and its ``state`` on ``block``; returns the undo callable."""
+    install_state(block, state)
     undo = swap_forward(block, types.MethodType(forward, block))
 
     def restore_block():
         undo()
-        del block._nvfp4_stats_id, block._nvfp4_adaln
+        remove_state(block)
 
     return restore_block
 
 
-def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
+def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[SiteKind, int]:
     """Install fused processors on every single-stream attention whose ``to_out`` is NVFP4 and on every double-stream
     attention (its query/key norm and rotary embedding), fused forwards on every double-stream feed-forward whose
     ``linear_out`` is NVFP4, and the fused block forward on every double-stream block with an NVFP4 ``linear_in``.
@@ -426,10 +386,12 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
     Appends undo callables to ``restore``; each puts back the original object unless the user replaced the fused one
     meanwhile.
     """
-    count = {KIND: 0, KIND_ROTARY: 0, KIND_QK: 0, KIND_FF: 0, FLUX2_KIND: 0, KIND_ADALN: 0}
+    sites = sites_for(stats_id)
+    count: dict[SiteKind, int] = dict.fromkeys(
+        ("flux2_token_cat", "flux2_rotary", "flux2_qk_rotary", "flux2_swiglu", "flux2_resnorm", "flux2_adaln"), 0)
     note = site_counter(stats_id)
 
-    def add(kind: str, name: str) -> None:
+    def add(kind: SiteKind, name: str) -> None:
         count[kind] += 1
         note(kind, name)
 
@@ -440,44 +402,41 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[str, int
             if not isinstance(ff, flux2_module.Flux2FeedForward):
                 continue
             if nvfp4_layer(ff.linear_out) is not None:
-                restore.append(swap_forward(ff, fused_feed_forward(ff, stats_id)))
-                add(KIND_FF, f"transformer_blocks.{i}.{ff_name}")
+                restore.append(swap_forward(ff, fused_feed_forward(ff, sites)))
+                add("flux2_swiglu", f"transformer_blocks.{i}.{ff_name}")
             if nvfp4_layer(ff.linear_in) is not None:
                 resnorm_sites.append(f"transformer_blocks.{i}.{ff_name}")
         attn = getattr(block, "attn", None)
-        sites = {}
+        adaln = {}
         if attn is not None and type(attn.processor) is flux2_module.Flux2AttnProcessor:
             norms = (attn.norm_q, attn.norm_k, getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None))
             qk = qk_site(norms, attn.head_dim)
-            restore.append(swap_processor(attn, Flux2FusedAttnProcessor(attn.processor, stats_id, qk)))
-            add(KIND_ROTARY, f"transformer_blocks.{i}.attn")
+            restore.append(swap_processor(attn, Flux2FusedAttnProcessor(attn.processor, sites, qk)))
+            add("flux2_rotary", f"transformer_blocks.{i}.attn")
             if qk:
-                add(KIND_QK, f"transformer_blocks.{i}.attn")
-            sites = _double_block_sites(attn)
-        if isinstance(block, flux2_module.Flux2TransformerBlock) and (resnorm_sites or sites):
-            restore.append(_swap_block_forward(block, fused_double_block_forward, stats_id, sites))
+                add("flux2_qk_rotary", f"transformer_blocks.{i}.attn")
+            adaln = _double_block_consumers(attn)
+        if isinstance(block, flux2_module.Flux2TransformerBlock) and (resnorm_sites or adaln):
+            restore.append(_swap_block_forward(block, fused_double_block_forward, BlockState(sites, adaln)))
             for name in resnorm_sites:
-                add(FLUX2_KIND, name)
-            for stream in sites:
-                add(KIND_ADALN, f"transformer_blocks.{i}.attn ({stream})")
+                add("flux2_resnorm", name)
+            for stream in adaln:
+                add("flux2_adaln", f"transformer_blocks.{i}.attn ({stream})")
     for i, block in enumerate(getattr(model, "single_transformer_blocks", [])):
         attn = block.attn
         original = attn.processor
         fused_cls = _REPLACEMENTS.get(type(original))
         if fused_cls is None or nvfp4_layer(attn.to_out) is None:
             continue
-        fused = fused_cls()
-        fused._stats_id = stats_id
-        fused._original = original  # attention backend and context-parallel settings stay on it
-        fused._qk = qk_site((attn.norm_q, attn.norm_k), attn.head_dim)
+        fused = fused_cls(original, sites, qk_site((attn.norm_q, attn.norm_k), attn.head_dim))
         restore.append(swap_processor(attn, fused))
         name = f"single_transformer_blocks.{i}.attn"
-        add(KIND, name)
-        add(KIND_ROTARY, name)
+        add("flux2_token_cat", name)
+        add("flux2_rotary", name)
         if fused._qk:
-            add(KIND_QK, name)
-        sites = _adaln_sites(attn, {"joint": ("to_qkv_mlp_proj",)})
-        if isinstance(block, flux2_module.Flux2SingleTransformerBlock) and sites:
-            restore.append(_swap_block_forward(block, fused_single_block_forward, stats_id, sites))
-            add(KIND_ADALN, name)
+            add("flux2_qk_rotary", name)
+        adaln = _adaln_consumers(attn, {"joint": ("to_qkv_mlp_proj",)})
+        if isinstance(block, flux2_module.Flux2SingleTransformerBlock) and adaln:
+            restore.append(_swap_block_forward(block, fused_single_block_forward, BlockState(sites, adaln)))
+            add("flux2_adaln", name)
     return {kind: n for kind, n in count.items() if n}

@@ -19,14 +19,14 @@ from diffusers.models.transformers import transformer_flux2 as flux2_module
 from torch import nn
 
 from ..hooks import call_changed_reason
-from ..ops import qk_norm_rotary as qk_op
 from ..ops.dispatch import triton_runs_on
-from ..ops.rotary import KIND as KIND_ROTARY
-from ..ops.rotary import rotary_checked
+from ..ops.qk_norm_rotary import flux2_qk_norm_rotary
+from ..ops.rotary import rotary
+from ..ops.site import Site, SiteKind
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # what the fused kernels take
-KIND_QK = qk_op.FLUX2_KIND
+Sites = dict[SiteKind, Site]
 QK_HEAD_DIM = 128  # the kernel's row width
 
 
@@ -44,19 +44,19 @@ def rotary_reason(x: torch.Tensor, rotary_emb) -> str | None:
         return f"cos/sin {tuple(cos.shape)} {cos.dtype} (FP32 [S, D])"
     if cos.device != x.device:
         return "cos/sin on another device"
-    if failed_kind_reason(KIND_ROTARY) is not None:
+    if failed_kind_reason("flux2_rotary") is not None:
         return "verification failed earlier in this process"
     return None
 
 
-def rotate(x: torch.Tensor, rotary_emb, stats_id: int) -> torch.Tensor:
+def rotate(x: torch.Tensor, rotary_emb, sites: Sites) -> torch.Tensor:
     """``apply_rotary_emb(x, rotary_emb, sequence_dim=1)``, as one kernel where the gate allows."""
     reason = rotary_reason(x, rotary_emb)
     if reason is not None:
-        count_fallback(stats_id, KIND_ROTARY, reason)
+        count_fallback(sites["flux2_rotary"], reason)
         return cast(torch.Tensor, apply_rotary_emb(x, rotary_emb, sequence_dim=1))  # (diffusers annotates a tuple)
     cos, sin = rotary_emb
-    return rotary_checked(x, cos, sin, stats_id, f"D={x.shape[-1]},{x.dtype},{x.device}")
+    return rotary.checked(sites["flux2_rotary"], x, cos, sin)
 
 
 def qk_site(norms: tuple[Any, ...], head_dim: int) -> bool:
@@ -90,55 +90,54 @@ def qk_norm_rotary_reason(norm: Any, x: torch.Tensor, cos: torch.Tensor, sin: to
         return "query/key rows or RMSNorm weight not 8-byte aligned (torch takes another RMSNorm kernel)"
     if x.is_cuda and not triton_runs_on(x):
         return "no Triton kernel for this GPU"
-    if failed_kind_reason(KIND_QK) is not None:
+    if failed_kind_reason("flux2_qk_rotary") is not None:
         return "verification failed earlier in this process"
     return None
 
 
-def fused_qk(tensors: list[tuple[Any, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]], stats_id: int
+def fused_qk(tensors: list[tuple[Any, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]], sites: Sites
              ) -> list[torch.Tensor] | None:
     """``apply_rotary_emb(norm(x), (cos, sin), sequence_dim=1)`` for each ``(norm, x, (cos, sin))``, one kernel each;
     None (one fallback counted) when a gate refuses any of them, so that the caller runs diffusers' ops for all."""
     for norm, x, (cos, sin) in tensors:
         reason = qk_norm_rotary_reason(norm, x, cos, sin)
         if reason is not None:
-            count_fallback(stats_id, KIND_QK, reason)
+            count_fallback(sites["flux2_qk_rotary"], reason)
             return None
-    # contiguity in the class: a strided query (single-stream) takes another path into torch's RMSNorm, verified apart
-    return [qk_op.flux2_qk_norm_rotary_checked(x, norm.weight, cos, sin, norm.eps, stats_id,
-                                               f"{x.dtype},{x.device},contiguous={x.is_contiguous()}")
+    # the key holds contiguity: a strided query (single-stream) takes another path into torch's RMSNorm
+    return [flux2_qk_norm_rotary.checked(sites["flux2_qk_rotary"], x, norm.weight, cos, sin, norm.eps)
             for norm, x, (cos, sin) in tensors]
 
 
-def _rotary_pair(rotary_emb: Any, stats_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _rotary_pair(rotary_emb: Any, sites: Sites) -> tuple[torch.Tensor, torch.Tensor] | None:
     if isinstance(rotary_emb, tuple) and len(rotary_emb) == 2 and all(isinstance(t, torch.Tensor) for t in rotary_emb):
         return rotary_emb
-    count_fallback(stats_id, KIND_QK, "rotary embedding is not a (cos, sin) pair")
+    count_fallback(sites["flux2_qk_rotary"], "rotary embedding is not a (cos, sin) pair")
     return None
 
 
-def single_stream_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any, stats_id: int
+def single_stream_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, rotary_emb: Any, sites: Sites
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(query, key) normalized and rotated, one kernel each, or None where a gate refuses."""
-    pair = _rotary_pair(rotary_emb, stats_id)
+    pair = _rotary_pair(rotary_emb, sites)
     if pair is None:
         return None
-    out = fused_qk([(attn.norm_q, query, pair), (attn.norm_k, key, pair)], stats_id)
+    out = fused_qk([(attn.norm_q, query, pair), (attn.norm_k, key, pair)], sites)
     return None if out is None else (out[0], out[1])
 
 
 def joint_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, encoder_query: torch.Tensor, encoder_key: torch.Tensor,
-             rotary_emb: Any, stats_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+             rotary_emb: Any, sites: Sites) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The double-stream block's joint (query, key) (text rows, then image rows), each stream's tensors normalized
     and rotated with their rows of the joint tables, one kernel each; None where a gate refuses."""
-    pair = _rotary_pair(rotary_emb, stats_id)
+    pair = _rotary_pair(rotary_emb, sites)
     if pair is None:
         return None
     cos, sin = pair
     text = encoder_query.shape[1]
     txt, img = (cos[:text], sin[:text]), (cos[text:], sin[text:])
     out = fused_qk([(attn.norm_added_q, encoder_query, txt), (attn.norm_q, query, img),
-                    (attn.norm_added_k, encoder_key, txt), (attn.norm_k, key, img)], stats_id)
+                    (attn.norm_added_k, encoder_key, txt), (attn.norm_k, key, img)], sites)
     return None if out is None else (torch.cat(out[:2], dim=1), torch.cat(out[2:], dim=1))
 
 
@@ -157,9 +156,9 @@ class Flux2FusedAttnProcessor:
     _attention_backend = on_original("_attention_backend")
     _parallel_config = on_original("_parallel_config")
 
-    def __init__(self, original, stats_id: int, qk: bool = False):
+    def __init__(self, original, sites: Sites, qk: bool):
         self._original = original  # attention backend and context-parallel settings stay on it
-        self._stats_id = stats_id
+        self._sites = sites
         self._qk = qk  # qk_site holds: norm and rotary in one kernel per tensor where each call's gate allows
 
     def __call__(
@@ -180,7 +179,7 @@ class Flux2FusedAttnProcessor:
                 t.unflatten(-1, (-1, attn.head_dim)) for t in (encoder_query, encoder_key, encoder_value))
         fused = None
         if self._qk and joint and image_rotary_emb is not None:
-            fused = joint_qk(attn, query, key, encoder_query, encoder_key, image_rotary_emb, self._stats_id)
+            fused = joint_qk(attn, query, key, encoder_query, encoder_key, image_rotary_emb, self._sites)
         if fused is not None:
             query, key = fused
             value = torch.cat([encoder_value, value], dim=1)
@@ -192,8 +191,8 @@ class Flux2FusedAttnProcessor:
                 key = torch.cat([encoder_key, key], dim=1)
                 value = torch.cat([encoder_value, value], dim=1)
             if image_rotary_emb is not None:
-                query = rotate(query, image_rotary_emb, self._stats_id)
-                key = rotate(key, image_rotary_emb, self._stats_id)
+                query = rotate(query, image_rotary_emb, self._sites)
+                key = rotate(key, image_rotary_emb, self._sites)
         hidden_states = dispatch_attention_fn(
             query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
             parallel_config=self._parallel_config,

@@ -16,12 +16,11 @@ from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
 from ..hooks import call_changed_reason
-from ..ops import qk_norm_rotary as qk_op
 from ..ops.dispatch import triton_runs_on
+from ..ops.qk_norm_rotary import matching_tree, qk_norm_rotary
+from ..ops.site import Site
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
 from .flux2_attention import on_original
-
-KIND = qk_op.KIND
 
 
 def qk_rotary_reason(norm: Any, x: torch.Tensor, freqs: Any) -> str | None:
@@ -43,19 +42,19 @@ def qk_rotary_reason(norm: Any, x: torch.Tensor, freqs: Any) -> str | None:
         return "rotary factors or norm weight on another device"
     if x.is_cuda and not triton_runs_on(x):
         return "no Triton kernel for this GPU"
-    if failed_kind_reason(KIND) is not None:
+    if failed_kind_reason("qwen_qk_rotary") is not None:
         return "verification failed earlier in this process"
-    tree = qk_op.matching_tree(x.device) if x.is_cuda else 0
+    tree = matching_tree(x.device) if x.is_cuda else 0
     return tree if isinstance(tree, str) else None
 
 
-def norm_and_rotate(norm: Any, x: torch.Tensor, freqs: Any, stats_id: int) -> torch.Tensor:
+def norm_and_rotate(norm: Any, x: torch.Tensor, freqs: Any, site: Site) -> torch.Tensor:
     """``apply_rotary_emb_qwen(norm(x), freqs, use_real=False)``, as one kernel where ``qk_rotary_reason`` allows."""
     reason = qk_rotary_reason(norm, x, freqs)
     if reason is not None:
-        count_fallback(stats_id, KIND, reason)
+        count_fallback(site, reason)
         return apply_rotary_emb_qwen(norm(x), freqs, use_real=False)  # type: ignore[return-value]  # (one tensor)
-    return qk_op.qk_norm_rotary_checked(x, norm.weight, freqs, norm.eps, stats_id, f"{x.dtype},{x.device}")
+    return qk_norm_rotary.checked(site, x, norm.weight, freqs, norm.eps)
 
 
 class QwenFusedAttnProcessor:
@@ -68,16 +67,16 @@ class QwenFusedAttnProcessor:
     _attention_backend = on_original("_attention_backend")
     _parallel_config = on_original("_parallel_config")
 
-    def __init__(self, original, stats_id: int):
+    def __init__(self, original, site: Site):
         self._original = original  # attention backend and context-parallel settings stay on it
-        self._stats_id = stats_id
+        self._site = site
 
     def _qk(self, norm: Any, x: torch.Tensor, freqs: Any) -> torch.Tensor:
         if freqs is None:
             return x if norm is None else norm(x)
         if norm is None:
             return apply_rotary_emb_qwen(x, freqs, use_real=False)  # type: ignore[return-value]  # (one tensor)
-        return norm_and_rotate(norm, x, freqs, self._stats_id)
+        return norm_and_rotate(norm, x, freqs, self._site)
 
     def __call__(
         self,
@@ -89,7 +88,7 @@ class QwenFusedAttnProcessor:
         image_rotary_emb: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling():  # diffusers' processor, op for op: inductor then sees off's graph
-            count_fallback(self._stats_id, KIND, COMPILED)
+            count_fallback(self._site, COMPILED)
             return self._original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
                                   attention_mask, image_rotary_emb)
         if encoder_hidden_states is None:

@@ -16,29 +16,26 @@ bias add would. Only a block whose forward is the fused one consumes those unbia
 from __future__ import annotations
 
 import types
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 from diffusers.models.activations import GELU
 from diffusers.models.transformers import transformer_qwenimage as qwen_module
 from torch import nn
 
-from ..format import fast_math_from_env
 from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
-from ..ops.adaln_quantize import QWEN_KIND as KIND_ADALN
 from ..ops.dispatch import triton_runs_on
-from ..ops.gelu_quantize import KIND as KIND_GELU
-from ..ops.gelu_quantize import gelu_mismatch, gelu_quantize_checked, gelu_quantize_decoded_checked
-from ..ops.qwen_resnorm_quantize import KIND, ResNormInputs
+from ..ops.gelu_quantize import gelu_mismatch
+from ..ops.layer_norm_quantize import ResNormInputs
+from ..ops.site import Site, SiteKind, sites_for
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
-from .adaln import AdaLNInput, AdaLNSite, fused_norm1_input
-from .qwen_attention import KIND as KIND_QK
+from .adaln import AdaLNConsumers, fused_norm1_input
+from .operands import AdaLNOperand, GeluOperand
 from .qwen_attention import QwenFusedAttnProcessor
-from .resnorm import fused_residual_norm, resnorm_gate
+from .resnorm import fused_residual_norm, resnorm_reason
+from .state import BlockState, block_state, install_state, remove_state
 from .swap import swap_forward, swap_processor
-
-BIAS_KIND = "qwen_bias_deferral"  # the attention output projections' bias add moved into the fused kernel
 
 
 def _fc1(ff: nn.Module) -> nn.Module | None:
@@ -75,9 +72,10 @@ class QwenDeferredBiasAttnProcessor:
     set on the wrapped processor, so ``set_attention_backend`` keeps working while the fast paths are on.
     """
 
-    def __init__(self, processor, attn: nn.Module):
+    def __init__(self, processor, attn: nn.Module, state: BlockState):
         self.processor = processor
         self._view = _DeferredBiasView(attn)
+        self._state = state  # the block forward decides per call whether the bias is deferred
 
     _attention_backend = property(lambda self: self.processor._attention_backend,
                                   lambda self, v: setattr(self.processor, "_attention_backend", v))
@@ -94,7 +92,7 @@ class QwenDeferredBiasAttnProcessor:
         image_rotary_emb: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.processor(
-            self._view if defers_bias(attn) else attn, hidden_states, encoder_hidden_states,
+            self._view if self._state.defer_bias else attn, hidden_states, encoder_hidden_states,
             encoder_hidden_states_mask, attention_mask, image_rotary_emb,
         )
 
@@ -156,9 +154,10 @@ def _mlp_stream(
     gate allows. ``attn_bias`` is the projection bias the attention deferred (None if ``attn_out`` has it)."""
     fc1 = _fc1(ff)
     bypassed = {"norm2": norm, "feed-forward": ff, "feed-forward GELU": cast(nn.ModuleList, ff.net)[0]}
-    reason = resnorm_gate(fc1, bypassed, norm, residual, attn_out, attn_bias)
+    sites = block_state(block).sites
+    reason = resnorm_reason(fc1, bypassed, norm, residual, attn_out, attn_bias, "qwen_resnorm")
     if reason is not None:
-        count_fallback(cast(int, block._nvfp4_stats_id), KIND, reason)
+        count_fallback(sites["qwen_resnorm"], reason)
         if attn_bias is not None:
             attn_out = attn_out + attn_bias  # the projection's own bias add, deferred to here
         hidden = residual + gate1 * attn_out
@@ -167,13 +166,13 @@ def _mlp_stream(
     shift, scale, gate2 = _mod_params(mod2, index)
     # gate1 is _modulate's [B, 1, D] (or per-token [B, L, D]): the kernel takes either as it is.
     inputs = ResNormInputs(residual, attn_out, attn_bias, gate1, scale, shift)
-    hidden, y = fused_residual_norm(cast(NVFP4Linear, fc1), norm, inputs, cast(int, block._nvfp4_stats_id))
-    return hidden + gate2 * _gelu_fc2(ff, y, cast(int, block._nvfp4_stats_id))
+    hidden, y = fused_residual_norm(cast(NVFP4Linear, fc1), norm, inputs, sites["qwen_resnorm"])
+    return hidden + gate2 * _gelu_fc2(ff, y, sites["qwen_gelu"])
 
 
-def gelu_fc2_gate(ff: nn.Module, y: torch.Tensor) -> str | None:
+def gelu_fc2_reason(ff: nn.Module, y: torch.Tensor) -> str | None:
     """None when GELU and FC2's quantize can run as one kernel on FC1's output ``y``, else the reason they cannot.
-    (``resnorm_gate`` already checked the feed-forward and its GELU module for hooks.)"""
+    (``resnorm_reason`` already checked the feed-forward and its GELU module for hooks.)"""
     net = list(cast(nn.ModuleList, ff.net))  # not ff.net[...] slices (see _DeferredBiasView.to_out)
     if len(net) < 3 or type(net[0]) is not GELU or not isinstance(net[1], nn.Dropout):
         return "feed-forward is not GELU, Dropout, FC2"
@@ -188,42 +187,23 @@ def gelu_fc2_gate(ff: nn.Module, y: torch.Tensor) -> str | None:
         return COMPILED  # inductor computes GELU its own way
     if y.dtype not in (torch.bfloat16, torch.float16) or y.shape[-1] % 16:
         return f"FC1 output {y.dtype} width {y.shape[-1]} (bf16/fp16, a multiple of 16)"
-    if failed_kind_reason(KIND_GELU) is not None:
+    if failed_kind_reason("qwen_gelu") is not None:
         return "verification failed earlier in this process"
     return gelu_mismatch(y.device, y.dtype) if triton_runs_on(y) else None
 
 
-class GeluInput(NamedTuple):
-    """What the fused path hands FC2 in place of ``gelu(hidden)``; the layer quantizes it with its own
-    ``input_scale_inv`` once its hooks have run."""
-
-    hidden: torch.Tensor
-    stats_id: int
-    shape_class: str
-
-    def run_on(self, layer: NVFP4Linear) -> torch.Tensor:
-        h = self.hidden.reshape(-1, self.hidden.shape[-1])
-        args = (h, layer.input_scale_inv, fast_math_from_env(), self.stats_id, self.shape_class)
-        if layer.takes_decoded_input(h):  # its GEMM multiplies FP16 values: hand it those, no packed bytes between
-            return layer.forward_decoded(gelu_quantize_decoded_checked(*args), h.dtype)
-        packed, scales = gelu_quantize_checked(*args)
-        return layer.forward_prequantized(packed, scales, h.dtype)
-
-
-def _gelu_fc2(ff: nn.Module, y: torch.Tensor, stats_id: int) -> torch.Tensor:
+def _gelu_fc2(ff: nn.Module, y: torch.Tensor, site: Site) -> torch.Tensor:
     """diffusers' ``ff.net[0].gelu`` and the rest of ``ff.net`` on FC1's output, with GELU folded into FC2's
-    quantize where ``gelu_fc2_gate`` allows."""
+    quantize where ``gelu_fc2_reason`` allows."""
     net = list(cast(nn.ModuleList, ff.net))
-    reason = gelu_fc2_gate(ff, y)
+    reason = gelu_fc2_reason(ff, y)
     if reason is not None:
-        count_fallback(stats_id, KIND_GELU, reason)
+        count_fallback(site, reason)
         y = cast(Any, net[0]).gelu(y)
         for module in net[1:]:
             y = module(y)
         return y
-    fc2 = cast(NVFP4Linear, net[2])  # the gate passed: FC2 is an NVFP4Linear, net[1] an inactive dropout
-    shape_class = f"K={y.shape[-1]},{y.dtype},{y.device}"
-    y = fc2(GeluInput(y, stats_id, shape_class)).reshape(*y.shape[:-1], fc2.out_features)
+    y = net[2](GeluOperand(y, site))  # the gate passed: FC2 is an NVFP4Linear, net[1] an inactive dropout
     for module in net[3:]:
         y = module(y)
     return y
@@ -232,7 +212,7 @@ def _gelu_fc2(ff: nn.Module, y: torch.Tensor, stats_id: int) -> torch.Tensor:
 def _processor_reason(attn: nn.Module) -> str | None:
     """None when the attention's processor is diffusers' own Qwen-Image processor (directly or in the bias wrapper):
     its code reads the image and text inputs only through the projections' calls and their ``shape`` / ``device``,
-    which an ``AdaLNInput`` provides. Another processor could read the values, so it gets the modulated tensors."""
+    which an ``AdaLNOperand`` provides. Another processor could read the values, so it gets the modulated tensors."""
     processor = attn.processor
     if isinstance(processor, QwenDeferredBiasAttnProcessor):
         processor = processor.processor
@@ -242,42 +222,45 @@ def _processor_reason(attn: nn.Module) -> str | None:
 
 
 def _attention_input(block: nn.Module, stream: str, norm: nn.Module, x: torch.Tensor, mod: torch.Tensor,
-                     index: torch.Tensor | None) -> tuple[torch.Tensor | AdaLNInput, torch.Tensor]:
+                     index: torch.Tensor | None) -> tuple[torch.Tensor | AdaLNOperand, torch.Tensor]:
     """(the attention's input for this stream, gate1): diffusers' ``_modulate(norm1(x), mod, index)``, or an
-    ``AdaLNInput`` that the query/key/value projections quantize in one kernel (site ``qwen_adaln``)."""
-    site = cast(dict, block._nvfp4_adaln).get(stream)
-    if site is not None:
+    ``AdaLNOperand`` that the query/key/value projections quantize in one kernel (site ``qwen_adaln``)."""
+    state = block_state(block)
+    consumers = state.adaln.get(stream)
+    if consumers is not None:
         shift, scale, gate = _mod_params(mod, index)
         reason = _processor_reason(cast(nn.Module, block.attn))
-        fused = fused_norm1_input(block, site, norm, x, scale, shift, reason, KIND_ADALN)
+        fused = fused_norm1_input(state.sites["qwen_adaln"], consumers, norm, x, scale, shift, reason)
         if fused is not None:
             return fused, gate
     return cast(tuple[torch.Tensor, torch.Tensor], cast(Any, block)._modulate(norm(x), mod, index))
 
 
-def _bias_deferred(block: nn.Module) -> bool:
-    """Whether this call's attention returned its projections without bias; a deferral site that could not defer
-    counts the reason."""
+def _decide_bias_deferral(block: nn.Module, state: BlockState) -> bool:
+    """Whether this call's attention returns its projections without bias (decided once per call, before the
+    attention runs, and read by ``QwenDeferredBiasAttnProcessor``); a deferral site that cannot defer counts why."""
+    if not state.bias_site:
+        return False
     reason = bias_deferral_reason(cast(nn.Module, block.attn))
-    if reason is not None and block._nvfp4_bias_site:
-        count_fallback(cast(int, block._nvfp4_stats_id), BIAS_KIND, reason)
+    if reason is not None:
+        count_fallback(state.sites["qwen_bias_deferral"], reason)
     return reason is None
 
 
 def _count_compiled_sites(block: nn.Module) -> None:
     """Under torch.compile the block runs diffusers' forward: each of its sites keeps diffusers' ops (counted once
     per trace)."""
-    stats_id = cast(int, block._nvfp4_stats_id)
+    state = block_state(block)
     for ff in (cast(nn.Module, block.img_mlp), cast(nn.Module, block.txt_mlp)):
         net = list(cast(nn.ModuleList, ff.net))
         if nvfp4_layer(_fc1(ff)) is not None:
-            count_fallback(stats_id, KIND, COMPILED)
+            count_fallback(state.sites["qwen_resnorm"], COMPILED)
             if len(net) > 2 and nvfp4_layer(net[2]) is not None:
-                count_fallback(stats_id, KIND_GELU, COMPILED)
-    for _ in cast(dict, block._nvfp4_adaln):
-        count_fallback(stats_id, KIND_ADALN, COMPILED)
-    if block._nvfp4_bias_site:
-        count_fallback(stats_id, BIAS_KIND, COMPILED)
+                count_fallback(state.sites["qwen_gelu"], COMPILED)
+    for _ in state.adaln:
+        count_fallback(state.sites["qwen_adaln"], COMPILED)
+    if state.bias_site:
+        count_fallback(state.sites["qwen_bias_deferral"], COMPILED)
 
 
 _DIFFUSERS_BLOCK_FORWARD = qwen_module.QwenImageTransformerBlock.forward  # a plain function: dynamo inlines it
@@ -306,14 +289,18 @@ def fused_block_forward(
 
     img_modulated, img_gate1 = _attention_input(self, "img", self.img_norm1, hidden_states, img_mod1, modulate_index)
     txt_modulated, txt_gate1 = _attention_input(self, "txt", self.txt_norm1, encoder_hidden_states, txt_mod1, None)
-    img_attn_output, txt_attn_output = self.attn(
-        hidden_states=img_modulated,
-        encoder_hidden_states=txt_modulated,
-        encoder_hidden_states_mask=encoder_hidden_states_mask,
-        image_rotary_emb=image_rotary_emb,
-        **(joint_attention_kwargs or {}),
-    )
-    deferred = _bias_deferred(self)
+    state = block_state(self)
+    deferred = state.defer_bias = _decide_bias_deferral(self, state)
+    try:
+        img_attn_output, txt_attn_output = self.attn(
+            hidden_states=img_modulated,
+            encoder_hidden_states=txt_modulated,
+            encoder_hidden_states_mask=encoder_hidden_states_mask,
+            image_rotary_emb=image_rotary_emb,
+            **(joint_attention_kwargs or {}),
+        )
+    finally:
+        state.defer_bias = False  # any other call of the attention gets its projections with their bias
     img_bias = self.attn.to_out[0].bias if deferred else None
     txt_bias = self.attn.to_add_out.bias if deferred else None
     hidden_states = _mlp_stream(
@@ -330,11 +317,17 @@ def fused_block_forward(
     return encoder_hidden_states, hidden_states
 
 
-def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str, int]:
+def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[SiteKind, int]:
     """Swap the forward of every block whose image or text FC1 is NVFP4 (and diffusers' attention processor for
     the fused query/key norm and rotary embedding). Returns ``{site kind: count}``."""
-    count = gelu_sites = adaln_sites = qk_sites = 0
+    sites = sites_for(stats_id)
+    count: dict[SiteKind, int] = dict.fromkeys(("qwen_resnorm", "qwen_gelu", "qwen_adaln", "qwen_qk_rotary"), 0)
     note = site_counter(stats_id)
+
+    def add(kind: SiteKind, name: str) -> None:
+        count[kind] += 1
+        note(kind, name)
+
     for i, block in enumerate(getattr(model, "transformer_blocks", [])):
         name = f"transformer_blocks.{i}"
         if not isinstance(block, qwen_module.QwenImageTransformerBlock):
@@ -342,40 +335,35 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[str,
         img_fc1, txt_fc1 = nvfp4_layer(_fc1(block.img_mlp)), nvfp4_layer(_fc1(block.txt_mlp))
         if img_fc1 is None and txt_fc1 is None:
             continue
-        block._nvfp4_stats_id = stats_id  # type: ignore[assignment]  # nn.Module takes any attribute
-        undo = swap_forward(block, types.MethodType(fused_block_forward, block))
         attn = block.attn
+        state = BlockState(sites)
+        install_state(block, state)
+        undo = swap_forward(block, types.MethodType(fused_block_forward, block))
         undo_qk = undo_processor = None
         if type(attn.processor) is qwen_module.QwenDoubleStreamAttnProcessor2_0:
-            undo_qk = swap_processor(attn, QwenFusedAttnProcessor(attn.processor, stats_id))
-            qk_sites += 1
-            note(KIND_QK, f"{name}.attn")
+            undo_qk = swap_processor(attn, QwenFusedAttnProcessor(attn.processor, sites["qwen_qk_rotary"]))
+            add("qwen_qk_rotary", f"{name}.attn")
         # Both streams' FC1 must be fused to consume both unbiased outputs without an extra pass.
         if _bias_can_be_deferred(attn) and img_fc1 is not None and txt_fc1 is not None:
-            undo_processor = swap_processor(attn, QwenDeferredBiasAttnProcessor(attn.processor, attn))
-        block._nvfp4_bias_site = undo_processor is not None  # type: ignore[assignment]  # (as above)
-        sites = {"img": AdaLNSite(attn, ("to_q", "to_k", "to_v")),
-                 "txt": AdaLNSite(attn, ("add_q_proj", "add_k_proj", "add_v_proj"))}
-        usable = {stream: site for stream, site in sites.items() if site.reason is None}
-        block._nvfp4_adaln = usable  # type: ignore[assignment]  # (as above)
-        adaln_sites += len(usable)
-        for stream in usable:
-            note(KIND_ADALN, f"{name}.attn ({stream})")
+            undo_processor = swap_processor(attn, QwenDeferredBiasAttnProcessor(attn.processor, attn, state))
+        state.bias_site = undo_processor is not None
+        found = {"img": AdaLNConsumers(attn, ("to_q", "to_k", "to_v")),
+                 "txt": AdaLNConsumers(attn, ("add_q_proj", "add_k_proj", "add_v_proj"))}
+        state.adaln = {stream: consumers for stream, consumers in found.items() if consumers.reason is None}
+        for stream in state.adaln:
+            add("qwen_adaln", f"{name}.attn ({stream})")
 
         def restore_block(block=block, undo=undo, undo_processor=undo_processor, undo_qk=undo_qk):
             for undo_swap in (undo_processor, undo_qk):  # the wrapper first: it holds the fused processor
                 if undo_swap is not None:
                     undo_swap()
             undo()
-            del block._nvfp4_stats_id, block._nvfp4_bias_site, block._nvfp4_adaln
+            remove_state(block)
 
         restore.append(restore_block)
-        count += 1
-        note(KIND, name)
+        add("qwen_resnorm", name)
         for fc1, ff_name in ((img_fc1, "img_mlp"), (txt_fc1, "txt_mlp")):
             net = getattr(block, ff_name).net
             if fc1 is not None and len(net) > 2 and nvfp4_layer(net[2]) is not None:
-                gelu_sites += 1
-                note(KIND_GELU, f"{name}.{ff_name}")
-    extra = {KIND_GELU: gelu_sites, KIND_ADALN: adaln_sites, KIND_QK: qk_sites}
-    return {KIND: count, **{kind: n for kind, n in extra.items() if n}}
+                add("qwen_gelu", f"{name}.{ff_name}")
+    return {kind: n for kind, n in count.items() if n or kind == "qwen_resnorm"}

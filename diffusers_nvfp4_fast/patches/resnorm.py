@@ -1,26 +1,21 @@
 """The residual-norm site shared by Qwen-Image and FLUX.2 double-stream blocks: ``residual + gate * attn ->
 LayerNorm -> x * (1 + scale) + shift`` feeding a feed-forward's first NVFP4 projection. Both models round the same
-ops in the same order (docs/design.md §6), so one kernel (``ops.qwen_resnorm_quantize``) serves both; each model
-reports its own site kind."""
+ops in the same order (docs/design.md §6), so one op (``ops.layer_norm_quantize.resnorm_quantize``) serves both;
+each model reports its own site kind."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, cast
+from typing import cast
 
 import torch
 from torch import nn
 
-from ..format import fast_math_from_env
 from ..hooks import call_changed_reason, consumer_reason
 from ..linear import NVFP4Linear
-from ..ops.qwen_resnorm_quantize import (
-    KIND,
-    ResNormInputs,
-    kernel_runs_on,
-    qwen_resnorm_quantize_checked,
-    qwen_resnorm_quantize_decoded_checked,
-)
+from ..ops.layer_norm_quantize import ResNormInputs, kernel_runs_on
+from ..ops.site import Site, SiteKind
 from ..ops.verify import COMPILED, failed_kind_reason
+from .operands import ResNormOperand
 
 
 def layer_norm_reason(norm: nn.Module, label: str) -> str | None:
@@ -34,9 +29,9 @@ def layer_norm_reason(norm: nn.Module, label: str) -> str | None:
     return None
 
 
-def resnorm_gate(
+def resnorm_reason(
     fc1: nn.Module | None, bypassed: dict[str, nn.Module], norm: nn.Module, residual: torch.Tensor, x: torch.Tensor,
-    bias: torch.Tensor | None = None, kind: str = KIND,
+    bias: torch.Tensor | None, kind: SiteKind,
 ) -> str | None:
     """None when the fused residual-norm path applies to this stream's call, else the reason it does not.
 
@@ -71,33 +66,10 @@ def resnorm_gate(
     return None
 
 
-class ResNormInput(NamedTuple):
-    """What the fused path hands FC1: the stream's tensors before the residual add. The layer runs the fused kernel
-    with its own ``input_scale_inv`` once its hooks have run, and returns ``(residual_out, FC1 output [rows, N])``."""
-
-    inputs: ResNormInputs
-    eps: float
-    stats_id: int
-    shape_class: str
-    kind: str = KIND
-
-    def run_on(self, layer: NVFP4Linear) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = self.inputs.residual
-        args = (self.inputs, layer.input_scale_inv, self.eps, fast_math_from_env(), self.stats_id, self.shape_class,
-                self.kind)
-        if layer.takes_decoded_rows(residual.numel() // residual.shape[-1], residual.device, residual.dtype):
-            hidden, x16 = qwen_resnorm_quantize_decoded_checked(*args)  # its GEMM multiplies FP16: no decode pass
-            return hidden, layer.forward_decoded(x16, hidden.dtype)
-        hidden, packed, scales = qwen_resnorm_quantize_checked(*args)
-        return hidden, layer.forward_prequantized(packed, scales, hidden.dtype)
-
-
 def fused_residual_norm(
-    fc1: NVFP4Linear, norm: nn.Module, inputs: ResNormInputs, stats_id: int, kind: str = KIND
+    fc1: NVFP4Linear, norm: nn.Module, inputs: ResNormInputs, site: Site
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the fused path (its gate passed) through ``fc1``'s call: (residual_out ``[B, L, D]``, FC1's output
     ``[B, L, N]``)."""
-    residual, eps = inputs.residual, float(cast(nn.LayerNorm, norm).eps)
-    shape_class = f"D={residual.shape[-1]},eps={eps},{residual.device}"
-    hidden, y = fc1(ResNormInput(inputs, eps, stats_id, shape_class, kind))
-    return hidden, y.reshape(*residual.shape[:-1], fc1.out_features)
+    eps = float(cast(nn.LayerNorm, norm).eps)  # layer_norm_reason passed: an affine-free nn.LayerNorm
+    return fc1(ResNormOperand(inputs, eps, site))

@@ -1,4 +1,4 @@
-"""The fused Qwen-Image residual + LayerNorm + modulate + NVFP4 quantize kernel (``kernels/qwen_resnorm_quantize.py``).
+"""The fused (residual +) LayerNorm + modulate + NVFP4 quantize kernel (``kernels/layer_norm_quantize.py``).
 
 CPU, under the Triton interpreter: torch's CPU LayerNorm is a different algorithm from its CUDA kernel, so the oracle
 is an FP32 emulation (numpy) of torch's CUDA ``vectorized_layer_norm_kernel`` written from its source, thread by
@@ -12,7 +12,7 @@ and residual-free (adaptive LayerNorm) variants the same way.
 
 CPU, ahead of time: the kernel builds for SM90 / SM100 / SM120, and its SM90 build keeps everything in registers.
 
-GPU (``gpu``): the oracle is the eager chain on the GPU (``qwen_residual_chain``: torch ops, each rounding to BF16,
+GPU (``gpu``): the oracle is the eager chain on the GPU (``residual_norm_chain``: torch ops, each rounding to BF16,
 torch's own CUDA LayerNorm) followed by a standalone quantize: ``format.quantize_nvfp4`` in precise mode, and the
 standalone Triton quantize kernel in fast-math mode (the only place ``rcp.approx.ftz.f32`` runs the same way).
 Outputs are allocated poisoned so that an unwritten byte cannot pass.
@@ -32,9 +32,9 @@ pytest.importorskip("triton", reason="Triton is not installed, so the Qwen kerne
                                      "wherever Triton is installed, as in CI (pip install -e '.[test]')")
 from diffusers_nvfp4_fast.format import decode_nvfp4  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
-from diffusers_nvfp4_fast.kernels import qwen_resnorm_quantize as qmod  # noqa: E402
+from diffusers_nvfp4_fast.kernels import layer_norm_quantize as qmod  # noqa: E402
 from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import quantize_nvfp4_triton  # noqa: E402
-from diffusers_nvfp4_fast.ops.qwen_resnorm_quantize import ResNormInputs, broadcast_rows, qwen_residual_chain  # noqa: E402
+from diffusers_nvfp4_fast.ops.layer_norm_quantize import ResNormInputs, broadcast_rows, residual_norm_chain  # noqa: E402
 from support.emulation import fma32  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
 
@@ -154,7 +154,7 @@ def cuda_layer_norm_emulation(x: torch.Tensor, eps: float, thread_order: str = "
 
 def emulated_reference(residual, x, bias, gate, scale, shift, g, eps):
     """Eager chain with the emulated CUDA LayerNorm + precise standalone quantize."""
-    r, _ = qwen_residual_chain(ResNormInputs(residual, x, bias, gate, scale, shift), eps)
+    r, _ = residual_norm_chain(ResNormInputs(residual, x, bias, gate, scale, shift), eps)
     n = cuda_layer_norm_emulation(r.reshape(-1, r.shape[-1]), eps).reshape(r.shape)
     m = n * (1 + broadcast_rows(scale, n)) + broadcast_rows(shift, n)
     packed, scales = reference_quantize(m.reshape(-1, m.shape[-1]), g, scale_layout="128x4", fast_math=False)
@@ -209,10 +209,10 @@ def make_inputs(b, l_len, d, dist, per_token, seed):
 def interpreted_qwen_resnorm() -> dict:
     import warnings
 
-    from diffusers_nvfp4_fast.kernels.qwen_resnorm_quantize import (
+    from diffusers_nvfp4_fast.kernels.layer_norm_quantize import (
         adaln_quantize_triton,
         layer_norm_torch_exact,
-        qwen_resnorm_quantize_triton,
+        resnorm_quantize_triton,
     )
 
     def decoded(packed, scales):
@@ -251,10 +251,10 @@ def interpreted_qwen_resnorm() -> dict:
         if strided:  # rows of a wider buffer, as a [B, L, 2D] tensor sliced to D columns would give
             residual = torch.cat([residual, residual], dim=-1)[..., :d]
             x = torch.cat([x, x], dim=-1)[..., d:]
-        r, packed, scales = qwen_resnorm_quantize_triton(residual, x, bias, gate, scale, shift, g, eps=EPS,
+        r, packed, scales = resnorm_quantize_triton(residual, x, bias, gate, scale, shift, g, eps=EPS,
                                                          fast_math=False)
         er, ep, es = emulated_reference(residual, x, bias, gate, scale, shift, g, EPS)
-        eager_r, _ = qwen_residual_chain(ResNormInputs(residual, x, bias, gate, scale, shift), EPS)
+        eager_r, _ = residual_norm_chain(ResNormInputs(residual, x, bias, gate, scale, shift), EPS)
         results[name] = {
             "residual_vs_eager": torch.equal(r, eager_r),
             "residual": torch.equal(r, er),
@@ -266,7 +266,7 @@ def interpreted_qwen_resnorm() -> dict:
         if name not in VARIANT_CASES:
             continue
         # The same kernel writing FC1's input as FP16 values: the decode of the packed result, residual unchanged.
-        r16, x16 = qwen_resnorm_quantize_triton(residual, x, bias, gate, scale, shift, g, eps=EPS, fast_math=False,
+        r16, x16 = resnorm_quantize_triton(residual, x, bias, gate, scale, shift, g, eps=EPS, fast_math=False,
                                                 decoded=True)
         results[name]["decoded"] = torch.equal(r16, r) and torch.equal(x16.view(torch.int16), decoded(packed, scales))
         # Without the residual add (adaptive LayerNorm): the LayerNorm reads the residual stream itself.
@@ -453,11 +453,11 @@ def poisoned_outputs():
 
 def run_kernel(case, g, fast_math):
     with poisoned_outputs():
-        return qmod.qwen_resnorm_quantize_triton(*case, g, eps=EPS, fast_math=fast_math)
+        return qmod.resnorm_quantize_triton(*case, g, eps=EPS, fast_math=fast_math)
 
 
 def run_reference(case, g, fast_math):
-    r, m = qwen_residual_chain(ResNormInputs(*case), EPS)
+    r, m = residual_norm_chain(ResNormInputs(*case), EPS)
     m2d = m.reshape(-1, m.shape[-1])
     if fast_math:
         packed, scales = quantize_nvfp4_triton(m2d, g, fast_math=True)
@@ -481,7 +481,7 @@ def assert_identical(got, ref):
 
 
 def check(case, fast_math):
-    g = global_scale(qwen_residual_chain(ResNormInputs(*case), EPS)[1])
+    g = global_scale(residual_norm_chain(ResNormInputs(*case), EPS)[1])
     assert_identical(run_kernel(case, g, fast_math), run_reference(case, g, fast_math))
 
 
@@ -518,7 +518,7 @@ def test_gpu_cfg_batch2_per_sample_params(fast_math):
     check(case, fast_math)
     # The per-sample rows matter: swapping the two samples' parameters changes the result.
     swapped = case[:3] + tuple(p.flip(0) for p in case[3:])
-    g = global_scale(qwen_residual_chain(ResNormInputs(*case), EPS)[1])
+    g = global_scale(residual_norm_chain(ResNormInputs(*case), EPS)[1])
     assert not torch.equal(run_kernel(case, g, fast_math)[1], run_kernel(swapped, g, fast_math)[1])
 
 
@@ -560,7 +560,7 @@ def test_gpu_unsupported_hidden_sizes_are_refused():
     case = make_case(1, 4, d=512)
     bad = tuple(t[..., :256] if t is not None else None for t in case)
     with pytest.raises(ValueError):
-        qmod.qwen_resnorm_quantize_triton(*bad, global_scale(case[0]), eps=EPS)
+        qmod.resnorm_quantize_triton(*bad, global_scale(case[0]), eps=EPS)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -635,7 +635,7 @@ def test_gpu_fuzz_50m_adversarial_elements(fast_math):
         bias = adversarial(1, D, seed=50 + seed)[0] * 0.01
         case = (residual[None], attn[None], bias, gate, scale, shift)
         g = torch.tensor([2688 / 5.0], device="cuda")
-        r, m = qwen_residual_chain(ResNormInputs(*case), EPS)
+        r, m = residual_norm_chain(ResNormInputs(*case), EPS)
         with exact_fast_math_reference():
             packed, scales = reference_quantize(m.reshape(-1, D), g, fast_math=fast_math)
         got = run_kernel(case, g, fast_math)

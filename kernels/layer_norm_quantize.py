@@ -1,6 +1,9 @@
-"""Fused Qwen-Image residual + LayerNorm + modulate + NVFP4 quantize (docs/design.md §6).
+"""Fused (residual +) LayerNorm + modulate + NVFP4 quantize (docs/design.md §6), one kernel for every LayerNorm site:
+Qwen-Image's and FLUX.2's residual norm before the feed-forward, and their adaptive norm1 before the attention
+(``adaln_quantize_triton``: the same kernel without the residual add).
 
-Between the attention output and FC1 a ``QwenImageTransformerBlock`` runs, op by op in BF16::
+Between the attention output and FC1 a ``QwenImageTransformerBlock`` runs, op by op in BF16 (FLUX.2's double-stream
+block the same ops without the bias)::
 
     a = bf16(x + bias)                          # the biased attention output projection
     r = bf16(residual + bf16(gate * a))         # residual_out (kept by the block)
@@ -8,7 +11,7 @@ Between the attention output and FC1 a ``QwenImageTransformerBlock`` runs, op by
     m = bf16(bf16(n * bf16(1 + scale)) + shift) # _modulate
     packed, scales = quantize(m, g)             # FC1's input quantization
 
-``qwen_resnorm_quantize_triton`` does all of it in one pass and never writes ``m``. Byte identity with the eager ops
+``resnorm_quantize_triton`` does all of it in one pass and never writes ``m``. Byte identity with the eager ops
 needs two things:
 
 * every BF16 rounding happens exactly where torch rounds (explicit FP32 -> BF16 -> FP32, no FMA contraction:
@@ -285,7 +288,7 @@ def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, col, g
 
 
 @triton.jit
-def _qwen_resnorm_quantize_kernel(
+def _resnorm_quantize_kernel(
     res_ptr, x_ptr, bias_ptr, gate_ptr, scale_ptr, shift_ptr, g_ptr, rout_ptr, packed_ptr, scales_ptr,
     M, L, eps,
     s_res_b, s_res_l, s_x_b, s_x_l, s_gate_b, s_gate_l, s_scale_b, s_scale_l, s_shift_b, s_shift_l,
@@ -464,7 +467,7 @@ def _row_strides(t: torch.Tensor, name: str, b: int, l_len: int, d: int) -> tupl
                      f"got {tuple(t.shape)}")
 
 
-def qwen_resnorm_quantize_triton(
+def resnorm_quantize_triton(
     residual: torch.Tensor,
     x: torch.Tensor,
     bias: torch.Tensor | None,
@@ -521,7 +524,7 @@ def adaln_quantize_triton(
     decoded: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """Fused ``LayerNorm(x) -> * (1 + scale) + shift -> NVFP4`` (adaptive LayerNorm before a projection): the kernel
-    of ``qwen_resnorm_quantize_triton`` without the residual add. Arguments as there (``x`` is the LayerNorm's
+    of ``resnorm_quantize_triton`` without the residual add. Arguments as there (``x`` is the LayerNorm's
     input). Returns packed uint8 ``[B*L, D/2]`` and 128x4 scales, or with ``decoded`` the FP16 values ``[B*L, D]``.
     """
     return _launch(x, None, scale, shift, global_scale, eps, fast_math, approx_rsqrt, decoded)
@@ -554,7 +557,7 @@ def _launch(x, residual_args, scale, shift, global_scale, eps, fast_math, approx
     if approx_rsqrt is None:
         approx_rsqrt = not INTERPRETING
     launch(
-        _qwen_resnorm_quantize_kernel, (rows,),
+        _resnorm_quantize_kernel, (rows,),
         residual, x, x if bias is None else bias, gate, scale, shift, global_scale, out, packed, scales,
         m, l_len, float(eps),
         residual.stride(0), residual.stride(1), x.stride(0), x.stride(1), *strides,
@@ -571,7 +574,7 @@ def layer_norm_torch_exact(
     mean_fma: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``F.layer_norm(x, (D,), eps=eps)`` without affine, as torch's CUDA kernel computes it (the fused kernel's
-    statistics path alone). x: ``[..., D]`` bfloat16, last dim contiguous, D as for ``qwen_resnorm_quantize_triton``.
+    statistics path alone). x: ``[..., D]`` bfloat16, last dim contiguous, D as for ``resnorm_quantize_triton``.
 
     Returns bfloat16 of x's shape (contiguous); with ``return_stats`` also the FP32 per-row mean and rstd ``[rows]``,
     comparable bit for bit with ``torch.native_layer_norm(x, (D,), None, None, eps)[1:]``. ``mean_fma`` overrides

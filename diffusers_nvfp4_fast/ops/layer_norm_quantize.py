@@ -1,0 +1,197 @@
+"""LayerNorm + modulate + NVFP4 quantize in one pass, the modulated tensor never written (docs/design.md §6):
+
+- ``resnorm_quantize``: ``residual + gate * (x + bias) -> LayerNorm -> * (1 + scale) + shift -> quantize``, between
+  an attention and its feed-forward's first projection (Qwen-Image's FC1, FLUX.2's double-stream ``linear_in``);
+  also returns the new residual.
+- ``adaln_quantize``: ``LayerNorm(x) -> * (1 + scale) + shift -> quantize``, a block's norm1 before the attention's
+  input projections (Qwen-Image's and FLUX.2's query/key/value, FLUX.2's fused single-stream input).
+
+References: diffusers' eager ops followed by the standalone quantize. Kernels: ``kernels.resnorm_quantize_triton``
+and ``kernels.adaln_quantize_triton`` (one kernel, with or without the residual add). The ``_decoded`` variants give
+the exact FP16 values instead of packed bytes, for consumers whose GEMM multiplies those (SM80-SM90, > 64 rows).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import format as nvfp4
+from .dispatch import kernels, triton_runs_on
+from .fused import FusedOp
+from .quantize import empty_quantized, quantize
+
+
+class ResNormInputs(NamedTuple):
+    """One stream's tensors between the attention output and the feed-forward's first projection.
+
+    residual, x: ``[B, L, D]`` BF16 (``x`` is the attention output, without its projection bias when ``bias`` is
+    given); bias: ``[D]`` or None; gate, scale, shift: per sample ``[B, D]`` / ``[B, 1, D]`` or per token ``[B, L, D]``.
+    """
+
+    residual: torch.Tensor
+    x: torch.Tensor
+    bias: torch.Tensor | None
+    gate: torch.Tensor
+    scale: torch.Tensor
+    shift: torch.Tensor
+
+
+class AdaLNInputs(NamedTuple):
+    """x: the LayerNorm's input ``[B, L, D]`` BF16; scale, shift: per sample ``[B, D]`` / ``[B, 1, D]`` or per token
+    ``[B, L, D]``."""
+
+    x: torch.Tensor
+    scale: torch.Tensor
+    shift: torch.Tensor
+
+
+def broadcast_rows(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Per-sample modulation ``[B, D]`` (or ``[B, 1, D]`` / ``[B, L, D]``) -> broadcastable against ``x [B, L, D]``."""
+    return p.unsqueeze(1) if p.dim() == 2 else p
+
+
+def residual_norm_chain(inputs: ResNormInputs, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' block section between the attention output and the feed-forward, op by op (each BF16 op rounds).
+
+    Returns (residual_out ``[B, L, D]``, modulated feed-forward input ``[B, L, D]``).
+    """
+    residual, x, bias, gate, scale, shift = inputs
+    a = x if bias is None else x + bias
+    r = residual + broadcast_rows(gate, a) * a
+    n = F.layer_norm(r, (r.shape[-1],), eps=eps)
+    m = n * (1 + broadcast_rows(scale, n)) + broadcast_rows(shift, n)
+    return r, m
+
+
+def adaln_chain(inputs: AdaLNInputs, eps: float) -> torch.Tensor:
+    """diffusers' norm1 section, op by op (each BF16 op rounds): ``LayerNorm(x) * (1 + scale) + shift``. FLUX.2
+    writes ``(1 + scale) * n``: the same product, IEEE multiplication commutes."""
+    x, scale, shift = inputs
+    n = F.layer_norm(x, (x.shape[-1],), eps=eps)
+    return n * (1 + broadcast_rows(scale, n)) + broadcast_rows(shift, n)
+
+
+def kernel_runs_on(x: torch.Tensor) -> bool:
+    """True where the fused Triton kernel runs for ``x``."""
+    return triton_runs_on(x) and hasattr(kernels, "resnorm_quantize_triton")
+
+
+def _decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return nvfp4.decode_nvfp4(packed, scales, dtype=torch.float16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# resnorm_quantize(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
+# ---------------------------------------------------------------------------------------------------------------
+
+def resnorm_quantize_reference(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
+    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eager chain + standalone quantize -> (residual_out ``[B, L, D]``, packed ``[B*L, D/2]``, 128x4 scales)."""
+    r, m = residual_norm_chain(ResNormInputs(residual, x, bias, gate, scale, shift), eps)
+    packed, scales = quantize(m.reshape(-1, m.shape[-1]), global_scale, fast_math)
+    return r, packed, scales
+
+
+def resnorm_quantize_decoded_reference(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
+    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference, then the decode: (residual_out, FP16 ``[B*L, D]`` = each E2M1 value times its block scale)."""
+    r, packed, scales = resnorm_quantize_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
+    return r, _decode(packed, scales)
+
+
+def _resnorm_impl(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
+    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if kernel_runs_on(x):
+        return kernels.resnorm_quantize_triton(  # type: ignore[union-attr]  # kernel_runs_on: kernels loaded
+            residual, x, bias, gate, scale, shift, global_scale, eps=eps, fast_math=fast_math)
+    return resnorm_quantize_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
+
+
+def _resnorm_decoded_impl(
+    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
+    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if kernel_runs_on(x):
+        return kernels.resnorm_quantize_triton(  # type: ignore[union-attr]  # (as above)
+            residual, x, bias, gate, scale, shift, global_scale, eps=eps, fast_math=fast_math, decoded=True)
+    return resnorm_quantize_decoded_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
+
+
+def _residual_out(residual: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(residual, memory_format=torch.contiguous_format)
+
+
+def _resnorm_fake(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math):
+    d = residual.shape[-1]
+    return (_residual_out(residual), *empty_quantized(residual, residual.numel() // d, d))
+
+
+def _resnorm_decoded_fake(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math):
+    d = residual.shape[-1]
+    return _residual_out(residual), residual.new_empty((residual.numel() // d, d), dtype=torch.float16)
+
+
+resnorm_quantize = FusedOp("resnorm_quantize", _resnorm_impl, resnorm_quantize_reference, _resnorm_fake,
+                           ("residual_out", "packed", "scales"))
+resnorm_quantize_decoded = FusedOp("resnorm_quantize_decoded", _resnorm_decoded_impl,
+                                   resnorm_quantize_decoded_reference, _resnorm_decoded_fake,
+                                   ("residual_out", "decoded"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# adaln_quantize(x, scale, shift, global_scale, eps, fast_math)
+# ---------------------------------------------------------------------------------------------------------------
+
+def adaln_quantize_reference(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager chain + standalone quantize -> (packed ``[B*L, D/2]``, 128x4 scales)."""
+    m = adaln_chain(AdaLNInputs(x, scale, shift), eps)
+    return quantize(m.reshape(-1, m.shape[-1]), global_scale, fast_math)
+
+
+def adaln_quantize_decoded_reference(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+) -> torch.Tensor:
+    """The reference, then the decode: FP16 ``[B*L, D]``, each E2M1 value times its E4M3 block scale."""
+    return _decode(*adaln_quantize_reference(x, scale, shift, global_scale, eps, fast_math))
+
+
+def _adaln_impl(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if kernel_runs_on(x):
+        return kernels.adaln_quantize_triton(  # type: ignore[union-attr]  # (as above)
+            x, scale, shift, global_scale, eps=eps, fast_math=fast_math)
+    return adaln_quantize_reference(x, scale, shift, global_scale, eps, fast_math)
+
+
+def _adaln_decoded_impl(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+) -> torch.Tensor:
+    if kernel_runs_on(x):
+        return kernels.adaln_quantize_triton(  # type: ignore[union-attr]  # (as above)
+            x, scale, shift, global_scale, eps=eps, fast_math=fast_math, decoded=True)[0]
+    return adaln_quantize_decoded_reference(x, scale, shift, global_scale, eps, fast_math)
+
+
+def _adaln_fake(x, scale, shift, global_scale, eps, fast_math):
+    return empty_quantized(x, x.numel() // x.shape[-1], x.shape[-1])
+
+
+def _adaln_decoded_fake(x, scale, shift, global_scale, eps, fast_math):
+    return x.new_empty((x.numel() // x.shape[-1], x.shape[-1]), dtype=torch.float16)
+
+
+adaln_quantize = FusedOp("adaln_quantize", _adaln_impl, adaln_quantize_reference, _adaln_fake, ("packed", "scales"))
+adaln_quantize_decoded = FusedOp("adaln_quantize_decoded", _adaln_decoded_impl, adaln_quantize_decoded_reference,
+                                 _adaln_decoded_fake, ("decoded",))
