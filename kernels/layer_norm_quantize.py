@@ -71,11 +71,8 @@ CHUNK = tl.constexpr(512)  # one vector per thread: 512 consecutive elements of 
 _THREADS, _CHUNK = 128, 512  # the same, for host code
 # How the combined mean is rounded (see _welford_combine); only subnormal means can tell the variants apart.
 TORCH_MEAN_FMA = 1  # torch 2.11 (cu130) on an H200: test_layer_norm_subnormal_means matched variant 1 only
-# Register cap of the fused kernel: 40 fits 12 programs (48 warps) per SM on Hopper instead of 10 at the compiler's
-# choice (47), without spilling (Triton 3.6 and 3.9). On the H200 it was 6% faster at 4096 rows than the same kernel
-# uncapped (one-off side-by-side run: 29.8 vs 31.8 us). After the instruction cuts of the word-at-a-time E2M1 encoder,
-# 32 (16 programs per SM) was slower (29.5 vs 27.2 us) and 48 within 1% of 40. With the current kernel, which no
-# longer spills at 32 or 36 under Triton 3.6, those were still slower at 4096 rows (27.9 and 26.4 vs 25.6 us).
+# 40 registers fit 12 programs per SM on Hopper without spilling, the fastest cap measured (docs/history.md, "Kernel
+# tuning constants").
 MAX_REGISTERS = 40
 
 
@@ -207,8 +204,7 @@ def _row_mean_rstd(mean, m2, eps, D: tl.constexpr, APPROX_RSQRT: tl.constexpr, M
 def _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, start, HAS_BIAS: tl.constexpr):
     """x, residual, bias and gate of one pass-1 chunk (bias is a placeholder, x again, without HAS_BIAS)."""
     o = start + offs
-    # x and residual are read once: evict-first keeps the SM's L1 for bias, gate, scale and shift, which every row
-    # program reads again (H200, 4096 rows: 26.8 -> 25.6 us; L1 bypass (.cg) did not help).
+    # x and residual are read once: evict-first keeps L1 for what every row reads again (docs/history.md).
     x = tl.load(x_row + o, eviction_policy="evict_first")
     bias = tl.load(bias_ptr + o) if HAS_BIAS else x
     return x, tl.load(res_row + o, eviction_policy="evict_first"), bias, tl.load(gate_row + o)

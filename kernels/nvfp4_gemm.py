@@ -366,11 +366,8 @@ _PACKED_CONFIGS = [
     _cfg(16, 64, 256, 4, 4),
     _cfg(64, 128, 128, 8, 3),
 ]
-# Large M, X pre-decoded to FP16. ALU work per MMA falls with the tile's token count. Measured on an H200 (triton
-# 3.6, M=4608, every FLUX.2-dev and Qwen-Image shape; benchmarks/results/gemm-h200.json "config_sweep"): the weight as
-# register A operand with 256 tokens per tile was the fastest on 9 of 10 shapes (423-465 TFLOP/s), 128x128 tiles with
-# the weight in shared memory (two CTAs per SM) next (398-434). With 4 warps or a 256-wide weight tile the
-# register-A variant spills (~33 TFLOP/s), so those are not candidates.
+# Large M, X pre-decoded to FP16: the fastest configurations of the H200 sweep, register-A first (docs/history.md,
+# "Kernel tuning constants"; benchmarks/results/gemm_config_sweep-h200.json).
 _FP16_X_CONFIGS = [
     _cfg(256, 128, 64, 8, 4, w_in_regs=True),
     _cfg(256, 128, 64, 8, 5, w_in_regs=True),

@@ -71,21 +71,11 @@ BLOCK_N, BLOCK_K, NUM_WARPS = 128, 64, 8
 # threads x 168 <= 64K registers. setmaxnreg then moves registers to the MMA warpgroups: 240 each (accumulator 128,
 # two A fragments 32, decode), 24 for the producer.
 MAX_REGISTERS = 168
-# Pipeline depth: at M=4608 on an H200, 4 stages were the fastest on 8 of the 10 FLUX.2-dev and Qwen-Image shapes and
-# within 2 % of 5 stages on the other two; 3 stages lost 4-12 % (config_sweep in benchmarks/results/gemm-h200.json).
-# The bytes do not depend on it.
-SM90_STAGES = 4
-# Tile order (``tiling.grouped_tile``): going from 8 to 64 weight tiles per group moved the FLUX.2-dev
-# shapes at M=4608 from 553-632 to 593-634 TFLOP/s with the kernel before warp specialization (H200,
-# benchmarks/results/gemm_config_sweep-h200.json); the largest weight (55296 x 6144) lost 3 %, the others gained 0-15 %.
-SM90_GROUP_N = 64
-# Tokens per tile (the wgmma's N side) and the relative time of one tile of each height, measured on an H200 with full
-# waves (M = 4096, every FLUX.2-dev and Qwen-Image shape; benchmarks/results/gemm_tiles-h200.json). A 256-token tile
-# spreads the weight decode over the most MMA work, but at M = 512 and N = 3072 (Qwen-Image's text stream) it gives 48
-# tiles for 132 SMs. ``sm90_block_m`` picks the height with the least waves x tile cost; this picks the fastest height
-# measured in every case of that file. The bytes do not depend on it: every height runs the same K walk on the same
-# operand values (GPU-tested).
-SM90_TILE_COST = {256: 1.0, 128: 0.72, 64: 0.55}
+# Pipeline depth, tile order and tile costs: the H200 measurements behind each are in docs/history.md ("Kernel tuning
+# constants"). None of them changes a byte: every choice runs the same K walk on the same operand values.
+SM90_STAGES = 4  # the fastest depth on 8 of 10 shapes, within 2 % on the rest
+SM90_GROUP_N = 64  # weight tiles per group of grouped_tile's order
+SM90_TILE_COST = {256: 1.0, 128: 0.72, 64: 0.55}  # relative time of one tile per height; sm90_block_m weighs waves
 
 # Triton 3.9 renamed the TMA load and the shared-memory reinterpret; 3.6 (torch 2.11) has only the old names.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
