@@ -1,7 +1,8 @@
 """NVFP4 W4A4 GEMM on Hopper/Ampere: the Triton kernel vs cuBLAS BF16 vs dequantize-then-matmul, side by side.
 
 Usage: python benchmarks/bench_gemm.py [--m 17 1024 4608 9216] [--models flux2-dev qwen-image] [--quick]
-Writes benchmarks/results/gemm-<device>.json (docs/design.md §10) and prints a table.
+Writes benchmarks/results/gemm-<device>.json (with --sweep-configs: gemm_config_sweep-<device>.json; docs/design.md
+§10) and prints a table.
 
 Variants per (M, N, K), all in one process:
 * ``nvfp4_gemm``: ``kernels.nvfp4_gemm`` on pre-quantized X and W, the GEMM ``NVFP4Linear`` runs (on SM90 with
@@ -266,7 +267,7 @@ def main() -> None:
     if sweep:
         result["config_sweep"] = sweep
     result["wall_s"] = round(time.time() - t0, 1)
-    path = write_result(result)
+    path = write_result(result, "gemm_config_sweep" if args.sweep_configs else None)  # the sweep is its own file
 
     print(f"\ncopy bandwidth {copy:.0f} GB/s; {result['wall_s']} s -> {path}")
     print(f"{'model':10s} {'M':>5s} {'N':>6s} {'K':>6s} {'variant':17s} {'us':>10s} {'TF/s':>7s} {'vs cuBLAS':>9s} "
