@@ -57,10 +57,10 @@ def gemm_ranges():
         with torch.profiler.record_function(f"gemm M={x_packed.shape[0]} N={self.out_features} K={self.in_features}"):
             return original[0](self, x_packed, x_scales, out_dtype)
 
-    def plain(self, x, bias):  # the range holds the activation quantize too
+    def plain(self, x, *rest):  # the range holds the activation quantize too
         rows = x.numel() // x.shape[-1]
         with torch.profiler.record_function(f"gemm M={rows} N={self.out_features} K={self.in_features}"):
-            return original[1](self, x, bias)
+            return original[1](self, x, *rest)
 
     def decoded(self, x16, out_dtype=torch.bfloat16):  # fused producers that hand over FP16 values (§6)
         with torch.profiler.record_function(f"gemm M={x16.shape[0]} N={self.out_features} K={self.in_features}"):
