@@ -120,11 +120,12 @@ def test_cli_help_imports_neither_torch_nor_diffusers():
     assert "inspect" in out.stdout and "HEAVY []" in out.stdout, out.stdout + out.stderr
 
 
-def test_loaders_import_no_patches_graphs_or_api():
+def test_loaders_and_quantize_import_no_patches_graphs_or_api():
     graph = _package_graph()
     higher = ("diffusers_nvfp4_fast.patches", "diffusers_nvfp4_fast.graphs", "diffusers_nvfp4_fast.api")
-    offenders = {m: sorted(i for i in deps if i.startswith(higher)) for m, deps in graph.items()
-                 if m.startswith("diffusers_nvfp4_fast.loaders")}
+    wing = ("diffusers_nvfp4_fast.loaders", "diffusers_nvfp4_fast.quantize")
+    assert any(m.startswith(wing[1]) for m in graph)
+    offenders = {m: sorted(i for i in deps if i.startswith(higher)) for m, deps in graph.items() if m.startswith(wing)}
     assert not any(offenders.values()), offenders
 
 
