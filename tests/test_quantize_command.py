@@ -12,7 +12,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from diffusers_nvfp4_fast import enable_fast_paths, load_nvfp4_transformer, quantize_nvfp4, quantize_transformer
+from diffusers_nvfp4_fast import (
+    enable_fast_paths,
+    load_nvfp4_transformer,
+    load_summary,
+    quantize_nvfp4,
+    quantize_transformer,
+)
 from diffusers_nvfp4_fast.cli import main
 from diffusers_nvfp4_fast.loaders.common import is_excluded, qkv_group
 from diffusers_nvfp4_fast.quantize import recipes
@@ -98,7 +104,7 @@ def test_checkpoint_passes_inspect_and_loads(which, tmp_path_factory, capsys):
     assert qc["input_scales"]["method"] == "calibrated" and qc["dynamic_input_scale"] == []
     assert qc["ignore"] == sorted(result.bf16_linears)
     model = load_nvfp4_transformer(out)
-    assert model._nvfp4_load_summary["nvfp4_linears"] == len(result.nvfp4_layers) > 0
+    assert load_summary(model)["nvfp4_linears"] == len(result.nvfp4_layers) > 0
 
 
 @pytest.mark.parametrize("which", ["flux2", "klein", "qwen"])
@@ -151,7 +157,7 @@ def test_qwen_image_21_round_trip(tmp_path):
     assert result.nvfp4_layers and all(n.startswith("transformer_blocks.2.") for n in result.nvfp4_layers)
     assert "modulation.1" in result.bf16_linears
     model = load_nvfp4_transformer(tmp_path / "nvfp4")
-    assert model._nvfp4_load_summary["nvfp4_linears"] == len(result.nvfp4_layers)
+    assert load_summary(model)["nvfp4_linears"] == len(result.nvfp4_layers)
 
 
 def test_calibration_refuses_layers_without_a_usable_amax():
