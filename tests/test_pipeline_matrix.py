@@ -35,7 +35,7 @@ SITES = {"flux2": FLUX2_SITES, "klein": FLUX2_SITES, "qwen_small": QWEN_SITES, "
 # LayerNorm sites are installed only over diffusers' Flux2AttnProcessor: that attention runs diffusers' code. Its
 # step 0 ("extract") modulates the reference tokens with their own timestep, so the image stream's residual-norm
 # site falls back once, with its reason.
-CASE_SITES = {"klein_kv": {**FLUX2_SITES, "flux2_rotary": 2, "flux2_adaln": 2}}
+CASE_SITES: dict[str, dict] = {}
 CASE_FALLBACKS = {"klein_kv": {"flux2_resnorm: modulation parameters are not per sample [B, 1, D] bf16": 1}}
 
 # The classes of the two families in diffusers 0.42.1 that no case builds, and why (README, "Pipelines").

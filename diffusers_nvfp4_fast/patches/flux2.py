@@ -6,9 +6,9 @@
   (``flux2_token_cat``). diffusers builds the concatenation in ``Flux2ParallelSelfAttnProcessor.__call__`` (and its
   KV-cache twin); the processors below are diffusers' code up to that point, installed per attention instance
   (processors are looked up at call time, so cache hooks on the block do not hide them).
-  The same processors, and the double-stream attention processor (``flux2_attention.py``), run each query's and
-  key's RMSNorm and rotary embedding as one kernel (``flux2_qk_rotary``) where the heads are 128 wide, and otherwise
-  the rotary embedding alone as one kernel (``flux2_rotary``).
+  The same processors, and the double-stream attention processors (``flux2_attention.py``, with its KV-cache twin),
+  run each query's and key's RMSNorm and rotary embedding as one kernel (``flux2_qk_rotary``) where the heads are
+  128 wide, and otherwise the rotary embedding alone as one kernel (``flux2_rotary``).
 - Double-stream feed-forwards: ``linear_out(swiglu(linear_in(x)))`` quantizes ``linear_in``'s output through
   SwiGLU in one kernel (``flux2_swiglu``), installed per feed-forward with ``swap_forward``.
 - Double-stream blocks: ``residual + gate * attn -> norm2 -> modulate`` and ``linear_in``'s quantize run as one
@@ -42,6 +42,7 @@ from .adaln import AdaLNConsumers, fused_norm1_input
 from .flux2_attention import (
     HALF_DTYPES,
     Flux2FusedAttnProcessor,
+    Flux2FusedKVAttnProcessor,
     Sites,
     on_original,
     qk_site,
@@ -348,7 +349,11 @@ _REPLACEMENTS: dict[type, type[Flux2FusedParallelSelfAttnProcessor | Flux2FusedK
 }
 
 
-_ADALN_PROCESSORS = (Flux2FusedAttnProcessor, *_REPLACEMENTS.values())
+_DOUBLE_REPLACEMENTS: dict[type, type[Flux2FusedAttnProcessor]] = {
+    flux2_module.Flux2AttnProcessor: Flux2FusedAttnProcessor,
+    flux2_module.Flux2KVAttnProcessor: Flux2FusedKVAttnProcessor,
+}
+_ADALN_PROCESSORS = (*_DOUBLE_REPLACEMENTS.values(), *_REPLACEMENTS.values())
 
 
 def _adaln_consumers(attn: nn.Module, streams: dict[str, tuple[str, ...]]) -> dict[str, AdaLNConsumers]:
@@ -408,10 +413,11 @@ def patch_flux2(model: nn.Module, stats_id: int, restore: list) -> dict[SiteKind
                 resnorm_sites.append(f"transformer_blocks.{i}.{ff_name}")
         attn = getattr(block, "attn", None)
         adaln = {}
-        if attn is not None and type(attn.processor) is flux2_module.Flux2AttnProcessor:
+        fused_processor = None if attn is None else _DOUBLE_REPLACEMENTS.get(type(attn.processor))
+        if attn is not None and fused_processor is not None:
             norms = (attn.norm_q, attn.norm_k, getattr(attn, "norm_added_q", None), getattr(attn, "norm_added_k", None))
             qk = qk_site(norms, attn.head_dim)
-            restore.append(swap_processor(attn, Flux2FusedAttnProcessor(attn.processor, sites, qk)))
+            restore.append(swap_processor(attn, fused_processor(attn.processor, sites, qk)))
             add("flux2_rotary", f"transformer_blocks.{i}.attn")
             if qk:
                 add("flux2_qk_rotary", f"transformer_blocks.{i}.attn")

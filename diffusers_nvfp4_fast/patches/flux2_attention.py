@@ -169,6 +169,15 @@ class Flux2FusedAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb=None,
     ):
+        query, key, value = self._joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        hidden_states = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        return self._out(attn, hidden_states, query.dtype, encoder_hidden_states)
+
+    def _joint_qkv(self, attn: Any, hidden_states, encoder_hidden_states, image_rotary_emb):
+        """Query, key, value ``[B, S_txt + S_img, H, D]``: projected, normed, joined and rotated as diffusers does."""
         query, key, value, encoder_query, encoder_key, encoder_value = flux2_module._get_qkv_projections(
             attn, hidden_states, encoder_hidden_states
         )
@@ -193,11 +202,12 @@ class Flux2FusedAttnProcessor:
             if image_rotary_emb is not None:
                 query = rotate(query, image_rotary_emb, self._sites)
                 key = rotate(key, image_rotary_emb, self._sites)
-        hidden_states = dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        return query, key, value
+
+    @staticmethod
+    def _out(attn: Any, hidden_states: torch.Tensor, dtype: torch.dtype, encoder_hidden_states):
+        """The attention output ``[B, S, H, D]`` split per stream and projected, as diffusers does."""
+        hidden_states = hidden_states.flatten(2, 3).to(dtype)
         if encoder_hidden_states is None:
             return attn.to_out[1](attn.to_out[0](hidden_states))
         text = encoder_hidden_states.shape[1]
@@ -206,3 +216,38 @@ class Flux2FusedAttnProcessor:
         encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
         return hidden_states, encoder_hidden_states
+
+
+class Flux2FusedKVAttnProcessor(Flux2FusedAttnProcessor):
+    """``Flux2KVAttnProcessor`` (FLUX.2-klein KV: reference-image keys and values cached after the rotary) with the
+    same fused rotary and norm inputs.
+
+    Adapted from diffusers 0.42.1, models/transformers/transformer_flux2.py, ``Flux2KVAttnProcessor``."""
+
+    def __call__(  # diffusers' KV processor takes the cache arguments too
+        self,
+        attn: Any,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb=None,
+        kv_cache=None,
+        kv_cache_mode: str | None = None,
+        num_ref_tokens: int = 0,
+    ):
+        query, key, value = self._joint_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        text = encoder_hidden_states.shape[1] if encoder_hidden_states is not None else 0
+        if kv_cache_mode == "extract" and kv_cache is not None and num_ref_tokens > 0:
+            kv_cache.store(key[:, text:text + num_ref_tokens].clone(), value[:, text:text + num_ref_tokens].clone())
+        if kv_cache_mode == "extract" and num_ref_tokens > 0:
+            hidden_states = flux2_module._flux2_kv_causal_attention(
+                query, key, value, text, num_ref_tokens, backend=self._attention_backend)
+        elif kv_cache_mode == "cached" and kv_cache is not None:
+            hidden_states = flux2_module._flux2_kv_causal_attention(
+                query, key, value, text, 0, kv_cache=kv_cache, backend=self._attention_backend)
+        else:
+            hidden_states = dispatch_attention_fn(
+                query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+        return self._out(attn, hidden_states, query.dtype, encoder_hidden_states)
