@@ -24,92 +24,73 @@ from ..ops.swiglu_quantize import swiglu_quantize
 from ..ops.token_cat_quantize import token_cat_quantize
 
 
-def _rows(x: torch.Tensor) -> int:
-    return x.numel() // x.shape[-1]
+class _Operand:
+    """What every operand derives from ``lead``, the input tensor whose leading dimensions (the rows) the
+    consumer's output keeps: rows, dtype, device, the output's shape; and the refusal of ``decode`` for ops that
+    write packed values only (``decodes`` False, so ``NVFP4Linear`` never asks)."""
 
-
-class TokenCatOperand:
-    """``cat([attn, mlp], -1)`` ``[..., A+B]``, never built: the kernel reads both halves."""
-
-    __slots__ = ("attn", "mlp", "site")
+    __slots__ = ("lead",)
     decodes = False
 
-    def __init__(self, attn: torch.Tensor, mlp: torch.Tensor, site: Site):
-        self.attn, self.mlp, self.site = attn, mlp, site
+    def __init__(self, lead: torch.Tensor):
+        self.lead = lead
 
     @property
     def rows(self) -> int:
-        return _rows(self.attn)
+        return self.lead.numel() // self.lead.shape[-1]
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.attn.dtype
+        return self.lead.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.attn.device
+        return self.lead.device
+
+    def decode(self, input_scale_inv: torch.Tensor, fast_math: bool) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__}: its fused op writes packed values only")
+
+    def output(self, y: torch.Tensor) -> torch.Tensor:
+        return y.reshape(*self.lead.shape[:-1], y.shape[-1])
+
+
+class TokenCatOperand(_Operand):
+    """``cat([attn, mlp], -1)`` ``[..., A+B]``, never built: the kernel reads both halves."""
+
+    __slots__ = ("attn", "mlp", "site")
+
+    def __init__(self, attn: torch.Tensor, mlp: torch.Tensor, site: Site):
+        super().__init__(attn)
+        self.attn, self.mlp, self.site = attn, mlp, site
 
     def quantize(self, input_scale_inv: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return token_cat_quantize.checked(self.site, self.attn, self.mlp, input_scale_inv, fast_math)
 
-    def decode(self, input_scale_inv: torch.Tensor, fast_math: bool) -> torch.Tensor:
-        raise NotImplementedError("token-cat quantize writes packed values only")
-
-    def output(self, y: torch.Tensor) -> torch.Tensor:
-        return y.reshape(*self.attn.shape[:-1], y.shape[-1])
 
 
-class SwiGLUOperand:
+class SwiGLUOperand(_Operand):
     """``cat([attn, swiglu(hidden)], -1)`` (``attn`` None: ``swiglu(hidden)``), hidden ``[..., 2H]``."""
 
     __slots__ = ("hidden", "attn", "site")
-    decodes = False
 
     def __init__(self, hidden: torch.Tensor, attn: torch.Tensor | None, site: Site):
+        super().__init__(hidden)
         self.hidden, self.attn, self.site = hidden, attn, site
-
-    @property
-    def rows(self) -> int:
-        return _rows(self.hidden)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.hidden.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.hidden.device
 
     def quantize(self, input_scale_inv: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
         return swiglu_quantize.checked(self.site, self.hidden, self.attn, input_scale_inv, fast_math)
 
-    def decode(self, input_scale_inv: torch.Tensor, fast_math: bool) -> torch.Tensor:
-        raise NotImplementedError("SwiGLU quantize writes packed values only")
-
-    def output(self, y: torch.Tensor) -> torch.Tensor:
-        return y.reshape(*self.hidden.shape[:-1], y.shape[-1])
 
 
-class GeluOperand:
+class GeluOperand(_Operand):
     """``gelu(hidden, approximate="tanh")``, hidden ``[..., K]`` (FC1's output)."""
 
     __slots__ = ("hidden", "site")
     decodes = True
 
     def __init__(self, hidden: torch.Tensor, site: Site):
+        super().__init__(hidden)
         self.hidden, self.site = hidden, site
-
-    @property
-    def rows(self) -> int:
-        return _rows(self.hidden)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.hidden.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.hidden.device
 
     def _rows2d(self) -> torch.Tensor:
         return self.hidden.reshape(-1, self.hidden.shape[-1])
@@ -120,11 +101,8 @@ class GeluOperand:
     def decode(self, input_scale_inv: torch.Tensor, fast_math: bool) -> torch.Tensor:
         return gelu_quantize_decoded.checked(self.site, self._rows2d(), input_scale_inv, fast_math)
 
-    def output(self, y: torch.Tensor) -> torch.Tensor:
-        return y.reshape(*self.hidden.shape[:-1], y.shape[-1])
 
-
-class ResNormOperand:
+class ResNormOperand(_Operand):
     """The modulated LayerNorm of ``residual + gate * (x + bias)``; the layer's call returns ``(residual_out
     [B, L, D], its output [B, L, N])``: the kernel computes the new residual on the way."""
 
@@ -132,20 +110,9 @@ class ResNormOperand:
     decodes = True
 
     def __init__(self, inputs: ResNormInputs, eps: float, site: Site):
+        super().__init__(inputs.residual)
         self.inputs, self.eps, self.site = inputs, eps, site
         self._residual_out: torch.Tensor | None = None
-
-    @property
-    def rows(self) -> int:
-        return _rows(self.inputs.residual)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.inputs.residual.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.inputs.residual.device
 
     def quantize(self, input_scale_inv: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
         self._residual_out, packed, scales = resnorm_quantize.checked(
@@ -157,13 +124,12 @@ class ResNormOperand:
             self.site, *self.inputs, input_scale_inv, self.eps, fast_math)
         return x16
 
-    def output(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = self.inputs.residual
+    def output(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         assert self._residual_out is not None  # quantize or decode ran first (NVFP4Linear.forward)
-        return self._residual_out, y.reshape(*residual.shape[:-1], y.shape[-1])
+        return self._residual_out, super().output(y)
 
 
-class AdaLNOperand:
+class AdaLNOperand(_Operand):
     """What the attention receives in place of the modulated norm1 output ``LayerNorm(x) * (1 + scale) + shift``.
     ``shape``, ``dtype`` and ``device`` are the modulated tensor's; only the site's projections read its values,
     through their calls. The first projection runs the kernel with its input scale (equal for every projection of
@@ -173,6 +139,7 @@ class AdaLNOperand:
     decodes = True
 
     def __init__(self, inputs: AdaLNInputs, eps: float, site: Site):
+        super().__init__(inputs.x)
         self.inputs, self.eps, self.site = inputs, eps, site
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
         self._decoded: torch.Tensor | None = None
@@ -180,18 +147,6 @@ class AdaLNOperand:
     @property
     def shape(self) -> torch.Size:
         return self.inputs.x.shape
-
-    @property
-    def rows(self) -> int:
-        return _rows(self.inputs.x)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.inputs.x.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.inputs.x.device
 
     def _one_form(self, other: object) -> None:
         if other is not None:
@@ -210,6 +165,3 @@ class AdaLNOperand:
             self._decoded = adaln_quantize_decoded.checked(self.site, *self.inputs, input_scale_inv, self.eps,
                                                            fast_math)
         return self._decoded
-
-    def output(self, y: torch.Tensor) -> torch.Tensor:
-        return y.reshape(*self.inputs.x.shape[:-1], y.shape[-1])
