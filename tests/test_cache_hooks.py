@@ -1,6 +1,6 @@
 """Every cache hook diffusers ships (``transformer.enable_cache(...)``) on both tiny pipelines: wherever the hook runs
-with fast paths off, the PNG with fast paths on is the same, and the README's table says which hooks diffusers itself
-fails to run, with the error it raises. A hook that observes a module whose output a fused path
+with fast paths off, the PNG with fast paths on is the same, and the table in docs/pipelines.md says which hooks
+diffusers itself fails to run, with the error it raises. A hook that observes a module whose output a fused path
 would change (TaylorSeer and PAB cache attention outputs) makes that part of the fused path fall back, counted with its
 reason."""
 
@@ -41,13 +41,13 @@ CACHES = {
 }
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TABLE = Path(__file__).resolve().parents[1] / "docs" / "pipelines.md"
 PIPELINE_COLUMN = {"flux2": "`Flux2Pipeline`", "qwen": "`QwenImagePipeline`"}
 
 
 def readme_cell(which: str, cache: str, pipe) -> str:
-    """The README table's entry for this hook's config class and pipeline."""
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in README.read_text().splitlines()
+    """The docs/pipelines.md table's entry for this hook's config class and pipeline."""
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in TABLE.read_text().splitlines()
             if line.startswith("| ")]
     header = next(r for r in rows if r[0] == "cache hook config")
     table = {r[0].strip("`"): r for r in rows}

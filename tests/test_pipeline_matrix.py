@@ -1,7 +1,7 @@
 """Every FLUX.2 and Qwen-Image pipeline class of diffusers 0.42.1 with a tiny NVFP4 transformer
 (``testing/tiny_family.MATRIX``): the same PNG bytes with fast paths off, on and off again; every fused site kind
-installed runs (``fused_calls``), nothing falls back, no verification fails. The README's "Pipelines" table lists
-exactly the classes covered here."""
+installed runs (``fused_calls``), nothing falls back, no verification fails. The "Pipeline classes" table of
+docs/pipelines.md lists exactly the classes covered here."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from diffusers_nvfp4_fast.testing.tiny_family import (
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+TABLE = Path(__file__).resolve().parents[1] / "docs" / "pipelines.md"
 
 FLUX2_SITES = {"flux2_token_cat": 2, "flux2_rotary": 3, "flux2_swiglu": 2, "flux2_resnorm": 2, "flux2_adaln": 4}
 # 1 NVFP4 block: 2 feed-forwards (GELU), 2 streams' query/key/value (adaptive LayerNorm), 1 attention processor
@@ -38,7 +38,7 @@ SITES = {"flux2": FLUX2_SITES, "klein": FLUX2_SITES, "qwen_small": QWEN_SITES, "
 CASE_SITES: dict[str, dict] = {}
 CASE_FALLBACKS = {"klein_kv": {"flux2_resnorm: modulation parameters are not per sample [B, 1, D] bf16": 1}}
 
-# The classes of the two families in diffusers 0.42.1 that no case builds, and why (README, "Pipelines").
+# The classes of the two families in diffusers 0.42.1 that no case builds, and why (docs/pipelines.md).
 NOT_COVERED = {
     name: "modular pipeline: not built here"
     for name in ("Flux2ModularPipeline", "Flux2KleinModularPipeline", "Flux2KleinBaseModularPipeline",
@@ -115,14 +115,14 @@ def test_qwen21_runs_its_nvfp4_layers_with_no_fused_site(exports):
     assert len(calls) >= 2 * len(linears) and set(calls) == {"128x4"}  # 2 steps
 
 
-def _readme_pipelines() -> list[str]:
-    section = README.read_text().split("\n## Pipelines\n", 1)[1].split("\n## ", 1)[0]
+def _table_pipelines() -> list[str]:
+    section = TABLE.read_text().split("\n## Pipeline classes\n", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^\| `(\w+)` \|", section, re.M)
 
 
-def test_readme_table_lists_exactly_the_matrix():
-    listed = _readme_pipelines()
-    assert len(listed) == len(set(listed)), f"a class appears twice in the README table: {listed}"
+def test_docs_table_lists_exactly_the_matrix():
+    listed = _table_pipelines()
+    assert len(listed) == len(set(listed)), f"a class appears twice in the docs/pipelines.md table: {listed}"
     assert set(listed) == {case.pipeline for case in MATRIX}
 
 

@@ -1,5 +1,5 @@
 """Tiny offline pipelines of every FLUX.2 and Qwen-Image pipeline class diffusers 0.42.1 ships: the pipeline matrix
-(tests/test_pipeline_matrix.py, the README's "Pipelines" table).
+(tests/test_pipeline_matrix.py, the table in docs/pipelines.md).
 
 Each case takes an NVFP4 transformer and returns ``(pipe, call kwargs)``; ``generate`` runs it. Two things make the
 image-conditioned Qwen-Image pipelines buildable offline and cheap, and change no code path:
