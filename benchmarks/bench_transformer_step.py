@@ -339,12 +339,30 @@ def time_graph_phases(model: nn.Module, inputs: dict, warmup: int, timed: int, d
     return runs
 
 
-def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device, enable, disable) -> dict:
+def _launches(direct: bool, switch):
+    """``switch`` with the launch plans and direct launches of ``kernels.launch`` on or off (off: every launch through
+    the kernel wrappers, as before plans existed)."""
+    import importlib
+
+    launch = importlib.import_module("diffusers_nvfp4_fast.kernels.launch")
+
+    def switched(model):
+        launch.DIRECT_LAUNCH = direct
+        return switch(model)
+
+    return switched
+
+
+def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device, enable, disable,
+                compare_launch: bool = False) -> dict:
     """Fast paths off and on, timed in alternating rounds (off, on, off, on, ...) so that clock or thermal drift
     during the run cannot favour either side. Returns per mode: median ms, peak GB, the last output, and for "on"
-    the fast-path report taken after its last round."""
-    runs = {"off": {"times": [], "host": [], "peak": 0.0}, "on": {"times": [], "host": [], "peak": 0.0}}
-    modes = (("off", disable), ("on", enable))
+    the fast-path report taken after its last round. ``compare_launch`` adds the mode "on_before_plans" (fast paths
+    on, launch plans and direct launches off) to the rotation."""
+    modes = [("off", _launches(True, disable)), ("on", _launches(True, enable))]
+    if compare_launch:
+        modes.append(("on_before_plans", _launches(False, enable)))
+    runs = {mode: {"times": [], "host": [], "peak": 0.0} for mode, _ in modes}
     for _ in range(warmup):  # compile, autotune and first-use verification happen here, for both modes
         for _, switch in modes:
             switch(model)
@@ -357,7 +375,7 @@ def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device,
             runs[mode]["times"].append(t)
             runs[mode]["host"].append(h)
             runs[mode]["peak"] = max(runs[mode]["peak"], _peak_gb(device))
-    runs["on"]["report"] = enable(model)  # enabled already: returns the report (its counts cover the last round)
+    runs["on"]["report"] = _launches(True, enable)(model)  # the report (its counts cover the last round)
     disable(model)
     for r in runs.values():
         r["ms"], r["host_ms"] = _median(r["times"]), _median(r["host"])
@@ -469,7 +487,8 @@ def run(args) -> dict:
         elif args.cuda_graph:
             runs = time_graph_phases(runner, inputs, args.warmup, args.steps_timed, device, *switches)
         else:
-            runs = time_off_on(runner, inputs, args.warmup, args.steps_timed, device, *switches)
+            runs = time_off_on(runner, inputs, args.warmup, args.steps_timed, device, *switches,
+                               compare_launch=args.compare_launch)
         ms_off, host_off = runs["off"]["ms"], runs["off"]["host_ms"]
         peak_off, out_off = runs["off"]["peak"], runs["off"]["out"]
     else:
@@ -499,6 +518,14 @@ def run(args) -> dict:
                       "weight_bytes": weight_bytes, "exact": exact, "times_ms": [round(t, 2) for t in on["times"]],
                       "fast_path_report": _jsonable(on["report"])})
         cases[0]["times_ms"] = [round(t, 2) for t in runs["off"]["times"]]
+        if "on_before_plans" in runs:
+            before = runs["on_before_plans"]
+            log(f"fast paths on, launch plans off: {before['ms']:.1f} ms/step (host {before['host_ms']:.1f} ms)")
+            cases.append({"shape": shape, "variant": "nvfp4_fast_on_before_plans",
+                          "ms_per_step": round(before["ms"], 2), "host_ms_per_step": round(before["host_ms"], 2),
+                          "peak_mem_GB": round(before["peak"], 2), "weight_GB": round(weight_bytes / 1e9, 3),
+                          "weight_bytes": weight_bytes, "exact": same_bytes(before["out"], out_off),
+                          "times_ms": [round(t, 2) for t in before["times"]]})
         for case, mode in ((cases[0], "off"), (cases[1], "on")):
             if "replay_equals_eager" in runs[mode]:
                 case["replay_equals_eager"] = runs[mode]["replay_equals_eager"]
@@ -599,6 +626,8 @@ def main() -> None:
     ap.add_argument("--steps-timed", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2, help="untimed forwards first (Triton compile + GEMM autotune)")
     ap.add_argument("--skip-bf16", action="store_true", help="do not build/time the BF16 model")
+    ap.add_argument("--compare-launch", action="store_true",
+                    help="eager: also time fast paths on with launch plans and direct launches off, in the rotation")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny config on CPU (emulated GEMM): checks the logic, no timing value")
     ap.add_argument("--cuda-graph", "--cuda-graphs", action="store_true",

@@ -88,7 +88,7 @@ def launch_options(device: torch.device, fast_math: bool, num_warps: int = 4) ->
 _COMPILED: dict = {}
 
 
-def _hooks_installed() -> bool:
+def hooks_installed() -> bool:
     """Whether a launch hook (a profiler such as proton) is registered: then every launch takes Triton's path."""
     if knobs is None:
         return True
@@ -126,7 +126,7 @@ def _launch(kernel, grid, args, kwargs) -> tuple:
         return None, None
     device = torch.cuda.current_device()
     caches = kernel.device_caches.get(device)
-    if caches is None or _hooks_installed():
+    if caches is None or hooks_installed():
         _compile_and_launch(kernel, grid, device, None, args, kwargs)
         return None, None
     try:
@@ -157,7 +157,102 @@ def _run(compiled, grid, device: int, values: tuple) -> None:
                  None, None, *values)
 
 
+class DirectLaunch:
+    """A compiled binary launched through Triton's C launcher itself, past ``CudaLauncher.__call__`` and its
+    tensor-descriptor wrapper (Python that every launch pays: two scratch-allocation closures, a list rebuilt per
+    call, a ``cuTensorMapEncodeTiled`` per descriptor argument). Call it as
+    ``d.launch(gx, gy, gz, stream, d.function, d.cooperative, d.pdl, None, None, d.metadata, None, None, None,
+    *arguments)`` with the arguments in the C launcher's order: pointers as tensors or plain integers (device
+    addresses), each tensor-descriptor argument expanded to ``descriptor_arguments``' form.
+
+    ``descriptor_meta`` holds, per tensor-descriptor parameter, the metadata Triton compiled it with (None for a
+    kernel without any). docs/performance.md ("Host time per call") says what it saves and how it is checked.
+    """
+
+    __slots__ = ("launch", "function", "metadata", "cooperative", "pdl", "descriptor_meta")
+
+    def __init__(self, launch, function: int, metadata: tuple, cooperative: bool, pdl: bool,
+                 descriptor_meta: list | None) -> None:
+        self.launch, self.function, self.metadata = launch, function, metadata
+        self.cooperative, self.pdl, self.descriptor_meta = cooperative, pdl, descriptor_meta
+
+    def run(self, grid: tuple[int, ...], stream: int, *arguments) -> None:
+        """One launch on ``stream`` (a raw CUDA stream handle) with a 1-, 2- or 3-D ``grid``."""
+        self.launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, self.function,
+                    self.cooperative, self.pdl, None, None, self.metadata, None, None, None, *arguments)
+
+
+def _driver_module():
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:
+        return None
+    return driver
+
+
+# The C launcher's leading arguments in the Triton releases this reads (3.6: grid x/y/z, stream, function,
+# cooperative, pdl, two scratch buffers, kernel metadata, launch metadata, two hooks); another layout keeps
+# Triton's own launch path.
+_LAUNCHER_HEAD = "iiiKKppOOOOOO"
+
+
+def direct_launch(compiled) -> DirectLaunch | None:
+    """``compiled``'s ``DirectLaunch``, or None where its launcher is not the one this module knows (another Triton
+    layout, scratch memory, a launch hook, the interpreter): then Triton's own path launches it."""
+    if INTERPRETING or hooks_installed():
+        return None
+    driver = _driver_module()
+    run = getattr(compiled, "run", None)
+    if driver is None or getattr(driver, "_BASE_ARGS_FORMAT", None) != _LAUNCHER_HEAD:
+        return None
+    if not isinstance(run, getattr(driver, "CudaLauncher", ())) or run.global_scratch_size or run.profile_scratch_size:
+        return None
+    launch, meta = run.launch, None
+    if type(launch).__name__ != "builtin_function_or_method":  # the tensor-descriptor wrapper around the C function
+        cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
+        launch, meta = cells.get("launcher"), cells.get("tensordesc_meta")
+        if type(launch).__name__ != "builtin_function_or_method" or not meta or not all(
+                isinstance(m, dict) and _DESCRIPTOR_KEYS <= m.keys() for m in meta):
+            return None
+    return DirectLaunch(launch, compiled.function, compiled.packed_metadata, bool(run.launch_cooperative_grid),
+                        bool(run.launch_pdl), meta)
+
+
+_DESCRIPTOR_KEYS = frozenset(("swizzle", "elem_size", "elem_type", "block_size", "fp4_padded"))
+
+
+class DescriptorEncoding:
+    """How one tensor-descriptor argument of a ``DirectLaunch`` becomes the C launcher's arguments: a
+    ``CUtensorMap`` encoded for the base address, then the shape and strides. Everything but the address is fixed
+    by the call site (shape, strides, block, layout), so ``arguments(ptr)`` encodes only the map."""
+
+    __slots__ = ("fill", "swizzle", "elem_size", "elem_type", "block", "shape", "strides", "padding")
+
+    def __init__(self, descriptor, meta: dict) -> None:
+        from triton.runtime import driver as runtime_driver
+
+        nvidia = _driver_module()
+        assert nvidia is not None  # direct_launch returned a launch, so Triton's NVIDIA driver module exists
+        self.fill = runtime_driver.active.utils.fill_tma_descriptor
+        shape = list(descriptor.shape)
+        if meta["fp4_padded"]:
+            shape[-1] *= 2
+        self.swizzle, self.elem_size, self.block = meta["swizzle"], meta["elem_size"], meta["block_size"]
+        self.elem_type = nvidia.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]]
+        self.shape, self.strides = shape, list(descriptor.strides)
+        self.padding = 1 if descriptor.padding == "nan" else 0
+
+    def arguments(self, address: int) -> tuple:
+        """The C launcher's arguments for a descriptor with this encoding over ``address``."""
+        tensor_map = self.fill(address, self.swizzle, self.elem_size, self.elem_type, self.block, self.shape,
+                               self.strides, self.padding)
+        return (tensor_map, *self.shape, *self.strides)
+
+
 _BY_SITE: dict = {}
+# False keeps every launch on the path that ran before DirectLaunch and launch plans existed (read per call), so a
+# benchmark can time both in one process (benchmarks/bench_layer_host.py).
+DIRECT_LAUNCH = True
 _CONSTANT_TYPES = (int, bool, float, str, type(None))
 
 
@@ -181,15 +276,28 @@ def launch_by_site(kernel, grid: tuple[int, ...], site: tuple, *args, **kwargs) 
     device = torch.cuda.current_device()
     key = (id(kernel), site, device)
     entry = _BY_SITE.get(key)
-    if entry is not None and entry[0] is kernel and not _hooks_installed():
-        _run(entry[1], grid, device, (*args, *entry[2]))
+    if entry is not None and entry[0] is kernel and not hooks_installed():
+        direct = entry[3]
+        if DIRECT_LAUNCH and direct is not None and direct.descriptor_meta is None:
+            direct.run(grid, torch._C._cuda_getCurrentRawStream(device), *args, *entry[2])
+        else:
+            _run(entry[1], grid, device, (*args, *entry[2]))
         return
     compiled, values = _launch(kernel, grid, args, kwargs)
     if compiled is None or len(values) < len(args) or any(v is not a for v, a in zip(values, args)):
         return
     tail = values[len(args):]
     if all(type(v) in _CONSTANT_TYPES for v in tail):
-        _BY_SITE[key] = (kernel, compiled, tail)
+        _BY_SITE[key] = (kernel, compiled, tail, direct_launch(compiled))
+
+
+def site_binary(kernel, site: tuple) -> tuple[DirectLaunch, tuple] | None:
+    """(the ``DirectLaunch`` of the binary ``launch_by_site`` recorded for ``site`` on the current device, the values
+    of its keyword and default parameters), or None when none is recorded or it cannot be launched directly."""
+    entry = _BY_SITE.get((id(kernel), site, torch.cuda.current_device()))
+    if entry is None or entry[0] is not kernel or entry[3] is None:
+        return None
+    return entry[3], entry[2]
 
 
 def _compile_and_launch(kernel, grid, device, key, args, kwargs) -> None:

@@ -418,7 +418,7 @@ _tuned_fp16_x = _make_tuned(False)
 
 
 @functools.cache
-def _sm90_kernel_module():
+def sm90_kernel_module():
     """The Gluon SM90 kernel module, or None (with one warning) when this Triton lacks the Gluon Hopper API.
 
     Without it large-M GEMMs run the Triton kernel: same bytes, 0.55-0.65x cuBLAS BF16 instead of 0.96-1.14x (H200).
@@ -439,7 +439,7 @@ def sm90_kernel_for(m: int, k: int, w_packed: torch.Tensor, w_scales: torch.Tens
     predecode = x_decode == "predecode" or (x_decode == "auto" and m > PREDECODE_MAX_M)
     if not predecode or kernel == "triton" or config is not None or (kernel == "auto" and INTERPRETING):
         return None
-    sm90 = _sm90_kernel_module()
+    sm90 = sm90_kernel_module()
     return sm90 if sm90 is not None and sm90.sm90_supported(k, w_packed, w_scales) else None
 
 

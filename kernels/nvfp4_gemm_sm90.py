@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
+from typing import cast
 
 import torch
 from triton.experimental import gluon
@@ -61,10 +62,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .launch import cdiv, cuda_capability, launch_by_site, sm_count
+from .launch import DescriptorEncoding, DirectLaunch, cdiv, cuda_capability, launch_by_site, site_binary, sm_count
 from .tiling import grouped_tile
 
-__all__ = ["nvfp4_gemm_sm90", "sm90_supported", "sm90_block_m", "SM90_STAGES", "SM90_GROUP_N", "SM90_TILE_COST"]
+__all__ = ["nvfp4_gemm_sm90", "sm90_supported", "sm90_block_m", "sm90_launch", "Sm90Launch", "SM90_STAGES",
+           "SM90_GROUP_N", "SM90_TILE_COST"]
 
 BLOCK_N, BLOCK_K, NUM_WARPS = 128, 64, 8
 # Per-thread register cap of the launch: 8 MMA warps + the producer warp (a warpgroup of 4 as allocated) = 384
@@ -339,12 +341,7 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
     if block_m not in SM90_TILE_COST:
         raise ValueError(f"nvfp4_gemm_sm90: block_m={block_m}; it must be one of {sorted(SM90_TILE_COST)}")
     scale_cols = w_scales.shape[1]
-    bias_key = None if bias is None else (bias.dtype, bias.data_ptr() % 16 == 0)
-    # Everything Triton specializes this launch on (kernels.launch.launch_by_site): the integers, the dtypes and
-    # alignments of the pointers, the descriptors' shapes, strides and blocks (from m, n, k, the strides, block_m).
-    site = (m, n, k, x16.stride(0), x16.dtype, x16.data_ptr() % 16 == 0, out.dtype, out.stride(0),
-            out.data_ptr() % 16 == 0, alpha.dtype, alpha.data_ptr() % 16 == 0, bias_key, scale_cols, block_m, stages,
-            group_n)
+    site = _site(x16, out, alpha, bias, n, scale_cols, block_m, stages, group_n)
     x_desc = _x_descriptor(x16, block_m, site)
     w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
     grid = (cdiv(m, block_m) * cdiv(n, BLOCK_N),)
@@ -354,6 +351,62 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
                    NEW_REINTERPRET=_NEW_REINTERPRET, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
                    maxnreg=MAX_REGISTERS)
     return out
+
+
+def _site(x16: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None, n: int,
+          scale_cols: int, block_m: int, stages: int, group_n: int) -> tuple:
+    """Everything Triton specializes a launch on (kernels.launch.launch_by_site): the integers, the dtypes and
+    alignments of the pointers, the descriptors' shapes, strides and blocks (from m, n, k, the strides, block_m)."""
+    m, k = x16.shape
+    bias_key = None if bias is None else (bias.dtype, bias.data_ptr() % 16 == 0)
+    return (m, n, k, x16.stride(0), x16.dtype, x16.data_ptr() % 16 == 0, out.dtype, out.stride(0),
+            out.data_ptr() % 16 == 0, alpha.dtype, alpha.data_ptr() % 16 == 0, bias_key, scale_cols, block_m, stages,
+            group_n)
+
+
+class Sm90Launch:
+    """The SM90 GEMM of one weight for one class of calls (M, dtypes, bias), launched without its wrapper: the
+    binary ``nvfp4_gemm_sm90`` recorded for the call's site, the weight's tensor maps encoded once, the activation's
+    encoded per call (``launch.DirectLaunch``). ``run`` gives the bytes ``nvfp4_gemm_sm90`` gives for an FP16
+    activation of ``m`` contiguous, 16-byte aligned rows and a fresh ``[m, n]`` output (docs/performance.md)."""
+
+    __slots__ = ("direct", "grid", "x_encoding", "after_x", "after_out", "m", "n", "out_dtype")
+
+    def __init__(self, direct: DirectLaunch, tail: tuple, x16: torch.Tensor, w_packed: torch.Tensor,
+                 w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                 block_m: int, site: tuple) -> None:
+        m, k = x16.shape
+        n = w_packed.shape[0]
+        meta = cast(list, direct.descriptor_meta)
+        w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
+        self.direct, self.m, self.n, self.out_dtype = direct, m, n, out.dtype
+        self.grid = (cdiv(m, block_m) * cdiv(n, BLOCK_N), 1, 1)
+        self.x_encoding = DescriptorEncoding(_x_descriptor(x16, block_m, site), meta[0])
+        weight_args = (*DescriptorEncoding(w_desc, meta[1]).arguments(w_packed.data_ptr()),
+                       *DescriptorEncoding(s_desc, meta[2]).arguments(w_scales.data_ptr()))
+        self.after_x = (*weight_args, alpha.data_ptr(), (alpha if bias is None else bias).data_ptr())
+        self.after_out = (m, n, k, out.stride(0), w_scales.shape[1] // 4, *tail)
+
+    def run(self, x16_address: int, out: torch.Tensor, stream: int) -> torch.Tensor:
+        """``out`` (``[m, n]``, fresh) = the GEMM of the FP16 activation at ``x16_address``, launched on ``stream``."""
+        d = self.direct
+        d.launch(*self.grid, stream, d.function, d.cooperative, d.pdl, None, None, d.metadata, None, None, None,
+                 *self.x_encoding.arguments(x16_address), *self.after_x, out.data_ptr(), *self.after_out)
+        return out
+
+
+def sm90_launch(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
+                out: torch.Tensor, bias: torch.Tensor | None = None) -> Sm90Launch | None:
+    """The ``Sm90Launch`` of a call that ``nvfp4_gemm_sm90`` (default stages, order and tile height) has run once
+    with these arguments, or None where it cannot be launched directly (no recorded binary, another Triton)."""
+    m, k = x16.shape
+    n = w_packed.shape[0]
+    block_m = sm90_block_m(m, n, sm_count(x16.device))
+    site = _site(x16, out, alpha, bias, n, w_scales.shape[1], block_m, SM90_STAGES, SM90_GROUP_N)
+    recorded = site_binary(_nvfp4_gemm_sm90_kernel, site)
+    if recorded is None or recorded[0].descriptor_meta is None or len(recorded[0].descriptor_meta) != 3:
+        return None
+    return Sm90Launch(recorded[0], recorded[1], x16, w_packed, w_scales, alpha, bias, out, block_m, site)
 
 
 _X_DESCRIPTOR_FIELDS: dict[tuple, dict] = {}

@@ -5,7 +5,17 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import as_block_rows, cdiv, launch, launch_by_site, launch_options, padded_scale_shape, tile_grid
+from .launch import (
+    DirectLaunch,
+    as_block_rows,
+    cdiv,
+    launch,
+    launch_by_site,
+    launch_options,
+    padded_scale_shape,
+    site_binary,
+    tile_grid,
+)
 from .nvfp4_epilogue import block_tile, e4m3_value, load_blocks, quantize_blocks, store_blocks
 
 
@@ -141,14 +151,53 @@ def launch_decoded_quantize(
     col_tiles = cdiv(k // 16, block_c)
     if m:
         words = out.view(torch.int64)
-        # What Triton specializes this launch on (kernels.launch.launch_by_site): integers, pointer alignments,
-        # dtypes, keywords (the device fixes HW_E2M1).
-        site = (m, k, row_stride, col_tiles, blocks.data_ptr() % 16 == 0, global_scale.dtype,
-                global_scale.data_ptr() % 16 == 0, words.data_ptr() % 16 == 0, x.dtype, fast_math, block_r, block_c,
-                num_warps)
+        site = _decoded_site(x.dtype, blocks, global_scale, words, row_stride, fast_math, block_r, block_c, num_warps)
         launch_by_site(
             kernel, (cdiv(m, block_r) * col_tiles,), site, blocks, global_scale, words, m, k, row_stride,
             col_tiles, BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
             **launch_options(x.device, fast_math, num_warps),
         )
     return out
+
+
+def _decoded_site(dtype: torch.dtype, blocks: torch.Tensor, global_scale: torch.Tensor, words: torch.Tensor,
+                  row_stride: int, fast_math: bool, block_r: int, block_c: int, num_warps: int) -> tuple:
+    """What Triton specializes a decoded-quantize launch on (kernels.launch.launch_by_site): integers, pointer
+    alignments, dtypes, keywords (the device fixes HW_E2M1)."""
+    m, k = blocks.shape[0], 4 * words.shape[1]
+    return (m, k, row_stride, cdiv(k // 16, block_c), blocks.data_ptr() % 16 == 0, global_scale.dtype,
+            global_scale.data_ptr() % 16 == 0, words.data_ptr() % 16 == 0, dtype, fast_math, block_r, block_c,
+            num_warps)
+
+
+class DecodedQuantizeLaunch:
+    """``quantize_nvfp4_decoded`` for one class of calls (M, K, dtype, recipe, global scale tensor), launched without
+    its wrapper (``launch.DirectLaunch``): ``run`` gives its bytes for ``m`` contiguous, 16-byte aligned rows."""
+
+    __slots__ = ("direct", "grid", "scale_address", "after_out")
+
+    def __init__(self, direct: DirectLaunch, tail: tuple, m: int, k: int, global_scale: torch.Tensor,
+                 block_r: int, block_c: int) -> None:
+        col_tiles = cdiv(k // 16, block_c)
+        self.direct, self.grid = direct, (cdiv(m, block_r) * col_tiles, 1, 1)
+        self.scale_address = global_scale.data_ptr()
+        self.after_out = (m, k, k // 4, col_tiles, *tail)
+
+    def run(self, x_address: int, out_address: int, stream: int) -> None:
+        """FP16 ``[m, k]`` at ``out_address`` = the decoded quantize of the rows at ``x_address``, on ``stream``."""
+        d = self.direct
+        d.launch(*self.grid, stream, d.function, d.cooperative, d.pdl, None, None, d.metadata, None, None, None,
+                 x_address, self.scale_address, out_address, *self.after_out)
+
+
+def decoded_quantize_launch(x: torch.Tensor, global_scale: torch.Tensor, out: torch.Tensor, fast_math: bool,
+                            block_r: int = 8, block_c: int = 16, num_warps: int = 4) -> DecodedQuantizeLaunch | None:
+    """The ``DecodedQuantizeLaunch`` of a call ``quantize_nvfp4_decoded(x, global_scale)`` (default tiles) made once
+    with contiguous ``x`` whose result is ``out``, or None where it cannot be launched directly."""
+    blocks, row_stride = as_block_rows(x)
+    site = _decoded_site(x.dtype, blocks, global_scale, out.view(torch.int64), row_stride, fast_math, block_r, block_c,
+                         num_warps)
+    recorded = site_binary(_quantize_nvfp4_decoded_kernel, site)
+    if recorded is None or recorded[0].descriptor_meta is not None:
+        return None
+    return DecodedQuantizeLaunch(recorded[0], recorded[1], x.shape[0], x.shape[1], global_scale, block_r, block_c)

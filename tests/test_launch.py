@@ -121,7 +121,7 @@ class _FakeKernel:
 
 def _fake_cuda(monkeypatch):
     monkeypatch.setattr(launch_mod, "INTERPRETING", False)
-    monkeypatch.setattr(launch_mod, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(launch_mod, "hooks_installed", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
     monkeypatch.setattr(launch_mod, "_COMPILED", {})
@@ -178,3 +178,117 @@ def test_gpu_decoded_quantize_sites_run_the_binders_binary(monkeypatch):
                     got = quantize_mod.quantize_nvfp4_decoded(x, g, fast_math=fast_math).view(torch.int16)
                     assert torch.equal(got, want), (rows, offset, fast_math, call)
     assert len(set(checked)) == 2 * 2 * 2, f"sites checked: {len(set(checked))} of 8"
+
+
+
+def test_launch_plans_are_built_at_the_second_call_of_a_class():
+    """``ops.linear``'s plan table: no plan until a class (a key holding the layer tensors' addresses) was called
+    twice the normal way, so a layer that offloading moves on every call never gets one; a launch hook or plans
+    switched off (``DIRECT_LAUNCH``) send every call down the wrappers' path."""
+    from diffusers_nvfp4_fast.ops import linear
+
+    linear.forget_plans()
+    built = []
+
+    def build():
+        built.append(1)
+        return "plan"
+
+    here, there = ("quantize", 128, 1), ("quantize", 128, 2)
+    try:
+        linear._learn(here, build)
+        linear._learn(there, build)
+        assert linear._plan(here) is None and built == []
+        linear._learn(here, build)
+        assert built == [1] and linear._plan(here) == "plan" and linear._plan(there) is None
+        linear._learn(here, build)  # decided already
+        assert built == [1]
+        original = launch_mod.hooks_installed
+        launch_mod.hooks_installed = lambda: True
+        try:
+            assert linear._plan(here) is None
+        finally:
+            launch_mod.hooks_installed = original
+        launch_mod.DIRECT_LAUNCH = False
+        try:
+            assert linear._plan_key("decoded", torch.zeros(4, 4), torch.float16) is None
+        finally:
+            launch_mod.DIRECT_LAUNCH = True
+    finally:
+        linear.forget_plans()
+
+
+def _plan_layer(k: int, n: int, bias: bool, dtype=torch.bfloat16):
+    from diffusers_nvfp4_fast import NVFP4Linear
+
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
+    layer = NVFP4Linear.from_weight(w, b, 6.0 / 2688)
+    return layer.to(dtype) if dtype != torch.bfloat16 else layer
+
+
+def _built_plans() -> int:
+    from diffusers_nvfp4_fast.ops import linear
+
+    return sum(1 for plan in linear._PLANS.values() if plan is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [65, 512, 4097])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_layer_plans_give_the_wrappers_bytes(rows, dtype):
+    """An ``NVFP4Linear`` call through its launch plan (decoded quantize + SM90 GEMM launched directly) gives the
+    bytes of the same call through the kernel wrappers (``DIRECT_LAUNCH`` off), with and without bias, for plain
+    BF16/FP16 input and for a fused producer's FP16 decode; the plan is built at the second call and used after."""
+    from diffusers_nvfp4_fast.ops import linear
+
+    linear.forget_plans()
+    torch.manual_seed(rows)
+    for k, n, bias in ((3072, 3072, True), (1024, 640, False)):
+        layer = _plan_layer(k, n, bias, dtype)
+        x = torch.randn(rows, k, device="cuda", dtype=dtype) * 2
+        x16 = kernels.quantize_nvfp4_decoded(x, layer.input_scale_inv)
+        launch_mod.DIRECT_LAUNCH = False
+        try:
+            want, want_decoded = layer(x), layer.forward_decoded(x16, dtype)
+        finally:
+            launch_mod.DIRECT_LAUNCH = True
+        before = _built_plans()
+        for call in range(4):
+            assert torch.equal(layer(x).view(torch.int16), want.view(torch.int16)), (k, n, call)
+            got = layer.forward_decoded(x16, dtype)
+            assert torch.equal(got.view(torch.int16), want_decoded.view(torch.int16)), (k, n, call)
+        assert _built_plans() == before + 2, linear._PLANS
+
+
+@pytest.mark.gpu
+def test_gpu_layer_plans_follow_moved_tensors_and_cuda_graphs():
+    """A weight replaced in place (new storage) gives the call another key: it takes the wrappers' path and the new
+    weight's bytes; a plan captured into a CUDA graph replays the eager bytes."""
+    torch.manual_seed(0)
+    layer = _plan_layer(3072, 3072, True)
+    x = torch.randn(512, 3072, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        first = layer(x)
+    other = _plan_layer(3072, 3072, True)
+    layer.weight.data = other.weight.data.clone()
+    layer.weight_scale.data = other.weight_scale.data.clone()
+    layer.weight_scale_2.copy_(other.weight_scale_2)
+    layer.refresh_derived_scales_()
+    layer.bias.copy_(other.bias)
+    want = other(x)
+    assert not torch.equal(want, first)
+    for _ in range(3):
+        assert torch.equal(layer(x).view(torch.int16), want.view(torch.int16))
+    static = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(static)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))

@@ -109,7 +109,63 @@ def _linear_fp16_x_impl(
     x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    return cast(ModuleType, kernels).nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
+    key = _plan_key("decoded", x16, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha, bias)
+    plan = _plan(key)
+    if plan is not None:
+        return plan(x16)
+    k = cast(ModuleType, kernels)
+    out = k.nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
+    _learn(key, lambda: k.linear_plan(None, x16.shape[0], x16.shape[1], None, False, w_packed, w_scales, alpha, bias,
+                                      out))
+    return out
+
+
+# Launch plans (kernels/linear_plan.py) by call class. A key holds the addresses of every tensor the call reads but
+# the activation, with the shapes and dtypes that fix the binaries: a plan is right for any call with its key. A
+# class gets its plan at its second call (a layer that offloading moves on every call never does); None marks a
+# class that cannot have one. Both tables are emptied when they grow past _PLAN_LIMIT.
+_PLANS: dict[tuple, object] = {}
+_SEEN: set[tuple] = set()
+_PLAN_LIMIT = 8192
+
+
+def _plan_key(kind: str, x: torch.Tensor, out_dtype: torch.dtype, *tensors_and_flags) -> tuple | None:
+    """The plan key of a large-M call on SM90 (contiguous 16-byte aligned ``x`` ``[M, K]``; ``tensors_and_flags``:
+    N, the layer's tensors, whose addresses are taken, and plain flags), or None where the call cannot have a plan
+    (another device, plans switched off)."""
+    if not (x.is_cuda and kernels is not None and kernels.launch.DIRECT_LAUNCH and x.is_contiguous()
+            and x.data_ptr() % 16 == 0):
+        return None
+    parts = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors_and_flags)
+    return (kind, x.shape[0], x.shape[1], x.dtype, x.device.index, out_dtype, *parts)
+
+
+def _plan(key: tuple | None):
+    """The plan for ``key``, or None where the call must take the wrappers' path (no plan, a launch hook)."""
+    if key is None:
+        return None
+    plan = _PLANS.get(key)
+    return None if plan is None or cast(ModuleType, kernels).launch.hooks_installed() else plan
+
+
+def _learn(key: tuple | None, build) -> None:
+    """After a call of class ``key`` took the wrappers' path: its plan is built at the second such call."""
+    if key is None or key in _PLANS:
+        return
+    if key not in _SEEN:
+        if len(_SEEN) >= _PLAN_LIMIT:
+            _SEEN.clear()
+        _SEEN.add(key)
+        return
+    if len(_PLANS) >= _PLAN_LIMIT:
+        _PLANS.clear()
+    _PLANS[key] = build()
+
+
+def forget_plans() -> None:
+    """Drop every launch plan (tests; a plan is otherwise right for as long as its key's tensors stay in place)."""
+    _PLANS.clear()
+    _SEEN.clear()
 
 
 _linear_fp16_x_op = torch.library.custom_op("nvfp4_fast::linear_fp16_x", mutates_args=())(_linear_fp16_x_impl)
@@ -134,11 +190,19 @@ def _quantized_linear_impl(
     alpha: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool,
 ) -> torch.Tensor:
     if takes_decoded_activation(x.shape[0], x.device, bias, out_dtype, w_swizzled):
+        key = _plan_key("quantize", x, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha, bias, global_scale,
+                        fast_math)
+        plan = _plan(key)
+        if plan is not None:
+            return plan(x)
         # The large-M GEMM multiplies the activation's exact FP16 values: quantize straight to them (one pass, no
         # packed bytes in between); decode(quantize(x)) has the same bytes (GPU-tested).
         k = cast(ModuleType, kernels)
         x16 = k.quantize_nvfp4_decoded(x, global_scale, fast_math=fast_math)
-        return k.nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
+        out = k.nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
+        _learn(key, lambda: k.linear_plan(x, x.shape[0], x.shape[1], global_scale, fast_math, w_packed, w_scales,
+                                          alpha, bias, out))
+        return out
     x_packed, x_scales = quantize(x, global_scale, fast_math)
     return _linear_impl(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
 
@@ -161,3 +225,4 @@ def quantized_linear(
     """
     return call_op(_quantized_linear_op, _quantized_linear_impl, x.contiguous(), global_scale, fast_math, w_packed,
                    w_scales, alpha, bias, out_dtype, w_swizzled)
+

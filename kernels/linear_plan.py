@@ -1,0 +1,67 @@
+"""Launch plans: an NVFP4 linear call's kernels launched without their Python wrappers (eager host time).
+
+An eager step launches each layer's kernels through wrappers that check arguments, compute Triton's specialization
+key and encode the weight's TMA descriptors on every call; a Qwen-Image step makes 784 such calls and waits for the
+host (docs/performance.md, "Host time per call"). A plan is built after a call has run the normal way, from the
+binaries that call recorded (``launch.launch_by_site``): it keeps the launch arguments that do not change between
+calls of the same class (the layer's tensors, M, dtypes, recipe) and takes only the activation and fresh outputs per
+call. Same binaries, same arguments: same bytes (GPU-tested against the wrappers, tests/test_launch.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .nvfp4_gemm import sm90_kernel_module
+from .quantize_nvfp4 import DecodedQuantizeLaunch, decoded_quantize_launch
+
+if TYPE_CHECKING:  # the Gluon module is imported where this Triton has it (nvfp4_gemm.sm90_kernel_module)
+    from .nvfp4_gemm_sm90 import Sm90Launch
+
+
+class LinearPlan:
+    """One NVFP4 linear call class on SM90 with more than 64 rows: ``quantize`` (BF16/FP16 activation -> its exact
+    FP16 decode; None for a plan that takes that decode from a fused producer) then the GEMM into a fresh output."""
+
+    __slots__ = ("quantize", "gemm", "k", "device", "device_index")
+
+    def __init__(self, quantize: DecodedQuantizeLaunch | None, gemm: Sm90Launch, k: int, device: torch.device):
+        self.quantize, self.gemm, self.k, self.device = quantize, gemm, k, device
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[m, k]`` contiguous, 16-byte aligned, on the plan's device: BF16/FP16 for a quantizing plan, the FP16
+        decode otherwise. Returns the fresh ``[m, n]`` output."""
+        gemm = self.gemm
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        out = torch.empty((gemm.m, gemm.n), dtype=gemm.out_dtype, device=self.device)
+        if self.quantize is None:
+            return gemm.run(x.data_ptr(), out, stream)
+        x16 = torch.empty((gemm.m, self.k), dtype=torch.float16, device=self.device)
+        address = x16.data_ptr()
+        self.quantize.run(x.data_ptr(), address, stream)
+        return gemm.run(address, out, stream)
+
+
+def linear_plan(x: torch.Tensor | None, m: int, k: int, global_scale: torch.Tensor | None, fast_math: bool,
+                w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
+                out: torch.Tensor) -> LinearPlan | None:
+    """The plan of a call of ``m`` rows and ``k`` columns that just ran the normal way on SM90 (decoded quantize,
+    then ``nvfp4_gemm_sm90``): ``x`` its contiguous BF16/FP16 activation (None when a fused producer wrote the FP16
+    decode), ``out`` its result. None where the GEMM is not the SM90 kernel or a kernel cannot be launched directly."""
+    sm90 = sm90_kernel_module()
+    if sm90 is None or not sm90.sm90_supported(k, w_packed, w_scales):
+        return None
+    if out.dtype not in (torch.bfloat16, torch.float16) or (bias is not None and not bias.is_contiguous()):
+        return None  # the GEMM wrapper would add that bias outside the kernel
+    x16 = torch.empty((m, k), dtype=torch.float16, device=out.device)  # what the call's decode looked like
+    gemm = sm90.sm90_launch(x16, w_packed, w_scales, alpha, out, bias)
+    if gemm is None:
+        return None
+    if x is None:
+        return LinearPlan(None, gemm, k, out.device)
+    assert global_scale is not None  # a quantizing plan quantizes with the layer's input scale
+    quantize = decoded_quantize_launch(x, global_scale, x16, fast_math)
+    return None if quantize is None else LinearPlan(quantize, gemm, k, out.device)
