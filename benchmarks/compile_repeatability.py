@@ -26,27 +26,33 @@ class _Holder(nn.Module):
         self.transformer_blocks = nn.ModuleList([block])
 
 
-def _block(model: str, nvfp4: bool) -> tuple[nn.Module, tuple, dict]:
-    """(block, positional inputs, keyword inputs) on the GPU, seed 0."""
+def _block(model: str, nvfp4: bool, *, device: str = "cuda", tiny: bool = False) -> tuple[nn.Module, tuple, dict]:
+    """(block, positional inputs, keyword inputs) on ``device``, seed 0: full size (batch 1, 1024x1024 image tokens,
+    512 text tokens), or with ``tiny`` two heads and 64 + 16 tokens (compile checks on a CPU)."""
     from diffusers_nvfp4_fast.ops.qk_norm_rotary import flux2_tables, probe_inputs
     from diffusers_nvfp4_fast.testing import export
 
     torch.manual_seed(0)
-    kw = dict(device="cuda", dtype=torch.bfloat16)
+    kw = dict(device=device, dtype=torch.bfloat16)
+    img_tokens, txt_tokens = (64, 16) if tiny else (4096, 512)
     if model == "qwen-image":
         from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 
-        block = QwenImageTransformerBlock(dim=3072, num_attention_heads=24, attention_head_dim=128).to(**kw)
-        img, txt, temb = torch.randn(1, 4096, 3072, **kw), torch.randn(1, 512, 3072, **kw), torch.randn(1, 3072, **kw)
-        rotary = (probe_inputs(1, 4096, 1, "cuda", 1)[2], probe_inputs(1, 512, 1, "cuda", 2)[2])
+        dim, heads = (256, 2) if tiny else (3072, 24)
+        block = QwenImageTransformerBlock(dim=dim, num_attention_heads=heads, attention_head_dim=128).to(**kw)
+        img, txt = torch.randn(1, img_tokens, dim, **kw), torch.randn(1, txt_tokens, dim, **kw)
+        temb = torch.randn(1, dim, **kw)
+        rotary = (probe_inputs(1, img_tokens, 1, device, 1)[2], probe_inputs(1, txt_tokens, 1, device, 2)[2])
         args, kwargs = (img, txt, None, temb, rotary), {}
     else:
         from diffusers.models.transformers.transformer_flux2 import Flux2TransformerBlock
 
-        block = Flux2TransformerBlock(dim=6144, num_attention_heads=48, attention_head_dim=128, mlp_ratio=3.0).to(**kw)
-        img, txt = torch.randn(1, 4096, 6144, **kw), torch.randn(1, 512, 6144, **kw)
-        temb = torch.randn(1, 6 * 6144, **kw) * 0.1
-        cos, sin = flux2_tables(probe_inputs(1, 4608, 1, "cuda", 3)[2])
+        dim, heads = (256, 2) if tiny else (6144, 48)
+        block = Flux2TransformerBlock(dim=dim, num_attention_heads=heads, attention_head_dim=128, mlp_ratio=3.0)
+        block = block.to(**kw)
+        img, txt = torch.randn(1, img_tokens, dim, **kw), torch.randn(1, txt_tokens, dim, **kw)
+        temb = torch.randn(1, 6 * dim, **kw) * 0.1
+        cos, sin = flux2_tables(probe_inputs(1, img_tokens + txt_tokens, 1, device, 3)[2])
         args, kwargs = (img, txt, temb, temb), {"image_rotary_emb": (cos, sin)}
     if nvfp4:
         export.quantize_model_inplace(_Holder(block), (), 16.0 if model == "qwen-image" else 12.0)

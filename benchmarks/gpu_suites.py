@@ -52,6 +52,7 @@ SUITES: dict[str, list[tuple[str, list[str], int]]] = {
     "compile_profile": [("profile_host_compiled_qwen", [PY, "benchmarks/profile_step.py", "--model", "qwen-image",
                                                         "--host", "--compile", "blocks"], 240),
                         ("compile_repeat", [PY, "benchmarks/compile_repeatability.py"], 150)],
+    "compile_diagnose": [("compile_diagnose", [PY, "benchmarks/compile_diagnose.py"], 420)],
     "profiles": [("profile_flux2", [PY, "benchmarks/profile_step.py", "--model", "flux2-dev"], 120),
                  ("profile_qwen", [PY, "benchmarks/profile_step.py", "--model", "qwen-image"], 100),
                  ("profile_host_qwen", [PY, "benchmarks/profile_step.py", "--model", "qwen-image", "--host"], 100)],

@@ -2,7 +2,9 @@
 
 Two things make compiled bytes differ between two compiles of the same model, with or without this plugin:
 inductor fuses BF16 ops and keeps their FP32 intermediates unless told to round them as eager does, and it times
-candidate reduction configs on the device at first run, so two compiles may pick different summation orders.
+candidate reduction configs on the device at first run, so two compiles may pick different summation orders. A
+third, seen on the H200 with BF16 blocks inside this block, is not located yet (docs/design.md §1,
+benchmarks/compile_diagnose.py).
 """
 
 from __future__ import annotations
