@@ -113,54 +113,70 @@ def load_from_file(tmp: Path) -> nn.Module:
 
 def build_in_memory() -> nn.Module:
     """The modules ``from_single_file`` builds (``BFLNVFP4Linear`` where the file is NVFP4), made directly on the
-    GPU with random tensors: the same classes and forward code, without writing and reading 19 GB."""
+    GPU: the same classes and forward code, without writing and reading 19 GB. Their tensors are those of
+    ``bench_transformer_step.py``'s NVFP4 model (its packed weights, read low nibble first as diffusers reads them,
+    and its block scales in diffusers' linear layout), so the step after ``enable_fast_paths`` multiplies the same
+    values as the package's own loader route and the two step times compare."""
     import bench_transformer_step as step
     from diffusers.quantizers.bfl.utils import BFLNVFP4Linear
 
-    from diffusers_nvfp4_fast.loaders.common import is_excluded
+    from diffusers_nvfp4_fast import NVFP4Linear
+    from diffusers_nvfp4_fast.format import unswizzle_scales
 
     model = step.empty_model("flux2-dev", tiny=False)
-    step.materialize(model, "flux2-dev", torch.device("cuda"), nvfp4=False)
-    patterns = list(step.exclude_patterns("flux2-dev", dict(model.config)))
-    gen = torch.Generator("cuda").manual_seed(0)
-    for name, lin in list(model.named_modules()):
-        if not isinstance(lin, nn.Linear) or is_excluded(name, patterns) or lin.in_features % 16:
+    step.materialize(model, "flux2-dev", torch.device("cuda"), nvfp4=True)
+    for name, ours in list(model.named_modules()):
+        if not isinstance(ours, NVFP4Linear):
             continue
-        layer = BFLNVFP4Linear(lin.in_features, lin.out_features, bias=lin.bias is not None,
+        layer = BFLNVFP4Linear(ours.in_features, ours.out_features, bias=ours.bias is not None,
                                compute_dtype=torch.bfloat16, device="meta")
-        tensors = random_nvfp4(lin.out_features, lin.in_features, "cuda", gen)
-        layer.weight = nn.Parameter(tensors.pop("weight"), requires_grad=False)
-        for key, value in tensors.items():
-            layer.register_buffer(key, value)
-        if lin.bias is not None:
-            layer.bias = lin.bias
+        layer.weight = nn.Parameter(ours.weight.data, requires_grad=False)
+        scales = unswizzle_scales(ours.weight_scale.data, ours.out_features, ours.in_features // 16)
+        layer.register_buffer("weight_scale", scales.view(torch.float8_e4m3fn))
+        layer.register_buffer("weight_scale_2", ours.weight_scale_2.clone())
+        layer.register_buffer("input_scale", ours.input_scale.clone())
+        if ours.bias is not None:
+            layer.bias = ours.bias
         model.set_submodule(name, layer)
     torch.cuda.empty_cache()
     return model
 
 
 def step_cases(tmp: Path, source: str) -> list[dict]:
+    """diffusers' modules, the same model after ``enable_fast_paths``, and (memory source) the package's own NVFP4
+    model of the same tensors with its fast paths: step times side by side, and whether the two fast-path routes
+    give the same output bytes."""
     import bench_transformer_step as step
 
     from diffusers_nvfp4_fast import enable_fast_paths
 
+    device = torch.device("cuda")
     model = load_from_file(tmp) if source == "file" else build_in_memory()
-    inputs = step.make_inputs("flux2-dev", model, 1024, 1024, 512, torch.device("cuda"))
-    cases, ms = [], {}
-    for variant in ("diffusers", "fast_paths"):
-        report = enable_fast_paths(model)["Flux2Transformer2DModel"] if variant == "fast_paths" else None
-        ms[variant], _, peak, _ = step.time_steps(model, inputs, 2, 5, torch.device("cuda"))
+    inputs = step.make_inputs("flux2-dev", model, 1024, 1024, 512, device)
+    cases, ms, outs = [], {}, {}
+    variants = [("diffusers", model), ("fast_paths", model)]
+    if source == "memory":
+        own = step.empty_model("flux2-dev", tiny=False)
+        step.materialize(own, "flux2-dev", device, nvfp4=True)
+        variants.append(("package_loader", own))
+    for variant, net in variants:
+        report = enable_fast_paths(net)["Flux2Transformer2DModel"] if variant != "diffusers" else None
+        ms[variant], _, peak, outs[variant] = step.time_steps(net, inputs, 2, 5, device)
         cases.append({"shape": {"model": "FLUX.2-dev", "height": 1024, "width": 1024, "text_tokens": 512},
                       "variant": variant, "ms_per_step": round(ms[variant], 2),
                       "peak_gib": round(peak / 1.073741824, 3)})
-        if report is not None:  # what the converted route fused, for the comparison with the package's own loader
-            done = enable_fast_paths(model)["Flux2Transformer2DModel"]
+        if report is not None:  # what the route fused
+            done = enable_fast_paths(net)["Flux2Transformer2DModel"]
             cases[-1]["fast_path_report"] = {k: done.get(k) for k in ("sites", "fused_calls", "fallbacks",
                                                                         "converted")}
-        print(cases[-1], flush=True)
+        print({k: v for k, v in cases[-1].items() if k != "fast_path_report"}, flush=True)
     for case in cases:
         case["speedup_vs"] = {"diffusers": round(ms["diffusers"] / case["ms_per_step"], 3)}
         case["model_source"] = source
+    if "package_loader" in outs:
+        same = step.same_bytes(outs["fast_paths"], outs["package_loader"])
+        cases[-1]["same_bytes_as_converted_route"] = same
+        print(f"converted route == package loader route, bytes: {same}", flush=True)
     return cases
 
 

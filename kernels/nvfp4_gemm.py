@@ -56,7 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETING, cdiv, launch, next_power_of_2, sm_count
+from .launch import INTERPRETING, cdiv, launch, launch_by_site, next_power_of_2, sm_count
 from .rounding import SOFT_CONVERT, narrow_bf16, widen_bf16
 from .tiling import grouped_tile
 
@@ -539,7 +539,7 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, 
         # The interpreter cannot time configs: use the smallest tile of the variant.
         config = min(gemm_configs(not predecode), key=lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]))
     if config is None:
-        (_tuned_fp16_x if predecode else _tuned_packed)[grid](*args, **flags)
+        _autotuned_launch(predecode, grid, args, flags)
     else:
         kw = dict(config.kwargs)
         _nvfp4_gemm_kernel[grid](*args, **flags, EVEN_K=k % kw["BLOCK_K"] == 0, **kw,
@@ -549,6 +549,33 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, 
         launch(_split_reduce_kernel, (cdiv(m * n, block),), target, alpha, bias_arg, out, m, n, SPLITS=splits,
                BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
     return out
+
+
+# (variant, the autotuner's key: M bucket, N, K, the dtypes that vary) -> the config it chose for that key.
+_CHOSEN: dict[tuple, triton.Config] = {}
+
+
+def _autotuned_launch(predecode: bool, grid, args: tuple, flags: dict) -> None:
+    """The autotuned kernel: the autotuner at the first call of its key (it times the configs, then launches the
+    best), later calls launch the chosen config by site key (``launch.launch_by_site``), past the autotuner's and
+    the heuristics' per-call Python. Same kernel, same config: the same binary and bytes."""
+    tuned = _tuned_fp16_x if predecode else _tuned_packed
+    x_arg, bias_arg, target = args[0], args[5], args[6]
+    n, k, m_bucket = args[8], args[9], args[15]
+    choice_key = (predecode, m_bucket, n, k, x_arg.dtype, bias_arg.dtype, target.dtype, x_arg.device.index)
+    config = _CHOSEN.get(choice_key)
+    if config is None:
+        tuned[grid](*args, **flags)
+        best = getattr(tuned, "best_config", None)
+        if isinstance(best, triton.Config) and best.pre_hook is None:
+            _CHOSEN[choice_key] = best
+        return
+    meta = config.all_kwargs()
+    # What Triton specializes this launch on: every integer, every pointer's alignment, the constexprs (dtypes are in
+    # choice_key, the device in launch_by_site's own key).
+    site = (choice_key, *args[7:], *(a.data_ptr() % 16 == 0 for a in args[:7]), *flags.values(),
+            *meta.values())
+    launch_by_site(_nvfp4_gemm_kernel, grid(meta), site, *args, **flags, EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
 
 
 def nvfp4_gemm(

@@ -9,7 +9,6 @@ from .launch import (
     DirectLaunch,
     as_block_rows,
     cdiv,
-    launch,
     launch_by_site,
     launch_options,
     padded_scale_shape,
@@ -56,10 +55,15 @@ def launch_block_quantize(
     packed = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
     scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=x.device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
-    launch(
-        kernel, grid, blocks, global_scale, packed.view(torch.int64), scales, m, k, row_stride, scales.shape[1],
-        col_tiles, BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
-        **launch_options(x.device, fast_math, num_warps),
+    words = packed.view(torch.int64)
+    # What Triton specializes the launch on (launch.launch_by_site): integers, pointer alignments, dtype, keywords.
+    site = (m, k, row_stride, scales.shape[1], col_tiles, blocks.data_ptr() % 16 == 0, global_scale.dtype,
+            global_scale.data_ptr() % 16 == 0, words.data_ptr() % 16 == 0, scales.data_ptr() % 16 == 0, x.dtype,
+            fast_math, block_r, block_c, num_warps)
+    launch_by_site(
+        kernel, grid, site, blocks, global_scale, words, scales, m, k, row_stride, scales.shape[1], col_tiles,
+        BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16, **launch_options(x.device, fast_math,
+                                                                                               num_warps),
     )
     return packed, scales
 

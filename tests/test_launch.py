@@ -292,3 +292,36 @@ def test_gpu_layer_plans_follow_moved_tensors_and_cuda_graphs():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_packed_quantize_and_small_gemm_sites_run_the_binders_binary(monkeypatch):
+    """The packed quantize (``launch_block_quantize``) and the autotuned small-M GEMM launched by site key
+    (``nvfp4_gemm._autotuned_launch``, after the autotuner chose for its key) run the binary Triton's binder picks,
+    for rows equal to 1, divisible by 16 or not, inputs 16-byte aligned or only 8, both recipes, bias or not; keyed
+    launches give the bytes of the first (Triton's own) call."""
+    from support.launch_sites import check_sites_against_binder
+
+    gemm_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm")
+    checked = check_sites_against_binder(quantize_mod, monkeypatch)
+    checked_gemm = check_sites_against_binder(gemm_mod, monkeypatch)
+    g = torch.tensor([0.7], device="cuda")
+    w_packed, w_scales = kernels.quantize_nvfp4_triton(torch.randn(640, 1024, device="cuda", dtype=torch.bfloat16), g)
+    alpha = torch.tensor(1e-3, device="cuda")
+    bias = torch.randn(640, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 17, 48):
+        base = torch.randn(rows, 1024 + 4, device="cuda", dtype=torch.bfloat16) * 3
+        for offset in (0, 4):  # 4 values = 8 bytes: the row starts lose 16-byte alignment
+            x = base[:, offset:offset + 1024]
+            for fast_math in (False, True):
+                want = [t.clone() for t in kernels.quantize_nvfp4_triton(x, g, fast_math=fast_math)]
+                want_out = {b is None: kernels.nvfp4_gemm(*want, w_packed, w_scales, alpha, bias=b)
+                            for b in (None, bias)}
+                for call in range(4):  # Triton's path (twice at a kernel's first launch), recording, keyed
+                    got = kernels.quantize_nvfp4_triton(x, g, fast_math=fast_math)
+                    assert all(torch.equal(a, b) for a, b in zip(got, want)), (rows, offset, fast_math, call)
+                    for b in (None, bias):
+                        out = kernels.nvfp4_gemm(*got, w_packed, w_scales, alpha, bias=b)
+                        assert torch.equal(out.view(torch.int16), want_out[b is None].view(torch.int16))
+    assert len(set(checked)) >= 3 * 2 * 2, f"quantize sites checked: {len(set(checked))}"
+    assert len(set(checked_gemm)) >= 3, f"GEMM sites checked: {len(set(checked_gemm))}"
