@@ -57,6 +57,9 @@ def _add_quantize(sub) -> None:
     q.add_argument("--exclude", nargs="+", metavar="PATTERN",
                    help="fnmatch patterns of Linears to keep BF16 (default: ModelOpt's recipe for the model class)")
     q.add_argument("--max-shard-size", default="10GB", help="bytes per safetensors file (default 10GB)")
+    q.add_argument("--method", choices=["package", "modelopt"], default="package",
+                   help="package: this package's precise quantizer, streamed (default); modelopt: ModelOpt's "
+                        "quantizer and max calibration through --pipeline, written by its export_hf_checkpoint")
     q.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -75,14 +78,16 @@ def _quantize(args: argparse.Namespace) -> int:
     import torch
 
     from .quantize import quantize_transformer
+    from .quantize.modelopt_route import ModelOptUnavailableError
 
     try:
         result = quantize_transformer(
             args.source, args.out, subfolder=args.subfolder, pipeline=args.pipeline, prompts=args.prompts,
             call_kwargs=call_kwargs, num_inference_steps=args.steps, seed=args.seed, dynamic=args.dynamic,
             dtype=getattr(torch, args.dtype), device=args.device, offload=args.offload, exclude=args.exclude,
-            overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.no_progress)
-    except (OSError, ValueError) as e:
+            overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.no_progress,
+            method=args.method)
+    except (OSError, ValueError, ModelOptUnavailableError) as e:
         print(f"diffusers-nvfp4-fast quantize: {e}", file=sys.stderr)
         return 2
     print(result.summary())

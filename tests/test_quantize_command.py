@@ -254,3 +254,40 @@ def test_cli_unknown_class_needs_exclude(tmp_path, capsys):
     assert "given by the caller" in text
     assert main(["inspect", str(tmp_path / "out")]) == 0
     assert isinstance(load_nvfp4_transformer(Path(tmp_path / "out")), FluxTransformer2DModel)
+
+
+@pytest.mark.parametrize("which", ["flux2", "qwen"])
+def test_modelopt_method_exports_what_the_loader_reads(which, tmp_path_factory, tmp_path, capsys):
+    """``method="modelopt"``: ModelOpt's quantizer and max calibration through the pipeline, written by its
+    ``export_hf_checkpoint``: the recipe's BF16 layers carry no NVFP4 tensors, the export passes ``inspect`` and
+    loads, and its tiny pipeline gives the same PNG with fast paths on and off. The input scales are ModelOpt's
+    calibrated amax over the same prompt, so they equal this package's calibration of the same run."""
+    src, ours, result, _, kwargs = _quantized(which, tmp_path_factory)
+    pipe, _ = tiny.TINY_PIPELINES[which]()
+    pipe.set_progress_bar_config(disable=True)
+    out = tmp_path / "modelopt"
+    got = quantize_transformer(src, out, pipeline=pipe, prompts=[kwargs["prompt"]], call_kwargs=_calibration_call(
+        kwargs), num_inference_steps=STEPS, progress=False, method="modelopt")
+    assert main(["inspect", str(out)]) == 0, capsys.readouterr().out
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["producer"]["name"] == "modelopt" and qc["input_scales"]["method"] == "modelopt"
+    written = load_file(str(out / "diffusion_pytorch_model.safetensors"))
+    assert {k.rpartition(".")[0] for k in written if k.endswith(".weight_scale_2")} == set(result.nvfp4_layers)
+    assert got.nvfp4_layers == result.nvfp4_layers and "modelopt" in got.summary().lower()
+    mine = load_file(str(ours / "diffusion_pytorch_model.safetensors"))
+    for name in result.nvfp4_layers:
+        assert torch.equal(written[f"{name}.input_scale"].float(), mine[f"{name}.input_scale"].float()), name
+    model = load_nvfp4_transformer(out)
+    assert load_summary(model)["nvfp4_linears"] == len(result.nvfp4_layers)
+    nvfp4_pipe, call = tiny.TINY_PIPELINES[which](model)
+    nvfp4_pipe.set_progress_bar_config(disable=True)
+    off = png_sha256(run_pipeline(nvfp4_pipe, call, steps=STEPS))
+    enable_fast_paths(nvfp4_pipe)
+    assert png_sha256(run_pipeline(nvfp4_pipe, call, steps=STEPS)) == off
+
+
+def test_modelopt_method_refuses_dynamic_scales(tmp_path):
+    with pytest.raises(ValueError, match="method='modelopt' calibrates"):
+        quantize_transformer(tmp_path / "src", tmp_path / "out", dynamic=True, method="modelopt")
+    with pytest.raises(ValueError, match="method='gptq'"):
+        quantize_transformer(tmp_path / "src", tmp_path / "out", dynamic=True, method="gptq")

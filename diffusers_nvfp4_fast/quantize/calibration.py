@@ -61,7 +61,7 @@ def check_input_amax(amax: Mapping[str, float]) -> None:
 
 
 @contextlib.contextmanager
-def _transformer_in(pipe: Any, model: nn.Module) -> Iterator[None]:
+def transformer_in(pipe: Any, model: nn.Module) -> Iterator[None]:
     """``pipe.transformer`` is ``model`` inside, the pipeline's own one again after."""
     before = pipe.transformer
     pipe.transformer = model
@@ -71,7 +71,7 @@ def _transformer_in(pipe: Any, model: nn.Module) -> Iterator[None]:
         pipe.transformer = before
 
 
-def _place(pipe: Any, device: torch.device | str, offload: str | None) -> None:
+def place_pipeline(pipe: Any, device: torch.device | str, offload: str | None) -> None:
     if offload not in OFFLOAD_MODES:
         raise ValueError(f"offload={offload!r}: expected one of {OFFLOAD_MODES}")
     if offload == "model":
@@ -100,20 +100,27 @@ def calibrate_pipeline(pipe: Any, model: nn.Module, names: Sequence[str], prompt
 
     ``call_kwargs`` go to every call (``height``, ``width``, ``guidance_scale``...), with ``output_type="latent"``
     unless they say otherwise (the VAE does not change what the transformer sees)."""
-    from tqdm.auto import tqdm
-
-    kwargs = {"output_type": "latent", **dict(call_kwargs or {})}
 
     def run() -> None:
-        for prompt in tqdm(list(prompts), desc="calibrating", unit="prompt", disable=not progress):
-            generator = torch.Generator("cpu").manual_seed(seed)
-            pipe(prompt=prompt, num_inference_steps=steps, generator=generator, **kwargs)
+        run_prompts(pipe, prompts, call_kwargs, steps, seed, progress)
 
-    with _transformer_in(pipe, model), torch.inference_mode():
-        _place(pipe, device, offload)
+    with transformer_in(pipe, model), torch.inference_mode():
+        place_pipeline(pipe, device, offload)
         amax = record_input_amax(model, names, run)
     check_input_amax(amax)
     return amax
+
+
+def run_prompts(pipe: Any, prompts: Sequence[str], call_kwargs: Mapping[str, Any] | None, steps: int, seed: int,
+                progress: bool) -> None:
+    """Each prompt through ``pipe`` (``steps`` steps, seed ``seed``), latents only unless ``call_kwargs`` say
+    otherwise (the VAE does not change what the transformer sees)."""
+    from tqdm.auto import tqdm
+
+    kwargs = {"output_type": "latent", **dict(call_kwargs or {})}
+    for prompt in tqdm(list(prompts), desc="calibrating", unit="prompt", disable=not progress):
+        generator = torch.Generator("cpu").manual_seed(seed)
+        pipe(prompt=prompt, num_inference_steps=steps, generator=generator, **kwargs)
 
 
 def free(model: nn.Module) -> None:

@@ -46,6 +46,8 @@ class QuantizedCheckpoint:
         how = (f"calibrated: max |input| over {len(scales['prompts'])} prompt(s), {scales['num_inference_steps']} "
                f"steps each; input_scale = amax / 2688 ({scales['min_input_scale']:.4g} .. "
                f"{scales['max_input_scale']:.4g})" if scales["method"] == "calibrated"
+               else f"ModelOpt's max calibration over {len(scales['prompts'])} prompt(s), "
+                    f"{scales['num_inference_steps']} steps each" if scales["method"] == "modelopt"
                else "dynamic: each call uses amax(input) / 2688 (not a calibrated recipe; fused paths fall back)")
         timing = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
         return "\n".join([
@@ -71,10 +73,18 @@ def _plan(source: BF16Source, exclude: Sequence[str]) -> tuple[list[str], list[s
     return quant, kept
 
 
-def _check_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype) -> None:
+METHODS = ("package", "modelopt")
+
+
+def _check_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype, method: str) -> None:
+    if method not in METHODS:
+        raise ValueError(f"method={method!r}: expected one of {', '.join(METHODS)}")
     if dynamic == (pipeline is not None):
         raise ValueError("give either a pipeline to calibrate input scales with (--pipeline / pipeline=) or "
                          "dynamic=True (--dynamic: activation scales computed per call), not both or neither")
+    if dynamic and method == "modelopt":
+        raise ValueError("method='modelopt' calibrates its input scales through a pipeline (--pipeline); "
+                         "dynamic=True (--dynamic) is this package's method only")
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype={dtype}: expected one of {', '.join(map(str, MODEL_DTYPES))}")
 
@@ -127,6 +137,8 @@ def _stream(source: BF16Source, quant: list[str], amax: dict[str, float] | None,
 def _input_scale_facts(amax: dict[str, float] | None, prompts: Sequence[str], steps: int) -> dict[str, Any]:
     if amax is None:
         return {"method": "dynamic"}
+    if not amax:  # the ModelOpt route: ModelOpt's max calibration, its scales in the export
+        return {"method": "modelopt", "prompts": list(prompts), "num_inference_steps": steps}
     return {"method": "calibrated", "prompts": list(prompts), "num_inference_steps": steps,
             "min_input_scale": min(amax.values()) / 2688.0, "max_input_scale": max(amax.values()) / 2688.0}
 
@@ -150,6 +162,7 @@ def quantize_transformer(
     overwrite: bool = False,
     max_shard_size: int | str = "10GB",
     progress: bool = True,
+    method: str = "package",
 ) -> QuantizedCheckpoint:
     """Quantize a BF16 diffusers transformer into an NVFP4 checkpoint directory that ``load_nvfp4_transformer`` reads.
 
@@ -173,8 +186,12 @@ def quantize_transformer(
         offload: calibrate with diffusers' ``"model"`` or ``"sequential"`` CPU offload instead of the whole
             pipeline on ``device``.
         exclude: fnmatch patterns of Linears to keep BF16; default: the recipe of the config's ``_class_name``.
-        max_shard_size: bytes per safetensors file (``"10GB"``, as diffusers).
+        max_shard_size: bytes per safetensors file (``"10GB"``, as diffusers; this package's method).
         progress: tqdm progress bars.
+        method: ``"package"`` (default: this package's precise quantizer, streamed) or ``"modelopt"`` (ModelOpt's
+            ``mtq.quantize`` with ``NVFP4_DEFAULT_CFG`` and max calibration through ``pipeline``, the recipe's
+            BF16 layers' quantizers disabled, written by ModelOpt's ``export_hf_checkpoint``; needs
+            nvidia-modelopt, and the BF16 transformer whole on ``device`` for the export too).
 
     Returns:
         A ``QuantizedCheckpoint`` (``.summary()`` reads well).
@@ -185,7 +202,7 @@ def quantize_transformer(
         written in any of these cases.
     """
     dtype = dtype or torch_dtype or torch.bfloat16
-    _check_arguments(pipeline, dynamic, dtype)
+    _check_arguments(pipeline, dynamic, dtype, method)
     out = Path(out_dir)
     check_target(out, overwrite)
     started = time.perf_counter()
@@ -195,9 +212,12 @@ def quantize_transformer(
     recipe = "given by the caller" if exclude is not None else RECIPE_SOURCES[src.class_name]
     quant, kept = _plan(src, patterns)
     prompts = list(prompts or DEFAULT_PROMPTS)
-    amax = None if dynamic else _calibrate(src, quant, pipeline, prompts, dtype, device, {
-        "call_kwargs": call_kwargs, "offload": offload, "steps": num_inference_steps, "seed": seed,
-        "progress": progress})
+    options = {"call_kwargs": call_kwargs, "offload": offload, "steps": num_inference_steps, "seed": seed,
+               "progress": progress}
+    if method == "modelopt":
+        return _modelopt_route(src, out, patterns, recipe, quant, kept, pipeline, prompts, dtype, device, options,
+                               overwrite, started)
+    amax = None if dynamic else _calibrate(src, quant, pipeline, prompts, dtype, device, options)
     calibrated = time.perf_counter()
     work = new_work_dir(out)
     try:
@@ -213,3 +233,25 @@ def quantize_transformer(
     seconds = {"calibration": calibrated - started, "quantization": time.perf_counter() - calibrated}
     return QuantizedCheckpoint(out, src.class_name, patterns, recipe, quant, kept, qconfig["input_scales"], files,
                                writer.total_bytes, seconds)
+
+
+def _modelopt_route(src: BF16Source, out: Path, patterns: tuple[str, ...], recipe: str, quant: list[str],
+                    kept: list[str], pipeline: Any, prompts: list[str], dtype: torch.dtype, device: str,
+                    options: dict[str, Any], overwrite: bool, started: float) -> QuantizedCheckpoint:
+    """``method="modelopt"``: ModelOpt quantizes, calibrates and exports (``modelopt_route``); this package adds its
+    facts to the export's ``quantization_config`` and publishes the directory whole or not at all."""
+    from .modelopt_route import export_with_modelopt
+
+    work = new_work_dir(out)
+    try:
+        config = export_with_modelopt(src, quant, pipeline, prompts, dtype, device, options, work)
+        qconfig = config["quantization_config"]
+        qconfig["input_scales"] = _input_scale_facts({}, prompts, options["steps"])
+        qconfig["exclude_patterns"], qconfig["exclude_recipe"] = list(patterns), recipe
+        files = sorted(p.name for p in work.iterdir() if p.suffix == ".safetensors")
+        total = sum((work / f).stat().st_size for f in files)
+        publish(work, config, out, overwrite)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return QuantizedCheckpoint(out, src.class_name, patterns, recipe, quant, kept, qconfig["input_scales"], files,
+                               total, {"calibration and export (ModelOpt)": time.perf_counter() - started})
