@@ -42,9 +42,10 @@ SIGNATURES = {
     "gelu": (_gelu_quantize_kernel, {"h_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8",
                                      "M": "i32", "K": "i32", "row_stride": "i32", "padded_cols": "i32",
                                      "col_tiles": "i32"}),
-    "swiglu": (_swiglu_quantize_kernel, {"a_ptr": "*i64", "h_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64",
-                                         "scales_ptr": "*u8", "M": "i32", "A": "i32", "H": "i32", "stride_a": "i32",
-                                         "stride_h": "i32", "padded_cols": "i32", "col_tiles": "i32"}),
+    "swiglu": (_swiglu_quantize_kernel, {"a_ptr": "*i64", "h_ptr": "*i64", "u_ptr": "*i64", "g_ptr": "*fp32",
+                                         "packed_ptr": "*i64", "scales_ptr": "*u8", "M": "i32", "A": "i32", "H": "i32",
+                                         "stride_a": "i32", "stride_h": "i32", "stride_u": "i32", "up_block": "i32",
+                                         "padded_cols": "i32", "col_tiles": "i32"}),
 }
 
 
