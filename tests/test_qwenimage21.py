@@ -359,3 +359,20 @@ def test_gpu_full_size_block_identical():
     assert _same(off, on)
     assert stats.fused_calls["qwen21_resnorm"] == 2 and stats.verified["qwen21_qk_rotary"] == 4, stats
     assert not stats.fallbacks and not stats.verify_failed, stats
+
+
+@pytest.mark.parametrize("kv_cached", [False, True], ids=["prefill", "kv-cached"])
+def test_step_benchmark_tiny_run(kv_cached):
+    """``benchmarks/bench_transformer_step.py --model qwen-image-2.1 --tiny [--kv-cached]``, in process: the NVFP4
+    model under the public exclusion rule (blocks 2 and 3 of 6 NVFP4), fast paths on == off, every site fused."""
+    import argparse
+
+    import bench_transformer_step as bench
+
+    args = argparse.Namespace(model="qwen-image-2.1", tiny=True, height=64, width=64, text_tokens=8, steps_timed=1,
+                              warmup=1, skip_bf16=True, cuda_graph=False, compile=None, kv_cached=kv_cached)
+    result = bench.run(args)
+    on = next(c for c in result["cases"] if c["variant"] == "nvfp4_fast_on")
+    assert on["exact"] and result["layers"]["nvfp4_linears"] == 14, result["layers"]
+    assert on["fast_path_report"][NAME]["fused_calls"] == CALLS, on["fast_path_report"]
+    assert on["fast_path_report"][NAME]["fallbacks"] == {}
