@@ -264,6 +264,26 @@ def test_feed_forward_input_scales_must_agree():
     assert entry["fallbacks"] == {} and "qwen21_resnorm" not in entry["fused_calls"], entry
 
 
+def test_cuda_graph_runner_replays_the_prefill_and_runs_cache_steps_eagerly():
+    """The CUDA-graph runner (``"simulate"`` backend on the CPU): a call without a cache is captured and replayed with
+    the fused sites' bytes; calls with a ``QwenImage21KVCache`` argument run eagerly, counted with that reason."""
+    from diffusers_nvfp4_fast.graphs import capture_cuda_graphs, graph_report
+
+    model, kwargs = _model(), _inputs()
+    enable_fast_paths(model)
+    capture_cuda_graphs(model, backend="simulate")
+    try:
+        replays = [_run(model, kwargs, cache=False)[0] for _ in range(3)]
+        cached = _run(model, kwargs, cache=True)
+        report = graph_report(model)
+    finally:
+        disable_fast_paths(model)
+    assert all(_same([r], _off(True, 1, False, False)) for r in replays)
+    assert _same(cached, _off(True, 1, False, True))
+    assert report["captures"] == 1 and report["replays"] == 2, report
+    assert report["eager_calls"] == {"argument kwargs['kv_cache'] is a QwenImage21KVCache": 2}, report
+
+
 def test_compiled_blocks_run_diffusers_forward():
     """Under ``torch.compile`` (``compile_repeated_blocks``, ``aot_eager``) the block runs diffusers' forward: one
     graph for the block class, every site counted ``compiled: kept diffusers' op`` once for its trace, and the bytes of
@@ -298,38 +318,43 @@ class _Holder(nn.Module):
         self.transformer_blocks = nn.ModuleList([block])
 
 
-@pytest.mark.gpu
 @torch.inference_mode()
-def test_gpu_full_size_block_identical():
-    """diffusers' default ``QwenImage21Transformer2DModel`` block (width 4096, 32 heads of 128, feed-forward 12288),
-    NVFP4, at 1024x1024 (4096 target tokens) after 512 prefix tokens: the prefill without a cache, the ``extract``
-    step and the ``cached`` step (target rows only) with per-token modulation, and batch 2 with per-sample
-    modulation; every site's kernel runs and is verified at every call, on == off byte for byte."""
+def _block_on_equals_off(device: str, dim: int, heads: int, prefix: int, target: int) -> None:
+    """One NVFP4 ``QwenImage21TransformerBlock`` of width ``dim`` (heads of 128, feed-forward 3 x dim) after
+    ``prefix`` text tokens and ``target`` image tokens: the prefill without a cache and batch 2 with per-sample
+    modulation, then the ``extract`` step and the ``cached`` step (target rows only) with per-token modulation; every
+    site fused and verified at every call, on == off byte for byte (the KV cache too)."""
     torch.manual_seed(0)
-    dim, prefix, target = 4096, 512, 4096
-    block = qwen21_module.QwenImage21TransformerBlock(dim=dim, num_attention_heads=32, attention_head_dim=128)
-    block = block.to("cuda", torch.bfloat16)
+    block = qwen21_module.QwenImage21TransformerBlock(dim=dim, num_attention_heads=heads, attention_head_dim=128)
+    block = block.to(device, torch.bfloat16)
     for norm in (block.attn.norm_q, block.attn.norm_k):
         norm.weight.data.normal_(1.0, 0.3)
     holder = _Holder(block)
     assert export.quantize_model_inplace(holder, (), 16.0) == 7
     seq = prefix + target
-    rotary = probe_inputs(1, seq, 1, device="cuda", seed=1)[2]
-    mask = torch.arange(seq, device="cuda") >= prefix
+    rotary = probe_inputs(1, seq, 1, device=device, seed=1)[2]
+    mask = torch.arange(seq, device=device) >= prefix
 
-    def call(batch: int, mode: str | None, layer_cache=None):
-        gen = torch.Generator(device="cuda").manual_seed(batch)
-        h = torch.randn(batch, seq, dim, device="cuda", generator=gen).bfloat16()
-        per_token = batch == 1
-        modulation = (torch.randn(batch + per_token, 4 * dim, device="cuda", generator=gen) * 0.5).bfloat16()
-        kwargs = dict(modulation=modulation, target_token_mask=mask if per_token else None, layer_cache=layer_cache,
-                      kv_cache_mode=mode)
+    def call(batch: int, mode: str | None = None, layer_cache=None) -> torch.Tensor:
+        gen = torch.Generator(device=device).manual_seed(batch)
+        h = torch.randn(batch, seq, dim, device=device, generator=gen).bfloat16()
+        per_token = batch == 1  # causal_condition: B + 1 modulation rows, selected per token
+        modulation = (torch.randn(batch + per_token, 4 * dim, device=device, generator=gen) * 0.5).bfloat16()
         if mode == "cached":
-            return block(h[:, prefix:], rotary_emb=rotary[prefix:], **{**kwargs, "target_token_mask": mask[prefix:]})
-        return block(h, rotary_emb=rotary, segments=[(0, prefix, True)],
-                     cache_write_slice=slice(0, prefix) if mode == "extract" else None, **kwargs)
+            return block(h[:, prefix:], modulation, rotary_emb=rotary[prefix:], target_token_mask=mask[prefix:],
+                         layer_cache=layer_cache, kv_cache_mode=mode)
+        return block(h, modulation, rotary_emb=rotary, target_token_mask=mask if per_token else None,
+                     layer_cache=layer_cache, kv_cache_mode=mode, segments=[(0, prefix, True)],
+                     cache_write_slice=slice(0, prefix) if mode == "extract" else None)
 
-    def both(fn):
+    def kv_steps() -> list[torch.Tensor]:
+        cache = qwen21_module.QwenImage21KVLayerCache()
+        extract = call(1, "extract", cache)
+        cached = call(1, "cached", cache)
+        return [extract, cached, *cache.get()]
+
+    for label, fn, calls in (("prefill", lambda: [call(1)], 1), ("batch 2", lambda: [call(2)], 1),
+                             ("extract + cached", kv_steps, 2)):
         off = fn()
         stats_id, stats = new_stats("always")
         restore: list = []
@@ -340,25 +365,22 @@ def test_gpu_full_size_block_identical():
         finally:
             for undo in restore:
                 undo()
-        return stats, off, on
-
-    for label, fn in (("prefill", lambda: [call(1, None)]), ("batch 2", lambda: [call(2, None)])):
-        stats, off, on = both(fn)
         assert _same(off, on), label
         for kind, n in (("qwen21_adaln", 1), ("qwen21_resnorm", 1), ("qwen21_swiglu", 1), ("qwen21_qk_rotary", 2)):
-            assert stats.fused_calls[kind] == n and stats.verified[kind] == n, (label, stats)
+            assert stats.fused_calls[kind] == n * calls and stats.verified[kind] == n * calls, (label, stats)
         assert not stats.fallbacks and not stats.verify_failed, (label, stats)
 
-    def kv_steps():
-        cache = qwen21_module.QwenImage21KVLayerCache()
-        extract = call(1, "extract", cache)
-        cached = call(1, "cached", cache)
-        return [extract, cached, cache.k, cache.v]
 
-    stats, off, on = both(kv_steps)
-    assert _same(off, on)
-    assert stats.fused_calls["qwen21_resnorm"] == 2 and stats.verified["qwen21_qk_rotary"] == 4, stats
-    assert not stats.fallbacks and not stats.verify_failed, stats
+def test_one_block_prefill_cache_steps_and_batch2():
+    """The full-size GPU test's code on the CPU at the tiny width (the ops' torch references)."""
+    _block_on_equals_off("cpu", dim=256, heads=2, prefix=8, target=16)
+
+
+@pytest.mark.gpu
+def test_gpu_full_size_block_identical():
+    """diffusers' default ``QwenImage21Transformer2DModel`` block (width 4096, 32 heads of 128, feed-forward 12288),
+    NVFP4, at 1024x1024 (4096 target tokens) after 512 prefix tokens, every site's kernel verified at every call."""
+    _block_on_equals_off("cuda", dim=4096, heads=32, prefix=512, target=4096)
 
 
 @pytest.mark.parametrize("kv_cached", [False, True], ids=["prefill", "kv-cached"])
