@@ -3,11 +3,12 @@
 
 CPU: the transformer's output bytes (and the KV cache's) with fast paths off, on and off again, with per-token
 modulation (``causal_condition``: condition and text tokens take the ``t = 0`` row), per-sample modulation, padded
-prompts, a condition image, at every KV-cache mode; every site counted, verified at every call; hooks and other
-processors fall back, counted; ``disable_fast_paths`` puts back the same objects; under ``torch.compile`` the block
-runs diffusers' forward. On the CPU the ops run their torch references, so these tests check the wiring against
-diffusers' code; the kernels are checked against those references in ``test_layer_norm_quantize.py`` (no shift,
-signed zeros), ``test_swiglu_quantize.py`` (gate and up as two tensors) and ``test_qk_norm_rotary.py``.
+prompts, a condition image, at every KV-cache mode; every site counted, verified at every call; hooks, LoRA and
+other processors fall back, counted; the CUDA-graph runner (simulated); ``disable_fast_paths`` puts back the same
+objects; under ``torch.compile`` the block runs diffusers' forward. On the CPU the ops run their torch references,
+so these tests check the wiring against diffusers' code; the kernels are checked against those references in
+``test_layer_norm_quantize.py`` (no shift, signed zeros), ``test_swiglu_quantize.py`` (gate and up as two tensors)
+and ``test_qk_norm_rotary.py``.
 
 GPU (``gpu``): one full-size block (diffusers' default config: width 4096, 32 heads of 128, feed-forward 12288) with
 every site's kernel, verified at every call, eager on == off, at every KV-cache mode.
@@ -226,6 +227,24 @@ def test_a_hook_makes_its_site_fall_back_counted(where):
     for key, n in HOOKED[where].items():  # the other block (and the other query/key tensor) still fuse
         kind = key.split(": ", 1)[0]
         assert entry["fused_calls"].get(kind, 0) == CALLS[kind] - n, entry
+
+
+@pytest.mark.parametrize("target,site", [("to_v", "qwen21_adaln"), ("proj", "qwen21_resnorm"),
+                                         ("out", "qwen21_swiglu")])
+def test_a_lora_on_a_consumer_makes_its_site_fall_back(target, site):
+    """A peft LoRA (random, so it changes the output) on one of a site's NVFP4 consumers in both blocks: that site
+    falls back with reason ``lora`` at every call, the others fuse, and on == off with the LoRA."""
+    peft = pytest.importorskip("peft", reason="peft is not installed, so the LoRA case did not run (CI installs it)")
+    from diffusers_nvfp4_fast.lora import register_lora_support
+
+    register_lora_support()
+    model, kwargs = _model(), _inputs()
+    model.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=[target], init_lora_weights=False))
+    off = _run(model, kwargs, cache=False)
+    entry, on = _on(model, kwargs, cache=False)
+    assert _same(off, on) and not _same(off, _off(True, 1, False, False))
+    assert entry["fallbacks"] == {f"{site}: lora": 2}, entry
+    assert entry["fused_calls"] == {k: n for k, n in CALLS.items() if k != site}, entry
 
 
 def test_flex_processor_keeps_diffusers_query_key_path_counted():
