@@ -34,7 +34,9 @@ no condition image, timestep 0.5; the step is the full prefill (``kv_cache=None`
 segments, text and target tokens modulated from their own rows), or with ``--kv-cached`` a decode step
 (``kv_cache_mode="cached"``: the target tokens only, against a cache filled once by an ``extract`` call, which is what
 QwenImage21Pipeline runs at every step after the first; the CUDA-graph runner runs such calls eagerly, since the
-cache is an argument it cannot capture).
+cache is an argument it cannot capture). Not run on a GPU yet; expected there: ``--cuda-graphs`` does not capture
+the 2.1 forward either, which reads its token masks on the host (``.tolist()``, a sync that capture refuses), so the
+runner runs it eagerly and counts the failed capture.
 
 Measured per variant: ms per step (median of ``--steps-timed`` forwards after ``--warmup`` forwards, CUDA events;
 fast paths off and on alternate round by round so that clock drift cannot favour either). With ``--cuda-graphs`` each
