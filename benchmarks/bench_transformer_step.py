@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024 [--steps-timed 5]
     python benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024
+    python benchmarks/bench_transformer_step.py --model qwen-image-2.1 [--kv-cached]
     python benchmarks/bench_transformer_step.py --model flux2-dev --compile  # under torch.compile (inductor)
     python benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks  # compile_repeated_blocks
     python benchmarks/bench_transformer_step.py --model flux2-dev --tiny     # CPU dry run of the whole logic
@@ -26,7 +27,16 @@ way with BF16 Linears, after the NVFP4 model is freed, when it fits in memory.
 Inputs at H x W: FLUX.2: latent (H/16)*(W/16) tokens of 128 channels (4096 at 1024x1024) + ``--text-tokens`` text
 tokens of 15360 channels, timestep 0.5, guidance 4.0, position ids as Flux2Pipeline builds them. Qwen-Image:
 (H/16)*(W/16) tokens of 64 channels + text tokens of 3584 channels, no text mask (QwenImagePipeline drops an
-all-valid mask), ``img_shapes = [[(1, H/16, W/16)]]``.
+all-valid mask), ``img_shapes = [[(1, H/16, W/16)]]``. Qwen-Image 2.1 (``QwenImage21Transformer2DModel``, diffusers
+0.42.1's defaults: 32 blocks of width 4096, 32 heads of 128, feed-forward 12288, 64 latent channels, text width 4096,
+``causal_condition``): (H/16)*(W/16) target tokens of 64 channels after the text tokens (vision-language width 4096),
+no condition image, timestep 0.5; the step is the full prefill (``kv_cache=None``: the block-causal attention in
+segments, text and target tokens modulated from their own rows), or with ``--kv-cached`` a decode step
+(``kv_cache_mode="cached"``: the target tokens only, against a cache filled once by an ``extract`` call, which is what
+QwenImage21Pipeline runs at every step after the first; the CUDA-graph runner runs such calls eagerly, since the
+cache is an argument it cannot capture). Not run on a GPU yet; expected there: ``--cuda-graphs`` does not capture
+the 2.1 forward either, which reads its token masks on the host (``.tolist()``, a sync that capture refuses), so the
+runner runs it eagerly and counts the failed capture.
 
 Measured per variant: ms per step (median of ``--steps-timed`` forwards after ``--warmup`` forwards, CUDA events;
 fast paths off and on alternate round by round so that clock drift cannot favour either). With ``--cuda-graphs`` each
@@ -35,7 +45,7 @@ warm-up (which compiles, autotunes and verifies): fast paths off, then on (disab
 eager and BF16 through the same runner; ``replay_equals_eager`` compares each replayed output with the eager output
 of the same variant. Results go to ``transformer_step-<model>-graph-<device>.json``. Models: ``flux2-dev``,
 ``flux2-klein-4b``, ``flux2-klein-9b`` (configs from the model cards' transformer/config.json, see ``MODELS``),
-``qwen-image``.
+``qwen-image``, ``qwen-image-2.1``.
 peak GPU memory during the timed forwards, weight bytes (parameters + buffers). ``exact``: the fast-paths-on output
 has the same bytes as the fast-paths-off output (and off is repeatable), compared in this run.
 """
@@ -94,6 +104,14 @@ MODELS = {
         "tiny": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=6, attention_head_dim=128,
                      num_attention_heads=4, joint_attention_dim=16, axes_dims_rope=(16, 56, 56)),
     },
+    "qwen-image-2.1": {
+        "cls": "QwenImage21Transformer2DModel",
+        # diffusers 0.42.1's QwenImage21Transformer2DModel.__init__ defaults (no public checkpoint config to follow):
+        # 32 blocks, 32 x 128 heads (width 4096), mlp_ratio 3 (12288), in/out 64, context 4096, causal_condition
+        "full": {},
+        "tiny": dict(patch_size=1, in_channels=16, out_channels=16, num_layers=6, attention_head_dim=128,
+                     num_attention_heads=2, context_in_dim=16, axes_dims_rope=(32, 48, 48)),
+    },
 }
 
 
@@ -103,9 +121,9 @@ MODELS = {
 
 
 def exclude_patterns(model_name: str, config: dict) -> tuple[str, ...]:
-    from diffusers_nvfp4_fast.testing.tiny import FLUX2_EXCLUDE, qwen_exclude
+    from diffusers_nvfp4_fast.quantize import recipes
 
-    return FLUX2_EXCLUDE if model_name.startswith("flux2") else qwen_exclude(config["num_layers"])
+    return recipes.exclude_patterns(MODELS[model_name]["cls"], config)
 
 
 def empty_model(model_name: str, tiny: bool) -> nn.Module:
@@ -181,13 +199,16 @@ def bf16_param_bytes(model: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def make_inputs(model_name: str, model: nn.Module, height: int, width: int, text_tokens: int, device) -> dict:
+def make_inputs(model_name: str, model: nn.Module, height: int, width: int, text_tokens: int, device,
+                kv_cached: bool = False) -> dict:
     """Keyword arguments of one denoising-step forward (batch 1), as the diffusers pipelines build them."""
     cfg = model.config
-    h, w = height // 16, width // 16  # VAE /8, then 2x2 patches
+    h, w = height // 16, width // 16  # VAE /8, then 2x2 patches (Qwen-Image 2.1: VAE /16, no patches)
     gen = torch.Generator(device=device).manual_seed(1234)
     bf16 = torch.bfloat16
     hidden = torch.randn(1, h * w, cfg.in_channels, device=device, dtype=bf16, generator=gen)
+    if model_name == "qwen-image-2.1":
+        return _qwen21_inputs(model, hidden, h, w, text_tokens, gen, kv_cached)
     text = torch.randn(1, text_tokens, cfg.joint_attention_dim, device=device, dtype=bf16, generator=gen)
     timestep = torch.full((1,), 0.5, device=device, dtype=bf16)
     if model_name.startswith("flux2"):
@@ -199,6 +220,29 @@ def make_inputs(model_name: str, model: nn.Module, height: int, width: int, text
                     txt_ids=txt_ids, guidance=guidance, return_dict=False)
     return dict(hidden_states=hidden, encoder_hidden_states=text, encoder_hidden_states_mask=None, timestep=timestep,
                 img_shapes=[[(1, h, w)]], return_dict=False)
+
+
+def _qwen21_inputs(model: nn.Module, hidden: torch.Tensor, h: int, w: int, text_tokens: int, gen,
+                   kv_cached: bool) -> dict:
+    """QwenImage21Pipeline's transformer call for a text-to-image step: ``text_tokens`` vision-language text
+    positions, then one slot per 2x2 group of the (h*w) target tokens. With ``kv_cached`` a decode step: the cache is
+    filled by one ``extract`` call first (with the model as it is: the cache holds the same bytes with fast paths on
+    and off, tests/test_qwenimage21.py), and the step reads it (``"cached"``), which leaves it unchanged."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    device = hidden.device
+    text = torch.randn(1, text_tokens, model.config.context_in_dim, device=device, dtype=torch.bfloat16,
+                       generator=gen)
+    img_mask = torch.cat([torch.zeros(1, text_tokens, dtype=torch.bool), torch.ones(1, h * w // 4, dtype=torch.bool)],
+                         dim=1).to(device)
+    inputs = dict(hidden_states=hidden, encoder_hidden_states=text, timestep=torch.full((1,), 0.5, device=device,
+                  dtype=torch.bfloat16), img_shapes=[[(1, h, w)]], img_mask=img_mask, return_dict=False)
+    if kv_cached:
+        cache = QwenImage21KVCache(len(model.transformer_blocks))
+        with torch.inference_mode():
+            model(**inputs, kv_cache=cache, kv_cache_mode="extract")
+        inputs.update(kv_cache=cache, kv_cache_mode="cached")
+    return inputs
 
 
 def forward(model: nn.Module, inputs: dict) -> torch.Tensor:
@@ -449,6 +493,8 @@ def run(args) -> dict:
     result["inputs"] = {"height": args.height, "width": args.width,
                         "image_tokens": (args.height // 16) * (args.width // 16),
                         "text_tokens": args.text_tokens, "batch": 1}
+    if args.model == "qwen-image-2.1":
+        result["inputs"]["step"] = "decode (kv_cache_mode='cached')" if args.kv_cached else "prefill (no KV cache)"
     result["timing"] = (f"median of {args.steps_timed} forwards after {args.warmup} warm-up forwards (CUDA events); "
                         + ("NVFP4 fast paths off, then on (a compile each)" if args.compile else
                            "NVFP4 fast paths off and on timed in alternating rounds")
@@ -477,7 +523,7 @@ def run(args) -> dict:
         f"(BF16 would be {bf16_bytes / 1e9:.2f} GB), GEMM backend {backend}")
     result["gemm_backend"] = backend
     result["layers"] = counts
-    inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
+    inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device, args.kv_cached)
 
     runner = compiled(model, args.compile)  # the fast paths are switched on the model itself
     if enable_fast_paths is not None:
@@ -549,7 +595,7 @@ def run(args) -> dict:
         model = empty_model(args.model, args.tiny)
         materialize(model, args.model, device, nvfp4=False)
         bf16_weight = utils.tensor_bytes(model)
-        inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
+        inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device, args.kv_cached)
         runner = compiled(model, args.compile)
         for graph in (False, True) if args.cuda_graph else (False,):  # BF16 eager, and with the same runner
             ms_bf16, host_bf16, peak_bf16, out_bf16 = time_steps(runner, inputs, args.warmup, args.steps_timed,
@@ -633,6 +679,9 @@ def main() -> None:
     ap.add_argument("--cuda-graph", "--cuda-graphs", action="store_true",
                     help="run each variant through the package's CUDA-graph runner (capture_cuda_graphs; GPU only); "
                          "BF16 is timed eager and through the runner")
+    ap.add_argument("--kv-cached", action="store_true",
+                    help="qwen-image-2.1 only: time a decode step against a filled KV cache (kv_cache_mode='cached') "
+                         "instead of the full prefill")
     ap.add_argument("--compile", nargs="?", const="model", choices=("model", "blocks"),
                     help="time torch.compile(transformer) ('model', the default) or each block compiled as "
                          "compile_repeated_blocks(fullgraph=True) does ('blocks'); inductor, precision-cast "
@@ -640,6 +689,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.cuda_graph and args.compile:
         sys.exit("--cuda-graph and --compile are separate modes; run them one at a time")
+    if args.kv_cached and args.model != "qwen-image-2.1":
+        sys.exit("--kv-cached is for --model qwen-image-2.1 (its KV cache)")
     if args.tiny:
         args.height = args.width = min(args.height, 64)
         args.text_tokens = min(args.text_tokens, 8)
@@ -661,6 +712,7 @@ def main() -> None:
         import common
 
         mode = "-graph" if args.cuda_graph else {"model": "-compile", "blocks": "-compile-blocks"}.get(args.compile, "")
+        mode += "-kv-cached" if args.kv_cached else ""
         path = common.write_result(result, name=f"transformer_step-{args.model}{mode}")
         print(f"-> {path}")
     print(f"{'variant':16s} {'ms/step':>10s} {'host ms':>8s} {'peak GB':>8s} {'weight GB':>9s} {'exact':>6s}  "

@@ -42,9 +42,10 @@ SIGNATURES = {
     "gelu": (_gelu_quantize_kernel, {"h_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8",
                                      "M": "i32", "K": "i32", "row_stride": "i32", "padded_cols": "i32",
                                      "col_tiles": "i32"}),
-    "swiglu": (_swiglu_quantize_kernel, {"a_ptr": "*i64", "h_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64",
-                                         "scales_ptr": "*u8", "M": "i32", "A": "i32", "H": "i32", "stride_a": "i32",
-                                         "stride_h": "i32", "padded_cols": "i32", "col_tiles": "i32"}),
+    "swiglu": (_swiglu_quantize_kernel, {"a_ptr": "*i64", "h_ptr": "*i64", "u_ptr": "*i64", "g_ptr": "*fp32",
+                                         "packed_ptr": "*i64", "scales_ptr": "*u8", "M": "i32", "A": "i32", "H": "i32",
+                                         "stride_a": "i32", "stride_h": "i32", "stride_u": "i32", "up_block": "i32",
+                                         "padded_cols": "i32", "col_tiles": "i32"}),
 }
 
 
@@ -115,14 +116,16 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, 
                           options={"num_warps": mod.NUM_WARPS, "maxnreg": mod.MAX_REGISTERS})
 
 
-def compile_qwen_resnorm(d: int = 3072, arch: int = 90, has_residual: bool = True, decoded: bool = False):
+def compile_qwen_resnorm(d: int = 3072, arch: int = 90, has_residual: bool = True, decoded: bool = False,
+                         has_shift: bool = True):
     """Compile the fused residual-norm quantize kernel for hidden size ``d`` as ``resnorm_quantize_triton`` launches
     it (register cap, no FMA contraction, 4 warps), without a GPU; row strides divisible by 16 as at run time.
-    ``has_residual=False``: the adaptive-LayerNorm variant; ``decoded``: FP16 output instead of packed bytes."""
+    ``has_residual=False``: the adaptive-LayerNorm variant; ``decoded``: FP16 output instead of packed bytes;
+    ``has_shift=False``: no shift (Qwen-Image 2.1's modulation)."""
     mod = importlib.import_module("diffusers_nvfp4_fast.kernels.layer_norm_quantize")
     consts = {"D": d, "HAS_BIAS": has_residual, "APPROX_RSQRT": True, "SOFT_BF16": False,
               "MEAN_FMA": mod.TORCH_MEAN_FMA, "FAST_MATH": True, "HW_E2M1": arch >= 100, "ONE_SAMPLE": True,
-              "HAS_RESIDUAL": has_residual, "DECODED": decoded}
+              "HAS_RESIDUAL": has_residual, "DECODED": decoded, "HAS_SHIFT": has_shift}
     names = list(inspect.signature(mod._resnorm_quantize_kernel.fn).parameters)
     pointer_types = {"g_ptr": "*fp32", "packed_ptr": "*i64" if decoded else "*i32", "scales_ptr": "*u8"}
     sig = {n: pointer_types.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"

@@ -23,6 +23,7 @@ from .ops.dispatch import gemm_backend
 from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats
 from .patches.flux2 import patch_flux2
 from .patches.qwenimage import patch_qwenimage
+from .patches.qwenimage21 import patch_qwenimage21
 from .report import FastPathReport
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
@@ -48,6 +49,7 @@ def _state(model: nn.Module) -> ModelState | None:
 _PATCHERS = {
     "Flux2Transformer2DModel": patch_flux2,
     "QwenImageTransformer2DModel": patch_qwenimage,
+    "QwenImage21Transformer2DModel": patch_qwenimage21,
 }
 MODELOPT_SOURCE = "ModelOpt (in memory)"
 BFL_NUMERICS = (

@@ -9,7 +9,7 @@ from .nvfp4_gemm import PREDECODE_MAX_M, nvfp4_gemm, nvfp4_gemm_fp16_x
 from .qk_norm_rotary import flux2_qk_norm_rotary_triton, qk_norm_rotary_triton
 from .quantize_nvfp4 import quantize_nvfp4_decoded, quantize_nvfp4_triton
 from .rotary import rotary_triton
-from .swiglu_quantize import swiglu_quantize_triton
+from .swiglu_quantize import swiglu_gate_up_quantize_triton, swiglu_quantize_triton
 from .token_cat_quantize import token_cat_quantize_triton
 
 __all__ = [
@@ -17,5 +17,5 @@ __all__ = [
     "adaln_quantize_triton", "flux2_qk_norm_rotary_triton", "gelu_quantize_decoded_triton",
     "gelu_quantize_triton", "gelu_triton", "nvfp4_gemm", "nvfp4_gemm_fp16_x", "qk_norm_rotary_triton",
     "quantize_nvfp4_decoded", "quantize_nvfp4_triton", "resnorm_quantize_triton", "rotary_triton",
-    "swiglu_quantize_triton", "token_cat_quantize_triton",
+    "swiglu_gate_up_quantize_triton", "swiglu_quantize_triton", "token_cat_quantize_triton",
 ]

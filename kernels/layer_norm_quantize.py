@@ -11,6 +11,10 @@ block the same ops without the bias)::
     m = bf16(bf16(n * bf16(1 + scale)) + shift) # _modulate
     packed, scales = quantize(m, g)             # FC1's input quantization
 
+Qwen-Image 2.1 modulates without a shift (``m = bf16(n * bf16(1 + scale))``) and feeds ``m`` to two projections
+(``gate_layer`` and ``proj``); ``HAS_SHIFT=False`` leaves the add out rather than adding a zero (``-0 + +0`` is
+``+0``, and E2M1 keeps the sign of zero).
+
 ``resnorm_quantize_triton`` does all of it in one pass and never writes ``m``. Byte identity with the eager ops
 needs two things:
 
@@ -211,10 +215,12 @@ def _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, start, HAS_BIAS: tl.co
 
 
 @triton.jit
-def _load_pass2(out_row, scale_row, shift_row, offs2, start):
-    """residual_out, scale and shift at ``start + offs2`` (pass 2)."""
+def _load_pass2(out_row, scale_row, shift_row, offs2, start, HAS_SHIFT: tl.constexpr):
+    """residual_out, scale and shift at ``start + offs2`` (pass 2); without HAS_SHIFT the shift is a placeholder (the
+    scale again: a cache hit, never used)."""
     o = start + offs2
-    return tl.load(out_row + o), tl.load(scale_row + o), tl.load(shift_row + o)
+    sc = tl.load(scale_row + o)
+    return tl.load(out_row + o), sc, tl.load(shift_row + o) if HAS_SHIFT else sc
 
 
 @triton.jit
@@ -224,18 +230,23 @@ def _vector_offsets():
 
 
 @triton.jit
-def _modulate(r, scale, shift, row_mean, rstd, SOFT_BF16: tl.constexpr):
-    """residual_out -> the FC1 input ``m`` (widened to FP32, exact): normalize, ``* bf16(1 + scale)``, ``+ shift``."""
+def _modulate(r, scale, shift, row_mean, rstd, SOFT_BF16: tl.constexpr, HAS_SHIFT: tl.constexpr):
+    """residual_out -> the FC1 input ``m`` (widened to FP32, exact): normalize, ``* bf16(1 + scale)``, ``+ shift``
+    (without HAS_SHIFT no add at all: ``m = bf16(n * bf16(1 + scale))``, Qwen-Image 2.1's ``x * (1 + scale)``; adding
+    +0.0 instead would turn a -0 product into +0, which the quantizer encodes differently)."""
     n = _bf16(rstd * (_widen_for_fp32(r, SOFT_BF16) - row_mean), SOFT_BF16)
     scale1 = _bf16(1.0 + widen_bf16(scale, SOFT_BF16), SOFT_BF16)
-    m = narrow_bf16(_bf16(n * scale1, SOFT_BF16) + widen_bf16(shift, SOFT_BF16), SOFT_BF16)
+    if HAS_SHIFT:
+        m = narrow_bf16(_bf16(n * scale1, SOFT_BF16) + widen_bf16(shift, SOFT_BF16), SOFT_BF16)
+    else:
+        m = narrow_bf16(n * scale1, SOFT_BF16)
     return _widen_for_fp32(m, SOFT_BF16)
 
 
 @triton.jit
 def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, col, g, packed_ptr, scales_ptr,
                       D: tl.constexpr, padded_cols, VEC2: tl.constexpr, SOFT_BF16: tl.constexpr,
-                      FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, DECODED: tl.constexpr):
+                      FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, DECODED: tl.constexpr, HAS_SHIFT: tl.constexpr):
     """Pass 2 for the ``128 * VEC2`` columns from ``col``, thread t taking ``VEC2`` consecutive ones, so 16 / VEC2
     threads share a 16-block: the block maximum crosses threads, and every holder of a block has its scale byte.
     With ``DECODED`` each thread stores its elements' exact FP16 values instead (``packed_ptr``: FP16 as int64).
@@ -246,8 +257,8 @@ def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, col, g
     """
     NB: tl.constexpr = THREADS * VEC2 // 16
     r, sc, sh = _load_pass2(out_row, scale_row, shift_row, tl.arange(0, THREADS)[:, None] * VEC2
-                            + tl.arange(0, VEC2)[None, :], col)
-    m = tl.reshape(_modulate(r, sc, sh, row_mean, rstd, SOFT_BF16), [NB, 16 // VEC2, VEC2])
+                            + tl.arange(0, VEC2)[None, :], col, HAS_SHIFT)
+    m = tl.reshape(_modulate(r, sc, sh, row_mean, rstd, SOFT_BF16, HAS_SHIFT), [NB, 16 // VEC2, VEC2])
     vec_max = tl.max(tl.max(tl.abs(m), axis=2), axis=1)  # maxNum: NaN lanes skipped
     sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
     x = m * factor[:, None, None]
@@ -291,7 +302,7 @@ def _resnorm_quantize_kernel(
     padded_cols,
     D: tl.constexpr, HAS_BIAS: tl.constexpr, APPROX_RSQRT: tl.constexpr, SOFT_BF16: tl.constexpr,
     MEAN_FMA: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, ONE_SAMPLE: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, DECODED: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, DECODED: tl.constexpr, HAS_SHIFT: tl.constexpr,
 ):
     # One program per row of the padded scale matrix: rows >= M only write their zero scale bytes. Without
     # HAS_RESIDUAL the LayerNorm reads x itself (no residual add, no residual_out); with DECODED the FC1 input is
@@ -361,10 +372,10 @@ def _resnorm_quantize_kernel(
         half = t[:, None] * 16 + tl.arange(0, 8)[None, :]  # [128, 8]: first half of thread t's block
         for j in tl.static_range(NFULL):
             col = j * 2048
-            r_a, sc_a, sh_a = _load_pass2(src_row, scale_row, shift_row, half, col)
-            r_b, sc_b, sh_b = _load_pass2(src_row, scale_row, shift_row, half, col + 8)
-            m_a = _modulate(r_a, sc_a, sh_a, row_mean, rstd, SOFT_BF16)
-            m_b = _modulate(r_b, sc_b, sh_b, row_mean, rstd, SOFT_BF16)
+            r_a, sc_a, sh_a = _load_pass2(src_row, scale_row, shift_row, half, col, HAS_SHIFT)
+            r_b, sc_b, sh_b = _load_pass2(src_row, scale_row, shift_row, half, col + 8, HAS_SHIFT)
+            m_a = _modulate(r_a, sc_a, sh_a, row_mean, rstd, SOFT_BF16, HAS_SHIFT)
+            m_b = _modulate(r_b, sc_b, sh_b, row_mean, rstd, SOFT_BF16, HAS_SHIFT)
             words, sf_byte = quantize_block_halves(m_a, m_b, g, FAST_MATH, HW_E2M1)
             kb = col // 16 + t
             if DECODED:  # the block's 16 codes as one int64, decoded to four words of four FP16 values
@@ -381,10 +392,10 @@ def _resnorm_quantize_kernel(
                 tl.store(scales_ptr + swizzled_scale_offset(r64, kb, padded_cols), sf_byte.to(tl.uint8))
         if REST >= 1024:
             _split_block_step(src_row, scale_row, shift_row, row_mean, rstd, r64, NFULL * 2048, g, packed_ptr,
-                              scales_ptr, D, padded_cols, 8, SOFT_BF16, FAST_MATH, HW_E2M1, DECODED)
+                              scales_ptr, D, padded_cols, 8, SOFT_BF16, FAST_MATH, HW_E2M1, DECODED, HAS_SHIFT)
         if REST % 1024 == 512:
             _split_block_step(src_row, scale_row, shift_row, row_mean, rstd, r64, D - 512, g, packed_ptr,
-                              scales_ptr, D, padded_cols, 4, SOFT_BF16, FAST_MATH, HW_E2M1, DECODED)
+                              scales_ptr, D, padded_cols, 4, SOFT_BF16, FAST_MATH, HW_E2M1, DECODED, HAS_SHIFT)
     elif not DECODED:
         # Padding row of the 128x4 scale layout: its scale bytes are 0 (D % 512 == 0, so D/16 == padded_cols and
         # every k-block is covered by the chunks).
@@ -469,7 +480,7 @@ def resnorm_quantize_triton(
     bias: torch.Tensor | None,
     gate: torch.Tensor,
     scale: torch.Tensor,
-    shift: torch.Tensor,
+    shift: torch.Tensor | None,
     global_scale: torch.Tensor,
     *,
     eps: float,
@@ -477,13 +488,14 @@ def resnorm_quantize_triton(
     approx_rsqrt: bool | None = None,
     decoded: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Fused ``residual + gate * (x + bias) -> LayerNorm -> * (1 + scale) + shift -> NVFP4``.
+    """Fused ``residual + gate * (x + bias) -> LayerNorm -> * (1 + scale) + shift -> NVFP4`` (``+ shift`` only where
+    ``shift`` is given: Qwen-Image 2.1 modulates with ``x * (1 + scale)`` alone).
 
     Args:
         residual, x: ``[B, L, D]`` bfloat16; the last dim contiguous, the B and L dims may be strided.
         bias: ``[D]`` bfloat16 contiguous, or None when ``x`` already includes the bias.
         gate, scale, shift: bfloat16, per sample ``[B, D]`` (or ``[B, 1, D]``) or per token ``[B, L, D]``; any strides
-            in the leading dims (chunks of ``mod_params`` are fine), last dim contiguous.
+            in the leading dims (chunks of ``mod_params`` are fine), last dim contiguous. ``shift`` None: no add.
         global_scale: FP32 1-element tensor ``g`` (FC1's ``1 / input_scale``) on the same device.
         eps: the LayerNorm's eps (used as FP32, like torch).
         fast_math: the NVFP4 quantize recipe (docs/design.md §3).
@@ -511,7 +523,7 @@ def resnorm_quantize_triton(
 def adaln_quantize_triton(
     x: torch.Tensor,
     scale: torch.Tensor,
-    shift: torch.Tensor,
+    shift: torch.Tensor | None,
     global_scale: torch.Tensor,
     *,
     eps: float,
@@ -521,7 +533,8 @@ def adaln_quantize_triton(
 ) -> tuple[torch.Tensor, ...]:
     """Fused ``LayerNorm(x) -> * (1 + scale) + shift -> NVFP4`` (adaptive LayerNorm before a projection): the kernel
     of ``resnorm_quantize_triton`` without the residual add. Arguments as there (``x`` is the LayerNorm's
-    input). Returns packed uint8 ``[B*L, D/2]`` and 128x4 scales, or with ``decoded`` the FP16 values ``[B*L, D]``.
+    input; ``shift`` None: ``LayerNorm(x) * (1 + scale)``). Returns packed uint8 ``[B*L, D/2]`` and 128x4 scales,
+    or with ``decoded`` the FP16 values ``[B*L, D]``.
     """
     return _launch(x, None, scale, shift, global_scale, eps, fast_math, approx_rsqrt, decoded)
 
@@ -538,6 +551,8 @@ def _launch(x, residual_args, scale, shift, global_scale, eps, fast_math, approx
         raise ValueError(f"global_scale must be a 1-element float32 tensor, got {tuple(global_scale.shape)} "
                          f"{global_scale.dtype}")
     residual, bias, gate, out = residual_args if residual_args is not None else (x, None, scale, x)
+    has_shift = shift is not None
+    shift = shift if has_shift else scale  # a placeholder the kernel never reads
     params = ((gate, "gate"), (scale, "scale"), (shift, "shift"))
     strides = [s for p, name in params for s in _row_strides(p, name, b, l_len, d)]
     m = b * l_len
@@ -560,6 +575,7 @@ def _launch(x, residual_args, scale, shift, global_scale, eps, fast_math, approx
         scales.shape[1] if not decoded else 0,
         D=d, HAS_BIAS=bias is not None, APPROX_RSQRT=bool(approx_rsqrt), SOFT_BF16=INTERPRETING,
         MEAN_FMA=TORCH_MEAN_FMA, ONE_SAMPLE=b == 1, HAS_RESIDUAL=residual_args is not None, DECODED=decoded,
+        HAS_SHIFT=has_shift,
         maxnreg=MAX_REGISTERS, **launch_options(x.device, fast_math),
     )
     return outputs

@@ -2,7 +2,10 @@
 
 FLUX.2's feed-forwards compute ``silu(gate) * up`` in the model dtype only to quantize it inside the next NVFP4
 projection (``ff.linear_out`` in double-stream blocks; ``to_out`` after the token concatenation in single-stream
-blocks, where ``attn`` is the attention output; ``A = 0`` for the plain feed-forward). Each output value is computed
+blocks, where ``attn`` is the attention output; ``A = 0`` for the plain feed-forward). Qwen-Image 2.1's
+``QwenImage21SwiGLUFeedForward`` computes the same ``silu(gate) * up`` from two projections' outputs, two tensors
+(``swiglu_gate_up_quantize_triton``): the kernel reads the up values through a pointer of their own, which for
+FLUX.2 is the hidden tensor again, ``H`` columns on. Each output value is computed
 exactly as torch's eager CUDA kernels do: ``s = round(x / (1 + exp(-x)))`` in FP32 (``expf``, a correctly rounded
 add and division), rounded to the model dtype; ``y = round(s * up)`` (an exact FP32 product, rounded once). 16-blocks
 never straddle ``attn`` and the SwiGLU part (A, H multiples of 16), so each block is quantized from its own source.
@@ -51,14 +54,17 @@ def swiglu_word(g, u, IS_BF16: tl.constexpr):
 
 @triton.jit
 def _swiglu_quantize_kernel(
-    a_ptr, h_ptr, g_ptr, packed_ptr, scales_ptr, M, A, H, stride_a, stride_h, padded_cols, col_tiles,
+    a_ptr, h_ptr, u_ptr, g_ptr, packed_ptr, scales_ptr, M, A, H, stride_a, stride_h, stride_u, up_block, padded_cols,
+    col_tiles,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
     HW_E2M1: tl.constexpr,
 ):
+    # h_ptr: the gate values (columns [0, H) of each row); u_ptr: the up values, from column up_block * 16 of each row
+    # (FLUX.2: the hidden tensor again, up_block = H / 16; Qwen-Image 2.1: a tensor of its own, up_block = 0).
     rows, kbs, in_a, in_h = cat_tile(tl.program_id(0), col_tiles, M, A, H, BLOCK_R, BLOCK_C)
     a0, a1, a2, a3 = load_blocks(a_ptr, rows, kbs, stride_a, in_a)
     g0, g1, g2, g3 = load_blocks(h_ptr, rows, kbs - A // 16, stride_h, in_h)
-    u0, u1, u2, u3 = load_blocks(h_ptr, rows, kbs - A // 16 + H // 16, stride_h, in_h)
+    u0, u1, u2, u3 = load_blocks(u_ptr, rows, kbs - A // 16 + up_block, stride_u, in_h)
     # Masked lanes loaded 0 and silu(0) * 0 is +0 (bits 0), so OR-ing picks the block's own source.
     packed, sf_byte = quantize_blocks(
         a0 | swiglu_word(g0, u0, IS_BF16), a1 | swiglu_word(g1, u1, IS_BF16),
@@ -85,15 +91,45 @@ def swiglu_quantize_triton(
                          f"{h.dtype} need equal rows, one dtype and an attn width % 16 == 0")
     (h_blocks, stride_h) = as_block_rows(h)
     (a_blocks, stride_a) = as_block_rows(a) if a.shape[1] else (h_blocks, stride_h)
-    k = a.shape[1] + width_h // 2
-    packed = torch.empty((m, k // 2), dtype=torch.uint8, device=h.device)
-    scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=h.device)
+    half = width_h // 2
+    return _launch((a_blocks, stride_a, a.shape[1]), (h_blocks, stride_h), (h_blocks, stride_h, half // 16), half,
+                   h.dtype, global_scale, fast_math, block_r, block_c, num_warps)
+
+
+def swiglu_gate_up_quantize_triton(
+    gate: torch.Tensor, up: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True, block_r: int = 8,
+    block_c: int = 16, num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate and up ``[..., H]`` (same shape and dtype, bf16/fp16, H a multiple of 16; rows may be strided) -> packed
+    uint8 ``[R, H/2]`` and 128x4 scales uint8 ``[round_up(R,128), round_up(H/16,4)]`` of ``silu(gate) * up``: the
+    kernel of ``swiglu_quantize_triton`` with the two halves in two tensors (Qwen-Image 2.1's ``gate_layer`` and
+    ``proj`` outputs)."""
+    if gate.shape != up.shape or gate.dtype != up.dtype or gate.shape[-1] % 16:
+        raise ValueError(f"swiglu_gate_up_quantize_triton: gate {tuple(gate.shape)} {gate.dtype} and up "
+                         f"{tuple(up.shape)} {up.dtype} need one shape and dtype, a width % 16 == 0")
+    (g_blocks, stride_g) = as_block_rows(gate.reshape(-1, gate.shape[-1]))
+    (u_blocks, stride_u) = as_block_rows(up.reshape(-1, up.shape[-1]))
+    return _launch((g_blocks, stride_g, 0), (g_blocks, stride_g), (u_blocks, stride_u, 0), gate.shape[-1],
+                   gate.dtype, global_scale, fast_math, block_r, block_c, num_warps)
+
+
+def _launch(attn, gate, up, h: int, dtype: torch.dtype, global_scale, fast_math, block_r, block_c, num_warps):
+    """Allocate the outputs and launch the kernel. ``attn``: (words, row stride, width A); ``gate``: (words, row
+    stride); ``up``: (words, row stride, first 16-block of the up values in each row); ``h``: the SwiGLU width;
+    ``dtype``: the values' (the words are int64 views)."""
+    a_blocks, stride_a, a_width = attn
+    g_blocks, stride_g = gate
+    u_blocks, stride_u, up_block = up
+    m, device = g_blocks.shape[0], g_blocks.device
+    k = a_width + h
+    packed = torch.empty((m, k // 2), dtype=torch.uint8, device=device)
+    scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
     launch(
         _swiglu_quantize_kernel, grid,
-        a_blocks, h_blocks, global_scale, packed.view(torch.int64), scales, m, a.shape[1], width_h // 2, stride_a,
-        stride_h, scales.shape[1], col_tiles,
-        BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=h.dtype == torch.bfloat16,
-        **launch_options(h.device, fast_math, num_warps),
+        a_blocks, g_blocks, u_blocks, global_scale, packed.view(torch.int64), scales, m, a_width, h, stride_a,
+        stride_g, stride_u, up_block, scales.shape[1], col_tiles,
+        BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=dtype == torch.bfloat16,
+        **launch_options(device, fast_math, num_warps),
     )
     return packed, scales

@@ -1,5 +1,6 @@
 """The adaptive-LayerNorm quantize op (``ops/layer_norm_quantize.py``: ``LayerNorm(x) * (1 + scale) + shift ->
-NVFP4``) and the decoded-output variants of both norm kernels, against diffusers' eager ops.
+NVFP4``, and Qwen-Image 2.1's form without the shift) and the decoded-output variants of both norm kernels, against
+diffusers' eager ops.
 
 CPU: the kernel under the Triton interpreter is compared with an emulation of torch's CUDA LayerNorm in
 ``test_layer_norm_quantize.py`` (``test_decoded_and_adaln_variants_match``); here the op's torch reference is checked
@@ -152,3 +153,22 @@ def test_gpu_resnorm_decoded_is_the_decode_of_packed(d, fast_math):
     assert torch.equal(r16.view(torch.int16), r.view(torch.int16))
     want = decode_nvfp4(packed, scales, dtype=torch.float16)
     assert torch.equal(x16.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_math", [False, True], ids=["precise", "fast"])
+def test_gpu_no_shift_matches_eager(fast_math):
+    """Qwen-Image 2.1's modulation, ``norm(x) * (1 + scale)`` with no shift add, at its width (4096): the adaptive
+    LayerNorm with per-token rows and the residual norm without bias, on rows whose modulated values are zeros of
+    both signs (a constant row normalizes to +0, ``scale = -2`` gives ``1 + scale = -1``), packed and decoded."""
+    from test_layer_norm_quantize import check, make_case
+
+    inputs = _case(1, 4608, 4096, per_token=True, device="cuda", seed=6)._replace(shift=None)
+    inputs.x[:, 0] = 1.5
+    inputs.scale[..., ::7] = -2.0
+    _check_gpu(inputs, fast_math)
+    residual, attn, _bias, gate, scale, _shift = make_case(2, 2048, d=4096, per_token=True, bias=False, seed=7)
+    residual[:, 0] = 1.5
+    attn[:, 0] = 0.0
+    scale[..., ::7] = -2.0
+    check((residual, attn, None, gate, scale, None), fast_math)

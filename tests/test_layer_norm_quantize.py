@@ -34,7 +34,7 @@ from diffusers_nvfp4_fast.format import decode_nvfp4  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
 from diffusers_nvfp4_fast.kernels import layer_norm_quantize as qmod  # noqa: E402
 from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import quantize_nvfp4_triton  # noqa: E402
-from diffusers_nvfp4_fast.ops.layer_norm_quantize import ResNormInputs, broadcast_rows, residual_norm_chain  # noqa: E402
+from diffusers_nvfp4_fast.ops.layer_norm_quantize import ResNormInputs, modulate, residual_norm_chain  # noqa: E402
 from support.emulation import fma32  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
 
@@ -50,16 +50,17 @@ DISTRIBUTIONS = ("randn", "activation-like", "large-offset", "edge-rows")
 
 @pytest.mark.parametrize("capability,variant", [
     (90, "resnorm"), (90, "resnorm-decoded"), (90, "adaln"), (90, "adaln-decoded"), (100, "resnorm"),
-    (100, "adaln-decoded"), (120, "resnorm"), (120, "adaln-decoded"),
+    (100, "adaln-decoded"), (120, "resnorm"), (120, "adaln-decoded"), (90, "resnorm-noshift-decoded"),
+    (100, "adaln-noshift"),
 ])
 def test_compiles_ahead_of_time(capability, variant):
     """The fused Qwen kernel (whole-block and split-block quantize paths), with and without the residual add, packed
-    or decoded, builds for Hopper and both Blackwell targets, with the hardware E2M1 conversion exactly on SM100+; it
-    runs only where such a GPU exists."""
+    or decoded, with or without the shift add (Qwen-Image 2.1), builds for Hopper and both Blackwell targets, with
+    the hardware E2M1 conversion exactly on SM100+; it runs only where such a GPU exists."""
     from sass_count import compile_qwen_resnorm
 
     compiled = compile_qwen_resnorm(3072, capability, has_residual=variant.startswith("resnorm"),
-                                    decoded=variant.endswith("decoded"))
+                                    decoded=variant.endswith("decoded"), has_shift="noshift" not in variant)
     assert ("cvt.rn.satfinite.e2m1x2.f32" in compiled.asm["ptx"]) == (capability >= 100)
     assert len(compiled.asm["cubin"]) > 0
 
@@ -153,10 +154,10 @@ def cuda_layer_norm_emulation(x: torch.Tensor, eps: float, thread_order: str = "
 
 
 def emulated_reference(residual, x, bias, gate, scale, shift, g, eps):
-    """Eager chain with the emulated CUDA LayerNorm + precise standalone quantize."""
+    """Eager chain with the emulated CUDA LayerNorm + precise standalone quantize (``shift`` None: no shift add)."""
     r, _ = residual_norm_chain(ResNormInputs(residual, x, bias, gate, scale, shift), eps)
     n = cuda_layer_norm_emulation(r.reshape(-1, r.shape[-1]), eps).reshape(r.shape)
-    m = n * (1 + broadcast_rows(scale, n)) + broadcast_rows(shift, n)
+    m = modulate(n, scale, shift)
     packed, scales = reference_quantize(m.reshape(-1, m.shape[-1]), g, scale_layout="128x4", fast_math=False)
     return r, packed, scales
 
@@ -164,7 +165,7 @@ def emulated_reference(residual, x, bias, gate, scale, shift, g, eps):
 def emulated_adaln_reference(x, scale, shift, g, eps):
     """norm1 + modulate with the emulated CUDA LayerNorm, then the precise standalone quantize."""
     n = cuda_layer_norm_emulation(x.reshape(-1, x.shape[-1]), eps).reshape(x.shape)
-    m = n * (1 + broadcast_rows(scale, n)) + broadcast_rows(shift, n)
+    m = modulate(n, scale, shift)
     return reference_quantize(m.reshape(-1, m.shape[-1]), g, scale_layout="128x4", fast_math=False)
 
 
@@ -373,6 +374,89 @@ def test_comparison_detects_a_wrong_reduction_order(interpreter_results, dist):
     # The same statistics accumulated in another order (each thread reading a contiguous run) change FP32 mean/rstd
     # bits in many rows, so the statistics comparison above can fail. (BF16 outputs hide most of it.)
     assert interpreter_results[f"ln-{dist}"]["wrong_order_stats_mismatch"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Without a shift (Qwen-Image 2.1's x * (1 + scale)): its own interpreter run, so that the run above stays in budget.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def signed_zero_case(b: int, l_len: int, d: int, per_token: bool, seed: int):
+    """(residual, x, gate, scale) where products of exactly zero reach the quantizer with both signs: row 0 of
+    every sample is constant after the residual add (its LayerNorm output is +0), and every 7th column of ``scale``
+    is -2 (``1 + scale = -1``), so ``n * (1 + scale)`` is -0 there and +0 elsewhere in that row. Parameters are
+    chunk views of one modulation tensor, as diffusers slices them."""
+    residual, x, _bias, gate, _scale, _shift = make_inputs(b, l_len, d, "randn", per_token, seed)
+    residual[:, 0] = 1.5
+    x[:, 0] = 0.0  # gate * 0 is +-0 and 1.5 + +-0 = 1.5: the residual-norm kernel's row 0 is constant too
+    mod = (torch.randn(b, *((l_len,) if per_token else ()), 2 * d, generator=torch.Generator().manual_seed(seed))
+           * 0.5).bfloat16()
+    mod[..., : d : 7] = -2.0
+    scale, gate2 = mod.chunk(2, dim=-1)
+    return residual, x, gate2 if per_token else gate, scale
+
+
+def interpreted_no_shift() -> dict:
+    import warnings
+
+    from diffusers_nvfp4_fast.kernels.layer_norm_quantize import adaln_quantize_triton, resnorm_quantize_triton
+
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    g = torch.tensor([2688.0 / 5.0])
+    results = {}
+
+    def same(a, b) -> bool:
+        return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+    # name, B, L, D, per-token: D = 512 splits each 16-block over 4 threads, 1024 over 2, 2560 takes whole blocks
+    # per thread first (every pass-2 path of the kernel)
+    for name, b, l_len, d, per_token in (("adaln-b2-d512", 2, 2, 512, False),
+                                         ("adaln-b1-pertoken-d2560", 1, 2, 2560, True),
+                                         ("resnorm-b2-pertoken-d512", 2, 2, 512, True),
+                                         ("resnorm-b1-d1024", 1, 2, 1024, False)):
+        residual, x, gate, scale = signed_zero_case(b, l_len, d, per_token, seed=len(results))
+        zero = torch.zeros_like(scale)
+        residual_equal = True
+        if name.startswith("adaln"):
+            got = adaln_quantize_triton(residual, scale, None, g, eps=EPS, fast_math=False)
+            want = emulated_adaln_reference(residual, scale, None, g, EPS)
+            plus_zero = adaln_quantize_triton(residual, scale, zero, g, eps=EPS, fast_math=False)
+            minus_zero = adaln_quantize_triton(residual, scale, -zero, g, eps=EPS, fast_math=False)
+            (x16,) = adaln_quantize_triton(residual, scale, None, g, eps=EPS, fast_math=False, decoded=True)
+        else:
+            r, *got = resnorm_quantize_triton(residual, x, None, gate, scale, None, g, eps=EPS, fast_math=False)
+            want_r, *want = emulated_reference(residual, x, None, gate, scale, None, g, EPS)
+            plus_zero = resnorm_quantize_triton(residual, x, None, gate, scale, zero, g, eps=EPS, fast_math=False)[1:]
+            minus_zero = resnorm_quantize_triton(residual, x, None, gate, scale, -zero, g, eps=EPS,
+                                                 fast_math=False)[1:]
+            r16, x16 = resnorm_quantize_triton(residual, x, None, gate, scale, None, g, eps=EPS, fast_math=False,
+                                               decoded=True)
+            residual_equal = torch.equal(r.view(torch.int16), want_r.view(torch.int16)) and torch.equal(r16, r)
+        decoded = decode_nvfp4(*got, scale_layout="128x4", dtype=torch.float16)
+        results[name] = {
+            "equal": same(got, want) and residual_equal,
+            "decoded": torch.equal(x16.view(torch.int16), decoded.view(torch.int16)),
+            "plus_zero_shift_differs": not same(plus_zero, want),  # the case can tell: an add of +0.0 is wrong
+            "minus_zero_shift_equal": same(minus_zero, want),  # and -0.0 would be the identity
+            # -0 codes (0x8) in the constant rows, whose values are all zeros: the signed zeros reached the quantizer
+            "negative_zero_codes": int(sum(((got[0][i * l_len] >> k) & 0xF == 0x8).sum() for i in range(b)
+                                           for k in (0, 4))),
+        }
+    return results
+
+
+NO_SHIFT_CASES = ["adaln-b2-d512", "adaln-b1-pertoken-d2560", "resnorm-b2-pertoken-d512", "resnorm-b1-d1024"]
+
+
+@pytest.mark.parametrize("case", NO_SHIFT_CASES)
+def test_no_shift_variant_matches_emulation_with_signed_zeros(case):
+    """``HAS_SHIFT=False`` (Qwen-Image 2.1's ``norm(x) * (1 + scale)``) against the emulated chain without the add,
+    packed and decoded, on rows whose products are zeros of both signs; an explicit +0.0 shift gives other bytes on
+    the same rows (so the comparison can fail), an explicit -0.0 shift the same ones."""
+    res = run_interpreted(__name__, "interpreted_no_shift")[case]
+    assert res["negative_zero_codes"] > 0, res
+    assert res["equal"] and res["decoded"], res
+    assert res["plus_zero_shift_differs"] and res["minus_zero_shift_equal"], res
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,8 +29,11 @@ TABLE = Path(__file__).resolve().parents[1] / "docs" / "pipelines.md"
 FLUX2_SITES = {"flux2_token_cat": 2, "flux2_rotary": 3, "flux2_swiglu": 2, "flux2_resnorm": 2, "flux2_adaln": 4}
 # 1 NVFP4 block: 2 feed-forwards (GELU), 2 streams' query/key/value (adaptive LayerNorm), 1 attention processor
 QWEN_SITES = {"qwen_resnorm": 1, "qwen_gelu": 2, "qwen_adaln": 2, "qwen_qk_rotary": 1}
+# 2 NVFP4 Qwen-Image 2.1 blocks: norm1 (query/key/value), norm2 (gate_layer and proj), the SwiGLU into out, and the
+# attention processor (query/key norm + rotary) each
+QWEN21_SITES = {"qwen21_adaln": 2, "qwen21_resnorm": 2, "qwen21_swiglu": 2, "qwen21_qk_rotary": 2}
 SITES = {"flux2": FLUX2_SITES, "klein": FLUX2_SITES, "qwen_small": QWEN_SITES, "qwen_zero_cond_t": QWEN_SITES,
-         "qwen_layered": QWEN_SITES, "qwen21": {}}  # no fused site for QwenImage21Transformer2DModel yet
+         "qwen_layered": QWEN_SITES, "qwen21": QWEN21_SITES}
 # Flux2KleinKVPipeline sets Flux2KVAttnProcessor on the double-stream attention, where the rotary and adaptive-
 # LayerNorm sites are installed only over diffusers' Flux2AttnProcessor: that attention runs diffusers' code. Its
 # step 0 ("extract") modulates the reference tokens with their own timestep, so the image stream's residual-norm
@@ -95,24 +98,29 @@ def test_gpu_same_png_off_on_off(case: MatrixCase, exports):
     _check_off_on_off(case, pipe.to("cuda"), kwargs, cpu_counts=False)
 
 
-def test_qwen21_runs_its_nvfp4_layers_with_no_fused_site(exports):
-    """QwenImage21Transformer2DModel has no fused site yet: with fast paths on, its NVFP4Linear layers run (each at
-    every step, block scales 128x4) and the PNG is the same."""
+def test_qwen21_sites_run_at_the_extract_and_the_cached_step(exports):
+    """QwenImage21Pipeline prefills its KV cache at step 0 (``kv_cache_mode="extract"``: text, condition and target
+    tokens) and later steps decode the target tokens from it (``"cached"``): every fused site runs at both steps (each
+    call of the two NVFP4 blocks counts norm1, norm2 and the SwiGLU once each, the query/key norm twice), verified at
+    every call, with the NVFP4 layers' block scales in the 128x4 layout, and the PNG is the one with fast paths off."""
     case = next(case for case in MATRIX if case.pipeline == "QwenImage21Pipeline")
     pipe, kwargs = _nvfp4_pipeline(case, exports)
-    linears = [m for m in pipe.transformer.modules() if isinstance(m, NVFP4Linear)]
     off = images_sha256(generate(pipe, kwargs))
-    calls: list[str] = []
-    handles = [m.register_forward_hook(lambda module, *_: calls.append(module.scale_layout)) for m in linears]
-    entry = enable_fast_paths(pipe)["QwenImage21Transformer2DModel"]
+    modes: list[str] = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda module, args, kw: modes.append(kw["kv_cache_mode"]),
+                                                        with_kwargs=True)
+    enable_fast_paths(pipe, verify="always")
     try:
         on = images_sha256(generate(pipe, kwargs))
+        entry = fast_path_report(pipe)["QwenImage21Transformer2DModel"]
+        layouts = {m.scale_layout for m in pipe.transformer.modules() if isinstance(m, NVFP4Linear)}
     finally:
-        for handle in handles:
-            handle.remove()
+        handle.remove()
         disable_fast_paths(pipe)
-    assert on == off and entry["sites"] == {} and len(linears) == entry["nvfp4_linears"] > 0
-    assert len(calls) >= 2 * len(linears) and set(calls) == {"128x4"}  # 2 steps
+    assert on == off and modes == ["extract", "cached"] and layouts == {"128x4"}
+    per_call = {"qwen21_adaln": 2, "qwen21_resnorm": 2, "qwen21_swiglu": 2, "qwen21_qk_rotary": 4}
+    assert entry["fused_calls"] == {kind: 2 * n for kind, n in per_call.items()}, entry
+    assert entry["verifications"]["passed_by_kind"] == entry["fused_calls"] and entry["fallbacks"] == {}, entry
 
 
 def _table_pipelines() -> list[str]:

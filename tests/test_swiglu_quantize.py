@@ -12,7 +12,11 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed, so the SwiGLU kernel tests did not run; they "
                                                "run wherever Triton is installed, as in CI (pip install -e '.[test]')")
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
-from diffusers_nvfp4_fast.ops.swiglu_quantize import swiglu_quantize_reference  # noqa: E402
+from diffusers_nvfp4_fast.ops.swiglu_quantize import (  # noqa: E402
+    swiglu_gate_up_quantize_reference,
+    swiglu_gate_up_reference,
+    swiglu_quantize_reference,
+)
 from support.inputs import INPUT_KINDS, adversarial, global_scale_for, make_input, swiglu_adversarial  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
 
@@ -35,7 +39,7 @@ def numpy_swiglu(hidden: torch.Tensor) -> torch.Tensor:
 
 
 def _interpreted_cases(dtype: torch.dtype) -> list[bool]:
-    from diffusers_nvfp4_fast.kernels import swiglu_quantize_triton
+    from diffusers_nvfp4_fast.kernels import swiglu_gate_up_quantize_triton, swiglu_quantize_triton
 
     g = torch.tensor([2688 / 40.0])
     hidden = swiglu_adversarial(40, 96, device="cpu", seed=1).to(dtype)
@@ -48,6 +52,12 @@ def _interpreted_cases(dtype: torch.dtype) -> list[bool]:
         got = swiglu_quantize_triton(h, g, a, fast_math=False, block_c=block_c)
         want = reference_quantize(x, g[0], fast_math=False)
         equal.append(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+    # Gate and up as two tensors (Qwen-Image 2.1's gate_layer and proj outputs), one of them row-strided.
+    gate, up = hidden.chunk(2, dim=-1)
+    for u in (up.contiguous(), up):
+        got = swiglu_gate_up_quantize_triton(gate.contiguous(), u, g, fast_math=False, block_c=16)
+        want = reference_quantize(numpy_swiglu(hidden), g[0], fast_math=False)
+        equal.append(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
     return equal
 
 
@@ -57,8 +67,23 @@ def interpreted_swiglu() -> dict:
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_interpreted_kernel_matches_swiglu_then_quantize(dtype):
+    """One tensor [gate | up] (FLUX.2), with and without the attention part in front, and gate and up as two
+    tensors (Qwen-Image 2.1), contiguous and row-strided."""
     result = run_interpreted(__name__, "interpreted_swiglu")[dtype]
-    assert len(result) >= 4 and all(result), result
+    assert len(result) == 6 and all(result), result
+
+
+def test_gate_up_reference_is_diffusers_qwen21_feed_forward():
+    """The gate/up op's reference computes what diffusers' ``QwenImage21SwiGLUFeedForward`` computes between its
+    projections (its ``activation_fn`` and the product), then the unfused quantize."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21SwiGLUFeedForward
+
+    ff = QwenImage21SwiGLUFeedForward(32, 64).to(torch.bfloat16)
+    hidden = swiglu_adversarial(8, 128, device="cpu")
+    gate, up = hidden.chunk(2, dim=-1)
+    module_out = ff.activation_fn(gate) * up
+    g = global_scale_for(module_out)
+    _same(swiglu_gate_up_quantize_reference(gate, up, g, False), reference_quantize(module_out, g, fast_math=False))
 
 
 def test_reference_is_diffusers_swiglu():
@@ -131,3 +156,19 @@ def test_gpu_fuzz_adversarial_rows():
     g = torch.tensor([2688 / 5.0], device="cuda")
     for fast in (False, True):
         _same(swiglu_quantize_triton(hidden, g, attn, fast_math=fast), swiglu_quantize_reference(hidden, attn, g, fast))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", ROWS)
+def test_gpu_gate_up_equals_diffusers_qwen21_feed_forward(rows):
+    """Qwen-Image 2.1's feed-forward width (4096 x 3 = 12288): ``silu(gate) * up`` of two tensors, contiguous and as
+    row-strided views, every SiLU edge case, both quantizer modes."""
+    from diffusers_nvfp4_fast.kernels import swiglu_gate_up_quantize_triton
+
+    hidden = swiglu_adversarial(rows, 12288, seed=9)
+    gate, up = hidden.chunk(2, dim=-1)  # row-strided views
+    g = global_scale_for(swiglu_gate_up_reference(gate, up))
+    for fast in (False, True):
+        for gt, u in ((gate, up), (gate.contiguous(), up.contiguous())):
+            _same(swiglu_gate_up_quantize_triton(gt, u, g, fast_math=fast),
+                  swiglu_gate_up_quantize_reference(gt, u, g, fast))

@@ -1,10 +1,13 @@
 """LayerNorm + modulate + NVFP4 quantize in one pass, the modulated tensor never written (docs/design.md §6):
 
 - ``resnorm_quantize``: ``residual + gate * (x + bias) -> LayerNorm -> * (1 + scale) + shift -> quantize``, between
-  an attention and its feed-forward's first projection (Qwen-Image's FC1, FLUX.2's double-stream ``linear_in``);
-  also returns the new residual.
+  an attention and its feed-forward's first projection (Qwen-Image's FC1, FLUX.2's double-stream ``linear_in``,
+  Qwen-Image 2.1's ``gate_layer`` and ``proj``); also returns the new residual.
 - ``adaln_quantize``: ``LayerNorm(x) -> * (1 + scale) + shift -> quantize``, a block's norm1 before the attention's
-  input projections (Qwen-Image's and FLUX.2's query/key/value, FLUX.2's fused single-stream input).
+  input projections (Qwen-Image's, Qwen-Image 2.1's and FLUX.2's query/key/value, FLUX.2's fused single-stream input).
+
+``shift`` may be None in both: Qwen-Image 2.1 modulates with ``x * (1 + scale)`` alone, and the chain then has no add
+at all (adding a zero is not the identity for both zeros' signs).
 
 References: diffusers' eager ops followed by the standalone quantize. Kernels: ``kernels.resnorm_quantize_triton``
 and ``kernels.adaln_quantize_triton`` (one kernel, with or without the residual add). The ``_decoded`` variants give
@@ -28,7 +31,8 @@ class ResNormInputs(NamedTuple):
     """One stream's tensors between the attention output and the feed-forward's first projection.
 
     residual, x: ``[B, L, D]`` BF16 (``x`` is the attention output, without its projection bias when ``bias`` is
-    given); bias: ``[D]`` or None; gate, scale, shift: per sample ``[B, D]`` / ``[B, 1, D]`` or per token ``[B, L, D]``.
+    given); bias: ``[D]`` or None; gate, scale, shift: per sample ``[B, D]`` / ``[B, 1, D]`` or per token ``[B, L, D]``
+    (shift None: no shift, Qwen-Image 2.1).
     """
 
     residual: torch.Tensor
@@ -36,21 +40,28 @@ class ResNormInputs(NamedTuple):
     bias: torch.Tensor | None
     gate: torch.Tensor
     scale: torch.Tensor
-    shift: torch.Tensor
+    shift: torch.Tensor | None
 
 
 class AdaLNInputs(NamedTuple):
     """x: the LayerNorm's input ``[B, L, D]`` BF16; scale, shift: per sample ``[B, D]`` / ``[B, 1, D]`` or per token
-    ``[B, L, D]``."""
+    ``[B, L, D]`` (shift None: no shift, Qwen-Image 2.1)."""
 
     x: torch.Tensor
     scale: torch.Tensor
-    shift: torch.Tensor
+    shift: torch.Tensor | None
 
 
 def broadcast_rows(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Per-sample modulation ``[B, D]`` (or ``[B, 1, D]`` / ``[B, L, D]``) -> broadcastable against ``x [B, L, D]``."""
     return p.unsqueeze(1) if p.dim() == 2 else p
+
+
+def modulate(n: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
+    """``n * (1 + scale) + shift`` as diffusers' blocks write it (three BF16 ops, each rounding), or ``n * (1 + scale)``
+    (two) without a shift: Qwen-Image 2.1's ``QwenImage21TransformerBlock._modulate``."""
+    m = n * (1 + broadcast_rows(scale, n))
+    return m if shift is None else m + broadcast_rows(shift, n)
 
 
 def residual_norm_chain(inputs: ResNormInputs, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,17 +72,14 @@ def residual_norm_chain(inputs: ResNormInputs, eps: float) -> tuple[torch.Tensor
     residual, x, bias, gate, scale, shift = inputs
     a = x if bias is None else x + bias
     r = residual + broadcast_rows(gate, a) * a
-    n = F.layer_norm(r, (r.shape[-1],), eps=eps)
-    m = n * (1 + broadcast_rows(scale, n)) + broadcast_rows(shift, n)
-    return r, m
+    return r, modulate(F.layer_norm(r, (r.shape[-1],), eps=eps), scale, shift)
 
 
 def adaln_chain(inputs: AdaLNInputs, eps: float) -> torch.Tensor:
     """diffusers' norm1 section, op by op (each BF16 op rounds): ``LayerNorm(x) * (1 + scale) + shift``. FLUX.2
     writes ``(1 + scale) * n``: the same product, IEEE multiplication commutes."""
     x, scale, shift = inputs
-    n = F.layer_norm(x, (x.shape[-1],), eps=eps)
-    return n * (1 + broadcast_rows(scale, n)) + broadcast_rows(shift, n)
+    return modulate(F.layer_norm(x, (x.shape[-1],), eps=eps), scale, shift)
 
 
 def kernel_runs_on(x: torch.Tensor) -> bool:
@@ -89,7 +97,7 @@ def _decode(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 def resnorm_quantize_reference(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
-    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+    shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float, fast_math: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eager chain + standalone quantize -> (residual_out ``[B, L, D]``, packed ``[B*L, D/2]``, 128x4 scales)."""
     r, m = residual_norm_chain(ResNormInputs(residual, x, bias, gate, scale, shift), eps)
@@ -99,7 +107,7 @@ def resnorm_quantize_reference(
 
 def resnorm_quantize_decoded_reference(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
-    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+    shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float, fast_math: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference, then the decode: (residual_out, FP16 ``[B*L, D]`` = each E2M1 value times its block scale)."""
     r, packed, scales = resnorm_quantize_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
@@ -108,7 +116,7 @@ def resnorm_quantize_decoded_reference(
 
 def _resnorm_impl(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
-    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+    shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float, fast_math: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if kernel_runs_on(x):
         return kernels.resnorm_quantize_triton(  # type: ignore[union-attr]  # kernel_runs_on: kernels loaded
@@ -118,7 +126,7 @@ def _resnorm_impl(
 
 def _resnorm_decoded_impl(
     residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
-    shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+    shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float, fast_math: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if kernel_runs_on(x):
         return kernels.resnorm_quantize_triton(  # type: ignore[union-attr]  # (as above)
@@ -152,7 +160,8 @@ resnorm_quantize_decoded = FusedOp("resnorm_quantize_decoded", _resnorm_decoded_
 # ---------------------------------------------------------------------------------------------------------------
 
 def adaln_quantize_reference(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float,
+    fast_math: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Eager chain + standalone quantize -> (packed ``[B*L, D/2]``, 128x4 scales)."""
     m = adaln_chain(AdaLNInputs(x, scale, shift), eps)
@@ -160,14 +169,16 @@ def adaln_quantize_reference(
 
 
 def adaln_quantize_decoded_reference(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float,
+    fast_math: bool,
 ) -> torch.Tensor:
     """The reference, then the decode: FP16 ``[B*L, D]``, each E2M1 value times its E4M3 block scale."""
     return _decode(*adaln_quantize_reference(x, scale, shift, global_scale, eps, fast_math))
 
 
 def _adaln_impl(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float,
+    fast_math: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if kernel_runs_on(x):
         return kernels.adaln_quantize_triton(  # type: ignore[union-attr]  # (as above)
@@ -176,7 +187,8 @@ def _adaln_impl(
 
 
 def _adaln_decoded_impl(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, global_scale: torch.Tensor, eps: float, fast_math: bool,
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float,
+    fast_math: bool,
 ) -> torch.Tensor:
     if kernel_runs_on(x):
         return kernels.adaln_quantize_triton(  # type: ignore[union-attr]  # (as above)

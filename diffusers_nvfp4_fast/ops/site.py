@@ -19,6 +19,11 @@ SiteKind = Literal[
     "qwen_adaln",  # Qwen-Image norm1 + modulate + quantize into query/key/value
     "qwen_qk_rotary",  # Qwen-Image query/key RMSNorm + rotary embedding
     "qwen_bias_deferral",  # Qwen-Image attention output bias added inside the residual-norm kernel
+    "qwen21_adaln",  # Qwen-Image 2.1 norm1 + x * (1 + scale) + quantize into query/key/value
+    "qwen21_resnorm",  # Qwen-Image 2.1 residual + tanh(gate) * attn + norm2 + x * (1 + scale) + quantize into
+    # gate_layer and proj (one quantized input serves both)
+    "qwen21_swiglu",  # Qwen-Image 2.1 quantize(silu(gate_layer(x)) * proj(x)) into out
+    "qwen21_qk_rotary",  # Qwen-Image 2.1 query/key RMSNorm + rotary embedding
 ]
 SITE_KINDS: tuple[SiteKind, ...] = get_args(SiteKind)
 

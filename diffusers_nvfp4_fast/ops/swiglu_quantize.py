@@ -1,9 +1,13 @@
-"""FLUX.2 SwiGLU quantize: ``quantize(cat([attn, silu(gate) * up], -1))`` without writing the SwiGLU output.
+"""SwiGLU quantize: ``quantize(cat([attn, silu(gate) * up], -1))`` without writing the SwiGLU output.
 
-``hidden`` is the feed-forward input projection's output ``[..., 2H]`` (gate first, as diffusers' ``Flux2SwiGLU``
-splits it); ``attn`` is the single-stream attention output that diffusers concatenates in front, or None for a
-double-stream feed-forward. Reference: ``swiglu_quantize_reference`` (diffusers' own ops, then the unfused quantize;
-docs/design.md §6). Kernel: ``kernels.swiglu_quantize_triton``.
+- ``swiglu_quantize`` (FLUX.2): ``hidden`` is the feed-forward input projection's output ``[..., 2H]`` (gate first, as
+  diffusers' ``Flux2SwiGLU`` splits it); ``attn`` is the single-stream attention output that diffusers concatenates in
+  front, or None for a double-stream feed-forward. Reference: ``swiglu_quantize_reference``.
+- ``swiglu_gate_up_quantize`` (Qwen-Image 2.1): ``quantize(silu(gate) * up)`` with gate and up two tensors, the outputs
+  of ``QwenImage21SwiGLUFeedForward``'s ``gate_layer`` and ``proj``. Reference: ``swiglu_gate_up_quantize_reference``.
+
+Both references are diffusers' own ops, then the unfused quantize (docs/design.md §6); both kernels are
+``kernels/swiglu_quantize.py``'s one kernel (the up values read through a pointer of their own).
 """
 
 from __future__ import annotations
@@ -52,3 +56,35 @@ def _swiglu_fake(hidden, attn, global_scale, fast_math):
 # one-element, fast_math -> packed uint8 [R, (A+H)/2], 128x4 scales uint8 [round_up(R,128), round_up((A+H)/16,4)].
 swiglu_quantize = FusedOp("swiglu_quantize", _swiglu_impl, swiglu_quantize_reference, _swiglu_fake,
                           ("packed", "scales"))
+
+
+def swiglu_gate_up_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """diffusers 0.42.1 ``QwenImage21SwiGLUFeedForward.forward`` between its projections:
+    ``activation_fn(gate_layer(x)) * proj(x)`` with ``activation_fn = nn.SiLU()``, in the input dtype."""
+    return F.silu(gate) * up
+
+
+def swiglu_gate_up_quantize_reference(
+    gate: torch.Tensor, up: torch.Tensor, global_scale: torch.Tensor, fast_math: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unfused computation: SiLU, the product, then ``quantize``."""
+    x = swiglu_gate_up_reference(gate, up)
+    return quantize(x.reshape(-1, x.shape[-1]), global_scale, fast_math)
+
+
+def _swiglu_gate_up_impl(
+    gate: torch.Tensor, up: torch.Tensor, global_scale: torch.Tensor, fast_math: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if triton_runs_on(gate):
+        return cast(ModuleType, kernels).swiglu_gate_up_quantize_triton(gate, up, global_scale, fast_math=fast_math)
+    return swiglu_gate_up_quantize_reference(gate, up, global_scale, fast_math)
+
+
+def _swiglu_gate_up_fake(gate, up, global_scale, fast_math):
+    return empty_quantized(gate, gate.numel() // gate.shape[-1], gate.shape[-1])
+
+
+# gate, up [..., H] (one shape and dtype, BF16/FP16, H a multiple of 16), global_scale FP32 one-element, fast_math ->
+# packed uint8 [R, H/2], 128x4 scales uint8 [round_up(R,128), round_up(H/16,4)].
+swiglu_gate_up_quantize = FusedOp("swiglu_gate_up_quantize", _swiglu_gate_up_impl, swiglu_gate_up_quantize_reference,
+                                  _swiglu_gate_up_fake, ("packed", "scales"))

@@ -38,7 +38,7 @@ from ..linear import NVFP4Linear
 from ..ops.layer_norm_quantize import ResNormInputs
 from ..ops.site import SiteKind, sites_for
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
-from .adaln import AdaLNConsumers, fused_norm1_input
+from .adaln import SharedInputConsumers, fused_norm1_input
 from .flux2_attention import (
     HALF_DTYPES,
     Flux2FusedAttnProcessor,
@@ -213,7 +213,7 @@ def _attention_input(block: nn.Module, stream: str, norm: nn.Module, x: torch.Te
     return (1 + scale) * norm(x) + shift
 
 
-def _processor_reason(attn: nn.Module, consumers: AdaLNConsumers) -> str | None:
+def _processor_reason(attn: nn.Module, consumers: SharedInputConsumers) -> str | None:
     """None when the attention's processor is one of this package's (their code reads the inputs only through the
     projections' calls and ``shape``) and calls the projections the site recorded."""
     if type(attn.processor) not in _ADALN_PROCESSORS:
@@ -356,13 +356,13 @@ _DOUBLE_REPLACEMENTS: dict[type, type[Flux2FusedAttnProcessor]] = {
 _ADALN_PROCESSORS = (*_DOUBLE_REPLACEMENTS.values(), *_REPLACEMENTS.values())
 
 
-def _adaln_consumers(attn: nn.Module, streams: dict[str, tuple[str, ...]]) -> dict[str, AdaLNConsumers]:
+def _adaln_consumers(attn: nn.Module, streams: dict[str, tuple[str, ...]]) -> dict[str, SharedInputConsumers]:
     """stream -> its norm1 site's projections, for the streams whose projections can share one quantized input."""
-    found = {stream: AdaLNConsumers(attn, names) for stream, names in streams.items()}
+    found = {stream: SharedInputConsumers(attn, names) for stream, names in streams.items()}
     return {stream: consumers for stream, consumers in found.items() if consumers.reason is None}
 
 
-def _double_block_consumers(attn: nn.Module) -> dict[str, AdaLNConsumers]:
+def _double_block_consumers(attn: nn.Module) -> dict[str, SharedInputConsumers]:
     if getattr(attn, "fused_projections", False):
         return _adaln_consumers(attn, {"img": ("to_qkv",), "txt": ("to_added_qkv",)})
     return _adaln_consumers(attn, {"img": ("to_q", "to_k", "to_v"),

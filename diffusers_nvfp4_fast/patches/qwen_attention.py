@@ -18,13 +18,14 @@ from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb
 from ..hooks import call_changed_reason
 from ..ops.dispatch import triton_runs_on
 from ..ops.qk_norm_rotary import matching_tree, qk_norm_rotary
-from ..ops.site import Site
+from ..ops.site import Site, SiteKind
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
 from .flux2_attention import on_original
 
 
-def qk_rotary_reason(norm: Any, x: torch.Tensor, freqs: Any) -> str | None:
-    """None when ``apply_rotary_emb_qwen(norm(x), freqs, use_real=False)`` can run as one kernel, else the reason.
+def qk_rotary_reason(norm: Any, x: torch.Tensor, freqs: Any, kind: SiteKind = "qwen_qk_rotary") -> str | None:
+    """None when ``apply_rotary_emb_qwen(norm(x), freqs, use_real=False)`` can run as one kernel, else the reason
+    (``kind``: the site kind whose failed verification turns it off; Qwen-Image 2.1's processor shares the gate).
     Never asked under torch.compile: the processor hands those calls to diffusers' processor."""
     if type(norm) is not RMSNorm:
         return f"query/key norm is {type(norm).__name__}, not RMSNorm"
@@ -42,7 +43,7 @@ def qk_rotary_reason(norm: Any, x: torch.Tensor, freqs: Any) -> str | None:
         return "rotary factors or norm weight on another device"
     if x.is_cuda and not triton_runs_on(x):
         return "no Triton kernel for this GPU"
-    if failed_kind_reason("qwen_qk_rotary") is not None:
+    if failed_kind_reason(kind) is not None:
         return "verification failed earlier in this process"
     tree = matching_tree(x.device) if x.is_cuda else 0
     return tree if isinstance(tree, str) else None

@@ -30,7 +30,7 @@ from ..ops.gelu_quantize import gelu_mismatch
 from ..ops.layer_norm_quantize import ResNormInputs
 from ..ops.site import Site, SiteKind, sites_for
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
-from .adaln import AdaLNConsumers, fused_norm1_input
+from .adaln import SharedInputConsumers, fused_norm1_input
 from .operands import AdaLNOperand, GeluOperand
 from .qwen_attention import QwenFusedAttnProcessor
 from .resnorm import fused_residual_norm, resnorm_reason
@@ -347,8 +347,8 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[Site
         if _bias_can_be_deferred(attn) and img_fc1 is not None and txt_fc1 is not None:
             undo_processor = swap_processor(attn, QwenDeferredBiasAttnProcessor(attn.processor, attn, state))
         state.bias_site = undo_processor is not None
-        found = {"img": AdaLNConsumers(attn, ("to_q", "to_k", "to_v")),
-                 "txt": AdaLNConsumers(attn, ("add_q_proj", "add_k_proj", "add_v_proj"))}
+        found = {"img": SharedInputConsumers(attn, ("to_q", "to_k", "to_v")),
+                 "txt": SharedInputConsumers(attn, ("add_q_proj", "add_k_proj", "add_v_proj"))}
         state.adaln = {stream: consumers for stream, consumers in found.items() if consumers.reason is None}
         for stream in state.adaln:
             add("qwen_adaln", f"{name}.attn ({stream})")

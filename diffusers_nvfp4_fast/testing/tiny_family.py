@@ -156,14 +156,15 @@ def tiny_matrix_qwen_transformer(seed: int = 0, latent_channels: int = 4, **flag
     ).to(torch.bfloat16).eval()
 
 
-def tiny_qwen21_transformer(seed: int = 0) -> nn.Module:
-    """Qwen-Image 2.1: 2 blocks of width 256 (2 heads x 128), 16 latent channels, causal condition (KV cache)."""
+def tiny_qwen21_transformer(seed: int = 0, **config: Any) -> nn.Module:
+    """Qwen-Image 2.1: 2 blocks of width 256 (2 heads x 128), 16 latent channels, causal condition (KV cache);
+    ``config`` overrides diffusers' arguments (e.g. ``causal_condition=False``)."""
     from diffusers import QwenImage21Transformer2DModel
 
     torch.manual_seed(seed)
     return QwenImage21Transformer2DModel(  # type: ignore[attr-defined]  # (as above)
-        patch_size=1, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=128, num_attention_heads=2,
-        context_in_dim=16, mlp_ratio=3, axes_dims_rope=(32, 48, 48),
+        **{**dict(patch_size=1, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=128,
+                  num_attention_heads=2, context_in_dim=16, mlp_ratio=3, axes_dims_rope=(32, 48, 48)), **config},
     ).to(torch.bfloat16).eval()
 
 
