@@ -325,3 +325,79 @@ def test_gpu_packed_quantize_and_small_gemm_sites_run_the_binders_binary(monkeyp
                         assert torch.equal(out.view(torch.int16), want_out[b is None].view(torch.int16))
     assert len(set(checked)) >= 3 * 2 * 2, f"quantize sites checked: {len(set(checked))}"
     assert len(set(checked_gemm)) >= 3, f"GEMM sites checked: {len(set(checked_gemm))}"
+
+
+def _fake_nvidia_driver(monkeypatch):
+    """Triton 3.6's NVIDIA driver module as far as ``direct_launch`` reads it: the C launcher's argument head, the
+    launcher class, the TMA dtype map (tests run where the installed Triton may lay its launcher out otherwise)."""
+    import types
+
+    class CudaLauncher:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid = launch_pdl = False
+
+        def __init__(self, launch):
+            self.launch = launch
+
+    driver = types.SimpleNamespace(_BASE_ARGS_FORMAT="iiiKKppOOOOOO", CudaLauncher=CudaLauncher,
+                                   TMA_DTYPE_DEVICE_TO_HOST={1: 1, 8: 10})
+    monkeypatch.setattr(launch_mod, "_driver_module", lambda: driver)
+    monkeypatch.setattr(launch_mod, "INTERPRETING", False)
+    monkeypatch.setattr(launch_mod, "hooks_installed", lambda: False)
+    return driver
+
+
+def _compiled(run):
+    import types
+
+    return types.SimpleNamespace(run=run, function=1234, packed_metadata=(8, 1, 4096))
+
+
+def test_direct_launch_reads_triton_36s_launcher_and_refuses_anything_else(monkeypatch):
+    """``direct_launch`` takes the C launch function itself (or, for a kernel with tensor-descriptor arguments, the one
+    inside Triton's descriptor wrapper, with the descriptors' metadata) and refuses another launcher layout, scratch
+    memory or a wrapper it does not know: those launches keep Triton's own path."""
+    driver = _fake_nvidia_driver(monkeypatch)
+    c_launch = len  # any builtin stands for the compiled C function
+    plain = launch_mod.direct_launch(_compiled(driver.CudaLauncher(c_launch)))
+    assert plain is not None and plain.launch is c_launch and plain.descriptor_meta is None
+    assert (plain.function, plain.metadata, plain.cooperative, plain.pdl) == (1234, (8, 1, 4096), False, False)
+
+    meta = [{"swizzle": 128, "elem_size": 2, "elem_type": 1, "block_size": [64, 64], "fp4_padded": False}]
+
+    def wrap(launcher, tensordesc_indices, tensordesc_meta):  # the shape of Triton 3.6's wrap_handle_tensordesc
+        def inner(*args):
+            return launcher(*args), tensordesc_indices, tensordesc_meta
+        return inner
+
+    wrapped = launch_mod.direct_launch(_compiled(driver.CudaLauncher(wrap(c_launch, {0}, meta))))
+    assert wrapped is not None and wrapped.launch is c_launch and wrapped.descriptor_meta is meta
+    assert launch_mod.direct_launch(_compiled(driver.CudaLauncher(wrap(c_launch, {0}, [None])))) is None
+    assert launch_mod.direct_launch(_compiled(driver.CudaLauncher(lambda *a: a))) is None
+    scratch = driver.CudaLauncher(c_launch)
+    scratch.global_scratch_size = 64
+    assert launch_mod.direct_launch(_compiled(scratch)) is None
+    driver._BASE_ARGS_FORMAT = "iiiKKpOOOO"
+    assert launch_mod.direct_launch(_compiled(driver.CudaLauncher(c_launch))) is None
+
+
+def test_descriptor_encoding_gives_the_c_launchers_descriptor_arguments(monkeypatch):
+    """A tensor-descriptor argument becomes (tensor map, shape..., strides...), the map encoded for the given address
+    with the compiled metadata (host dtype code, fp4-padded last dimension doubled, NaN padding flag), as Triton 3.6's
+    ``make_tensordesc_arg`` does; only the address changes between calls."""
+    import sys
+    import types
+
+    _fake_nvidia_driver(monkeypatch)
+    calls = []
+    active = types.SimpleNamespace(utils=types.SimpleNamespace(fill_tma_descriptor=lambda *a: calls.append(a) or "map"))
+    monkeypatch.setitem(sys.modules, "triton.runtime.driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(sys.modules["triton.runtime"], "driver", sys.modules["triton.runtime.driver"],
+                        raising=False)
+    desc = types.SimpleNamespace(shape=[4096, 1536], strides=[1536, 1], padding="zero")
+    meta = {"swizzle": 128, "elem_size": 1, "elem_type": 8, "block_size": [128, 64], "fp4_padded": True}
+    encoding = launch_mod.DescriptorEncoding(desc, meta)
+    assert encoding.arguments(0x1000) == ("map", 4096, 3072, 1536, 1)
+    assert encoding.arguments(0x2000) == ("map", 4096, 3072, 1536, 1)
+    assert calls == [(0x1000, 128, 1, 10, [128, 64], [4096, 3072], [1536, 1], 0),
+                     (0x2000, 128, 1, 10, [128, 64], [4096, 3072], [1536, 1], 0)]
