@@ -160,10 +160,9 @@ def _run(compiled, grid, device: int, values: tuple) -> None:
 class DirectLaunch:
     """A compiled binary launched through Triton's C launcher itself, past ``CudaLauncher.__call__`` and its
     tensor-descriptor wrapper (Python that every launch pays: two scratch-allocation closures, a list rebuilt per
-    call, a ``cuTensorMapEncodeTiled`` per descriptor argument). Call it as
-    ``d.launch(gx, gy, gz, stream, d.function, d.cooperative, d.pdl, None, None, d.metadata, None, None, None,
-    *arguments)`` with the arguments in the C launcher's order: pointers as tensors or plain integers (device
-    addresses), each tensor-descriptor argument expanded to ``descriptor_arguments``' form.
+    call, a ``cuTensorMapEncodeTiled`` per descriptor argument). ``run`` takes the arguments in the C launcher's
+    order: pointers as tensors or plain integers (device addresses), each tensor-descriptor argument expanded as
+    ``DescriptorEncoding.arguments`` gives it.
 
     ``descriptor_meta`` holds, per tensor-descriptor parameter, the metadata Triton compiled it with (None for a
     kernel without any). docs/performance.md ("Host time per call") says what it saves and how it is checked.
@@ -198,8 +197,9 @@ _LAUNCHER_HEAD = "iiiKKppOOOOOO"
 
 def direct_launch(compiled) -> DirectLaunch | None:
     """``compiled``'s ``DirectLaunch``, or None where its launcher is not the one this module knows (another Triton
-    layout, scratch memory, a launch hook, the interpreter): then Triton's own path launches it."""
-    if INTERPRETING or hooks_installed():
+    layout, scratch memory, the interpreter): then Triton's own path launches it. Callers check for launch hooks at
+    every call."""
+    if INTERPRETING:
         return None
     driver = _driver_module()
     run = getattr(compiled, "run", None)

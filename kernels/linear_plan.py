@@ -45,18 +45,19 @@ class LinearPlan:
         return gemm.run(address, out, stream)
 
 
-def linear_plan(x: torch.Tensor | None, m: int, k: int, global_scale: torch.Tensor | None, fast_math: bool,
+def linear_plan(x: torch.Tensor | None, x16: torch.Tensor, global_scale: torch.Tensor | None, fast_math: bool,
                 w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
                 out: torch.Tensor) -> LinearPlan | None:
-    """The plan of a call of ``m`` rows and ``k`` columns that just ran the normal way on SM90 (decoded quantize,
-    then ``nvfp4_gemm_sm90``): ``x`` its contiguous BF16/FP16 activation (None when a fused producer wrote the FP16
-    decode), ``out`` its result. None where the GEMM is not the SM90 kernel or a kernel cannot be launched directly."""
+    """The plan of a call that just ran the normal way on SM90 (decoded quantize, then ``nvfp4_gemm_sm90``): ``x``
+    its contiguous BF16/FP16 activation (None when a fused producer wrote the decode), ``x16`` the FP16 decode
+    ``[M, K]`` its GEMM read, ``out`` its result. None where the GEMM is not the SM90 kernel or a kernel cannot be
+    launched directly."""
+    k = x16.shape[1]
     sm90 = sm90_kernel_module()
     if sm90 is None or not sm90.sm90_supported(k, w_packed, w_scales):
         return None
     if out.dtype not in (torch.bfloat16, torch.float16) or (bias is not None and not bias.is_contiguous()):
         return None  # the GEMM wrapper would add that bias outside the kernel
-    x16 = torch.empty((m, k), dtype=torch.float16, device=out.device)  # what the call's decode looked like
     gemm = sm90.sm90_launch(x16, w_packed, w_scales, alpha, out, bias)
     if gemm is None:
         return None

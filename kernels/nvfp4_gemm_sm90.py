@@ -380,7 +380,7 @@ class Sm90Launch:
         meta = cast(list, direct.descriptor_meta)
         w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
         self.direct, self.m, self.n, self.out_dtype = direct, m, n, out.dtype
-        self.grid = (cdiv(m, block_m) * cdiv(n, BLOCK_N), 1, 1)
+        self.grid = (cdiv(m, block_m) * cdiv(n, BLOCK_N),)
         self.x_encoding = DescriptorEncoding(_x_descriptor(x16, block_m, site), meta[0])
         weight_args = (*DescriptorEncoding(w_desc, meta[1]).arguments(w_packed.data_ptr()),
                        *DescriptorEncoding(s_desc, meta[2]).arguments(w_scales.data_ptr()))
@@ -389,9 +389,8 @@ class Sm90Launch:
 
     def run(self, x16_address: int, out: torch.Tensor, stream: int) -> torch.Tensor:
         """``out`` (``[m, n]``, fresh) = the GEMM of the FP16 activation at ``x16_address``, launched on ``stream``."""
-        d = self.direct
-        d.launch(*self.grid, stream, d.function, d.cooperative, d.pdl, None, None, d.metadata, None, None, None,
-                 *self.x_encoding.arguments(x16_address), *self.after_x, out.data_ptr(), *self.after_out)
+        self.direct.run(self.grid, stream, *self.x_encoding.arguments(x16_address), *self.after_x, out.data_ptr(),
+                        *self.after_out)
         return out
 
 

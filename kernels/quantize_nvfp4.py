@@ -121,9 +121,13 @@ def _quantize_nvfp4_decoded_kernel(
     store_decoded(packed, sf_byte, rows, kbs, out_ptr, K, mask)
 
 
+# quantize_nvfp4_decoded's default tiles (rows, 16-blocks) and warps; decoded_quantize_launch finds its binary by them.
+DECODED_TILES = (8, 16, 4)
+
+
 def quantize_nvfp4_decoded(
-    x: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True, block_r: int = 8, block_c: int = 16,
-    num_warps: int = 4,
+    x: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True, block_r: int = DECODED_TILES[0],
+    block_c: int = DECODED_TILES[1], num_warps: int = DECODED_TILES[2],
 ) -> torch.Tensor:
     """The exact FP16 values of ``quantize_nvfp4_triton(x, global_scale)`` (each E2M1 value times its E4M3 block
     scale, the global scale not applied), in one pass: what the large-M GEMM decodes its activation to, without
@@ -183,21 +187,20 @@ class DecodedQuantizeLaunch:
     def __init__(self, direct: DirectLaunch, tail: tuple, m: int, k: int, global_scale: torch.Tensor,
                  block_r: int, block_c: int) -> None:
         col_tiles = cdiv(k // 16, block_c)
-        self.direct, self.grid = direct, (cdiv(m, block_r) * col_tiles, 1, 1)
+        self.direct, self.grid = direct, (cdiv(m, block_r) * col_tiles,)
         self.scale_address = global_scale.data_ptr()
         self.after_out = (m, k, k // 4, col_tiles, *tail)
 
     def run(self, x_address: int, out_address: int, stream: int) -> None:
         """FP16 ``[m, k]`` at ``out_address`` = the decoded quantize of the rows at ``x_address``, on ``stream``."""
-        d = self.direct
-        d.launch(*self.grid, stream, d.function, d.cooperative, d.pdl, None, None, d.metadata, None, None, None,
-                 x_address, self.scale_address, out_address, *self.after_out)
+        self.direct.run(self.grid, stream, x_address, self.scale_address, out_address, *self.after_out)
 
 
-def decoded_quantize_launch(x: torch.Tensor, global_scale: torch.Tensor, out: torch.Tensor, fast_math: bool,
-                            block_r: int = 8, block_c: int = 16, num_warps: int = 4) -> DecodedQuantizeLaunch | None:
+def decoded_quantize_launch(x: torch.Tensor, global_scale: torch.Tensor, out: torch.Tensor,
+                            fast_math: bool) -> DecodedQuantizeLaunch | None:
     """The ``DecodedQuantizeLaunch`` of a call ``quantize_nvfp4_decoded(x, global_scale)`` (default tiles) made once
     with contiguous ``x`` whose result is ``out``, or None where it cannot be launched directly."""
+    block_r, block_c, num_warps = DECODED_TILES
     blocks, row_stride = as_block_rows(x)
     site = _decoded_site(x.dtype, blocks, global_scale, out.view(torch.int64), row_stride, fast_math, block_r, block_c,
                          num_warps)

@@ -115,8 +115,7 @@ def _linear_fp16_x_impl(
         return plan(x16)
     k = cast(ModuleType, kernels)
     out = k.nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
-    _learn(key, lambda: k.linear_plan(None, x16.shape[0], x16.shape[1], None, False, w_packed, w_scales, alpha, bias,
-                                      out))
+    _learn(key, lambda: k.linear_plan(None, x16, None, False, w_packed, w_scales, alpha, bias, out))
     return out
 
 
@@ -200,8 +199,7 @@ def _quantized_linear_impl(
         k = cast(ModuleType, kernels)
         x16 = k.quantize_nvfp4_decoded(x, global_scale, fast_math=fast_math)
         out = k.nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
-        _learn(key, lambda: k.linear_plan(x, x.shape[0], x.shape[1], global_scale, fast_math, w_packed, w_scales,
-                                          alpha, bias, out))
+        _learn(key, lambda: k.linear_plan(x, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out))
         return out
     x_packed, x_scales = quantize(x, global_scale, fast_math)
     return _linear_impl(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
@@ -225,4 +223,3 @@ def quantized_linear(
     """
     return call_op(_quantized_linear_op, _quantized_linear_impl, x.contiguous(), global_scale, fast_math, w_packed,
                    w_scales, alpha, bias, out_dtype, w_swizzled)
-
