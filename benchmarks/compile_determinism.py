@@ -1,6 +1,7 @@
 """Where do two compiles of the same NVFP4 Qwen-Image model differ: at run time, or in what inductor generates?
 
-    python benchmarks/compile_determinism.py      # H200: about two minutes
+    python benchmarks/compile_determinism.py               # H200: about two minutes
+    python benchmarks/compile_determinism.py --caches-off  # every compile with inductor's caches off
 
 A 6-block Qwen-Image transformer at full width (blocks 0, 1, 4, 5 BF16 under the public exclusion rule, 2 and 3
 NVFP4, fast paths off), ``compile_repeated_blocks`` inside ``exact_inductor``: three runs of one compile, then a
@@ -19,7 +20,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def main() -> None:
+    import argparse
+    import contextlib
+
     import common
+    import torch._inductor.config as inductor_config
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--caches-off", action="store_true", help="every compile with inductor's caches off")
+    args = p.parse_args()
     import diffusers
     from accelerate import init_empty_weights
     from bench_transformer_step import make_inputs, materialize
@@ -41,15 +50,14 @@ def main() -> None:
 
     eager = run()
     result = common.header("compile_determinism", common.copy_bandwidth_gbps())
-    with exact_inductor():
+    caches_off = inductor_config.patch(force_disable_caches=True) if args.caches_off else contextlib.nullcontext()
+    with exact_inductor(), caches_off:
         model.compile_repeated_blocks(fullgraph=True)
         first = [run() for _ in range(3)]
         torch._dynamo.reset()
         model.compile_repeated_blocks(fullgraph=True)
         cached = run()
         torch._dynamo.reset()
-        import torch._inductor.config as inductor_config
-
         with inductor_config.patch(force_disable_caches=True):
             model.compile_repeated_blocks(fullgraph=True)
             uncached = run()
@@ -59,8 +67,8 @@ def main() -> None:
              "third_equal_second": same(uncached, cached),
              "eager_equal_first": same(eager, first[0])}
     print(cases)
-    result["cases"] = [cases]
-    print("wrote", common.write_result(result, "compile_determinism"))
+    result["cases"] = [{"caches_off_throughout": args.caches_off, **cases}]
+    print("wrote", common.write_result(result, "compile_determinism" + ("-caches-off" if args.caches_off else "")))
 
 
 if __name__ == "__main__":

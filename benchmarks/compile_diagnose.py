@@ -243,8 +243,11 @@ def _first_runs_counted() -> Iterator[None]:
 
 
 def compile_once(block: torch.nn.Module, args: tuple, kwargs: dict, settings: dict[str, Any],
-                 caches: bool = False) -> Compiled:
-    """Compile ``block`` (``torch.compile(fullgraph=True)``, inductor) inside ``patched(settings)`` and run it once."""
+                 caches: bool = False, route: str = "compile_fx") -> Compiled:
+    """Compile ``block`` (``torch.compile(fullgraph=True)``, inductor) inside ``patched(settings)`` and run it once.
+    ``route``: "compile_fx" (a backend calling inductor's ``compile_fx``), "wrapper" (a backend calling the object
+    ``torch.compile(backend="inductor")`` builds) or "standard" (``backend="inductor"`` itself; its callable is not
+    kept, so the result can only be compared, not called again)."""
     import torch._inductor.config as inductor_config
     from torch._dynamo.utils import counters
     from torch._inductor.compile_fx import compile_fx
@@ -252,7 +255,10 @@ def compile_once(block: torch.nn.Module, args: tuple, kwargs: dict, settings: di
     kept: list = []
 
     def backend(gm, example_inputs):
-        fn = compile_fx(gm, example_inputs)
+        if route == "wrapper":
+            fn = torch._TorchCompileInductorWrapper(None, None, None)(gm, example_inputs)
+        else:
+            fn = compile_fx(gm, example_inputs)
         kept.append((fn, list(example_inputs)))
         return fn
 
@@ -262,8 +268,11 @@ def compile_once(block: torch.nn.Module, args: tuple, kwargs: dict, settings: di
     start = time.perf_counter()
     with patched(settings), inductor_config.patch(force_disable_caches=not caches), _wrappers_loaded(wrappers), \
             _first_runs_counted(), torch.inference_mode():
-        out = torch.compile(block, backend=backend, fullgraph=True)(*args, **kwargs)
+        out = torch.compile(block, backend="inductor" if route == "standard" else backend, fullgraph=True)(
+            *args, **kwargs)
         first = output_bytes(out)
+    if route == "standard":
+        kept.append((None, []))
     if first.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -515,6 +524,9 @@ def main(argv: list[str] | None = None) -> dict:
         kernels_case = {"experiment": "kernels", "error": f"{type(e).__name__}: {e}"}
     result["cases"].append(kernels_case)
     print("kernels:", kernels_case, flush=True)
+    result["cases"].append(routes_case(block, bargs, bkwargs, a, args.caches))
+    print("routes:", {k: v for k, v in result["cases"][-1].items() if k != "first_differing"}, flush=True)
+    print("routes, first differing:", str(result["cases"][-1].get("first_differing"))[:3000], flush=True)
     del a, b
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -544,8 +556,32 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
+ROUTES = ["standard", "standard", "standard", "wrapper", "wrapper", "compile_fx"]
+
+
+def routes_case(block: torch.nn.Module, args: tuple, kwargs: dict, a: Compiled, caches: bool) -> dict:
+    """More compiles after A and B, by the route users take (``backend="inductor"``), by a backend calling the
+    object that route builds, and by A's: which equal A, and where does the first that does not part from A?"""
+    case: dict = {"experiment": "routes", "routes": ROUTES, "equal_a": [], "compile_s": []}
+    for route in ROUTES:
+        c = compile_once(block, args, kwargs, {}, caches, route)
+        case["equal_a"].append(torch.equal(c.first, a.first))
+        case["compile_s"].append(round(c.seconds, 1))
+        if not case["equal_a"][-1] and "first_differing" not in case:
+            case["first_differing"] = {"route": route, "index": len(case["equal_a"]) - 1,
+                                       **code_diff(a.wrapper, c.wrapper, limit=40),
+                                       "configs_differing": configs_diff(a.configs(), c.configs())}
+            if c.fn is not None:
+                try:
+                    case["first_differing"]["kernels"] = first_divergence(trace(a), trace(c))
+                except Exception as e:
+                    case["first_differing"]["kernels"] = f"{type(e).__name__}: {e}"
+        del c
+    return case
+
+
 def _table(result: dict) -> None:
-    cases = {c["experiment"]: c for c in result["cases"] if c["experiment"] != "patch"}
+    cases = {c["experiment"]: c for c in result["cases"] if c["experiment"] not in ("patch", "routes")}
     b, c, k = cases["bytes"], cases["code"], cases["kernels"]
     print(f"\n{result['model']} BF16 block, compiled twice inside exact_inductor ({result['seconds']} s)")
     for key in ("a_first_equal_later", "a_equal_b", "a_after_b_equal_a", "a_under_other_stale_memory_equal",
