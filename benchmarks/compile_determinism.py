@@ -2,6 +2,9 @@
 
     python benchmarks/compile_determinism.py               # H200: about two minutes
     python benchmarks/compile_determinism.py --caches-off  # every compile with inductor's caches off
+    python benchmarks/compile_determinism.py --per-block   # three compiles: the first block whose bytes differ
+    python benchmarks/compile_determinism.py --sync        # a device synchronize after every block
+    python benchmarks/compile_determinism.py --fill        # torch's deterministic mode: fresh memory filled (NaN)
 
 A 6-block Qwen-Image transformer at full width (blocks 0, 1, 4, 5 BF16 under the public exclusion rule, 2 and 3
 NVFP4, fast paths off), ``compile_repeated_blocks`` inside ``exact_inductor``: three runs of one compile, then a
@@ -28,7 +31,15 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--caches-off", action="store_true", help="every compile with inductor's caches off")
+    p.add_argument("--per-block", action="store_true",
+                   help="checksums of every block's inputs and outputs, and the generated code, over three compiles")
+    p.add_argument("--sync", action="store_true", help="synchronize the device after every block")
+    p.add_argument("--fill", action="store_true",
+                   help="torch.use_deterministic_algorithms(warn_only) with fill_uninitialized_memory")
     args = p.parse_args()
+    if args.fill:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
     import diffusers
     from accelerate import init_empty_weights
     from bench_transformer_step import make_inputs, materialize
@@ -48,6 +59,10 @@ def main() -> None:
     def same(a, b) -> bool:
         return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
 
+    if args.per_block:
+        return per_block(model, inputs, args.caches_off)
+    if args.sync:
+        model.transformer_blocks = torch.nn.ModuleList([_Synchronized(b) for b in model.transformer_blocks])
     eager = run()
     result = common.header("compile_determinism", common.copy_bandwidth_gbps())
     caches_off = inductor_config.patch(force_disable_caches=True) if args.caches_off else contextlib.nullcontext()
@@ -67,8 +82,89 @@ def main() -> None:
              "third_equal_second": same(uncached, cached),
              "eager_equal_first": same(eager, first[0])}
     print(cases)
-    result["cases"] = [{"caches_off_throughout": args.caches_off, **cases}]
-    print("wrote", common.write_result(result, "compile_determinism" + ("-caches-off" if args.caches_off else "")))
+    variant = "-".join(k for k in ("caches_off", "sync", "fill") if getattr(args, k))
+    result["cases"] = [{"caches_off_throughout": args.caches_off, "sync": args.sync, "fill": args.fill, **cases}]
+    print("wrote", common.write_result(result, "compile_determinism" + (f"-{variant}" if variant else "")))
+
+
+class _Synchronized(torch.nn.Module):
+    """Calls the block, then waits for the device: the next block starts on an idle GPU."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        out = self.block(*args, **kwargs)
+        torch.cuda.synchronize()
+        return out
+
+
+class _Recorder(torch.nn.Module):
+    """Calls the block (compiled by ``compile_repeated_blocks``, this wrapper is not) and keeps checksums of its
+    inputs and outputs."""
+
+    def __init__(self, block: torch.nn.Module, log: list):
+        super().__init__()
+        self.block, self.log = block, log
+
+    def forward(self, *args, **kwargs):
+        from compile_diagnose import _tensors, digest
+
+        ins = [digest(t) for t in _tensors((args, kwargs))]
+        out = self.block(*args, **kwargs)
+        self.log.append({"ins": ins, "outs": [digest(t) for t in _tensors(out)]})
+        return out
+
+
+def per_block(model: torch.nn.Module, inputs: dict, caches_off: bool) -> None:
+    """Three compiles of ``model`` (dynamo reset between): for each pair, the first block whose outputs differ,
+    whether its inputs were equal, and how the generated wrappers of the two compiles differ."""
+    import contextlib
+
+    import common
+    import torch._inductor.config as inductor_config
+    from compile_diagnose import _wrappers_loaded, code_diff
+
+    from diffusers_nvfp4_fast import NVFP4Linear, exact_inductor
+
+    blocks = model.transformer_blocks
+    kinds = ["nvfp4" if any(isinstance(m, NVFP4Linear) for m in b.modules()) else "bf16" for b in blocks]
+    runs: list[dict] = []
+    for _ in range(3):
+        log: list = []
+        wrappers: list = []
+        model.transformer_blocks = torch.nn.ModuleList([_Recorder(b, log) for b in blocks])
+        torch._dynamo.reset()
+        caches = inductor_config.patch(force_disable_caches=True) if caches_off else contextlib.nullcontext()
+        with exact_inductor(), caches, _wrappers_loaded(wrappers), torch.inference_mode():
+            model.compile_repeated_blocks(fullgraph=True)
+            model(**inputs)
+            calls = len(log)
+            model(**inputs)
+        runs.append({"first_call": log[:calls], "second_call": log[calls:], "wrappers": [w for w, _ in wrappers]})
+        model.transformer_blocks = blocks
+    cases = []
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        a, b = runs[i]["first_call"], runs[j]["first_call"]
+        first = next((k for k in range(len(a)) if a[k]["outs"] != b[k]["outs"]), None)
+        case: dict = {"compiles": [i, j], "block_kinds": kinds, "first_differing_block": first,
+                      "outputs_equal_per_block": [x["outs"] == y["outs"] for x, y in zip(a, b)]}
+        if first is not None:
+            case["its_inputs_equal"] = a[first]["ins"] == b[first]["ins"]
+            case["its_kind"] = kinds[first]
+        case["wrappers"] = [len(runs[i]["wrappers"]), len(runs[j]["wrappers"])]
+        case["code"] = [code_diff(x, y, limit=30) for x, y in zip(runs[i]["wrappers"], runs[j]["wrappers"])]
+        cases.append(case)
+        print({k: v for k, v in case.items() if k != "code"}, flush=True)
+        for n, c in enumerate(case["code"]):
+            print(f"  wrapper {n}: identical {c['identical']}, lines changed {c['lines_changed']}, kernels differing "
+                  f"{c['kernels_differing'][:6]}", *c["diff_head"][:20], sep="\n    ", flush=True)
+    repeat = [runs[k]["first_call"] == runs[k]["second_call"] for k in range(3)]
+    print("each compile's two calls equal:", repeat)
+    result = common.header("compile_determinism", common.copy_bandwidth_gbps())
+    result["cases"] = [{"per_block": True, "caches_off_throughout": caches_off, "calls_repeat": repeat}, *cases]
+    print("wrote", common.write_result(result, "compile_determinism-per-block"))
 
 
 if __name__ == "__main__":

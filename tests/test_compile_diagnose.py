@@ -71,3 +71,16 @@ def test_every_patch_names_settings_this_torch_has_and_restores_them():
         assert compile_diagnose.setting("triton.autotune_pointwise") is False
         assert compile_diagnose.setting("deterministic") is True  # exact_inductor underneath
     assert compile_diagnose.setting(key) is before and compile_diagnose.setting("triton.autotune_pointwise") is True
+
+
+def test_block_recorder_keeps_checksums_of_inputs_and_outputs_and_passes_the_output_through():
+    import compile_determinism
+
+    torch.manual_seed(0)
+    block, log = torch.nn.Linear(4, 3), []
+    x = torch.randn(2, 4)
+    out = compile_determinism._Recorder(block, log)(x)
+    assert torch.equal(out, block(x)) and len(log) == 1
+    assert log[0] == {"ins": [compile_diagnose.digest(x)], "outs": [compile_diagnose.digest(out)]}
+    compile_determinism._Recorder(block, log)(x + 1)
+    assert log[1]["ins"] != log[0]["ins"] and log[1]["outs"] != log[0]["outs"]
