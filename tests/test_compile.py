@@ -61,9 +61,8 @@ def test_gpu_compiled_twice_and_on_equal_off(name):
         disable_fast_paths(model)
     assert all(_same(r, on) for r in replays) and report["replays"] == 2 and not report["eager_calls"], report
     if name == "qwen-image" and not _same(off, off_again):
-        # H200, torch 2.11 (2026-12-02): the BF16 blocks the exclusion rule keeps give other bytes at every compile
-        # (benchmarks/compile_determinism.py, docs/design.md §1); FLUX.2 (all blocks NVFP4) repeats. Where two
-        # compiles part: benchmarks/compile_diagnose.py.
+        # H200, torch 2.11: this model gives other bytes at every compile, though a block alone and the model with
+        # its blocks checksummed one by one repeat (docs/design.md §1, benchmarks/compile_determinism.py).
         pytest.xfail("compiled twice, this Qwen-Image model gave different bytes (its BF16 blocks), so compiled "
                      "on == off across compiles could not be checked here")
     assert _same(off, off_again), "inductor gave other bytes when compiling the same model again"
