@@ -5,6 +5,7 @@
     python benchmarks/compile_determinism.py --per-block   # three compiles: the first block whose bytes differ
     python benchmarks/compile_determinism.py --sync        # a device synchronize after every block
     python benchmarks/compile_determinism.py --fill        # torch's deterministic mode: fresh memory filled (NaN)
+    python benchmarks/compile_determinism.py --deterministic-only  # the mode without the fill
 
 A 6-block Qwen-Image transformer at full width (blocks 0, 1, 4, 5 BF16 under the public exclusion rule, 2 and 3
 NVFP4, fast paths off), ``compile_repeated_blocks`` inside ``exact_inductor``: three runs of one compile, then a
@@ -36,10 +37,12 @@ def main() -> None:
     p.add_argument("--sync", action="store_true", help="synchronize the device after every block")
     p.add_argument("--fill", action="store_true",
                    help="torch.use_deterministic_algorithms(warn_only) with fill_uninitialized_memory")
+    p.add_argument("--deterministic-only", action="store_true",
+                   help="torch.use_deterministic_algorithms(warn_only) without filling fresh memory")
     args = p.parse_args()
-    if args.fill:
+    if args.fill or args.deterministic_only:
         torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
+        torch.utils.deterministic.fill_uninitialized_memory = args.fill  # type: ignore[attr-defined]
     import diffusers
     from accelerate import init_empty_weights
     from bench_transformer_step import make_inputs, materialize
@@ -82,8 +85,10 @@ def main() -> None:
              "third_equal_second": same(uncached, cached),
              "eager_equal_first": same(eager, first[0])}
     print(cases)
-    variant = "-".join(k for k in ("caches_off", "sync", "fill") if getattr(args, k))
-    result["cases"] = [{"caches_off_throughout": args.caches_off, "sync": args.sync, "fill": args.fill, **cases}]
+    variant = "-".join(k.replace("_", "-") for k in ("caches_off", "sync", "fill", "deterministic_only")
+                       if getattr(args, k))
+    result["cases"] = [{"caches_off_throughout": args.caches_off, "sync": args.sync, "fill": args.fill,
+                        "deterministic_only": args.deterministic_only, **cases}]
     print("wrote", common.write_result(result, "compile_determinism" + (f"-{variant}" if variant else "")))
 
 

@@ -68,6 +68,8 @@ SUITES: dict[str, list[tuple[str, list[str], int]]] = {
                          ("determinism", [PY, "benchmarks/compile_determinism.py"], 200),
                          ("determinism_sync", [PY, "benchmarks/compile_determinism.py", "--sync"], 200),
                          ("determinism_fill", [PY, "benchmarks/compile_determinism.py", "--fill"], 200),
+                         ("determinism_det_only", [PY, "benchmarks/compile_determinism.py", "--deterministic-only"],
+                          200),
                          ("determinism_per_block", [PY, "benchmarks/compile_determinism.py", "--per-block"], 240),
                          ("determinism_caches_off", [PY, "benchmarks/compile_determinism.py", "--caches-off"], 200)],
     "profiles": [("profile_flux2", [PY, "benchmarks/profile_step.py", "--model", "flux2-dev"], 120),

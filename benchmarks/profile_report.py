@@ -350,14 +350,22 @@ def fused_kernels(results: Results) -> list[str]:
             + ["", source(uses)])
 
 
+DETERMINISM_VARIANTS = ["", "caches-off", "sync", "fill", "deterministic-only"]  # compile_determinism.py's files
+DETERMINISM_FLAGS = {"caches_off_throughout", "sync", "fill", "deterministic_only"}
+
+
 def compiled_bytes(results: Results) -> list[str]:
     out: list[str] = []
-    d = results.get("compile_determinism")
-    if d is not None:
-        rows = [[k.replace("_", " "), fmt(v)] for c in field(d, "cases") for k, v in c.items() if isinstance(v, bool)]
-        out += ["Repeatability of a compiled multi-block Qwen-Image model at full width (`compile_determinism.py`):",
-                ""]
-        out += table(["question", "answer"], rows, "ll") + ["", source([(d, "`cases[0]`")])]
+    variants = [(v, d) for v in DETERMINISM_VARIANTS if (d := results.get(f"compile_determinism{v and '-' + v}"))]
+    if variants:
+        questions = [k for k, v in field(variants[0][1], "cases")[0].items()
+                     if isinstance(v, bool) and k not in DETERMINISM_FLAGS]
+        rows = [[q.replace("_", " ")] + [fmt(field(d, "cases")[0].get(q)) for _, d in variants] for q in questions]
+        out += ["Repeatability of a compiled 6-block Qwen-Image model at full width (`compile_determinism.py`), one "
+                "column per run: plain, every compile with caches off, a device synchronize after every block, "
+                "torch's deterministic algorithms with fresh memory filled:", ""]
+        out += table(["question"] + [f"`{v or 'plain'}`" for v, _ in variants], rows, "l" + "l" * len(variants))
+        out += ["", source([(d, "`cases[0]`") for _, d in variants])]
     d = results.get("compile_repeatability")
     if d is not None:
         rows = [[MODELS.get(c["model"], c["model"]), fmt(field(c, "weights")), fmt(field(c, "same_bytes"))]
