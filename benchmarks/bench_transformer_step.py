@@ -7,7 +7,7 @@ Usage:
     python benchmarks/bench_transformer_step.py --model flux2-dev --compile  # under torch.compile (inductor)
     python benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks  # compile_repeated_blocks
     python benchmarks/bench_transformer_step.py --model flux2-dev --tiny     # CPU dry run of the whole logic
-Writes benchmarks/results/transformer_step-<model>[-graph|-compile|-compile-blocks][-fill]-<device>.json (docs/design.md
+Writes benchmarks/results/transformer_step-<model>[-graph|-compile|-compile-blocks]-<device>.json (docs/design.md
 §10) and prints a table. ``--compile blocks`` compiles each transformer block as diffusers'
 ``compile_repeated_blocks(fullgraph=True)`` does (regional compilation: one compile per block class, so minutes
 less). With ``--compile`` fast paths off and on are timed in two phases (alternating would recompile at each switch)
@@ -505,8 +505,7 @@ def run(args) -> dict:
     if args.compile:  # main() runs this inside exact_inductor(): on == off holds there (docs/design.md §1)
         result["timing"] += ("; torch.compile(transformer)" if args.compile == "model" else
                              "; compile_repeated_blocks(fullgraph=True)") + (
-                                 ", inductor inside exact_inductor() (emulate_precision_casts, deterministic"
-                                 + (", fresh memory filled)" if args.fill_uninitialized else ")"))
+                                 ", inductor inside exact_inductor() (emulate_precision_casts, deterministic)")
     result["input_scale"] = f"fixed: amax {INPUT_AMAX} -> input_scale = {INPUT_AMAX}/2688"
     shape = {"model": args.model, **result["inputs"]}
     t_start = time.time()
@@ -687,12 +686,7 @@ def main() -> None:
                     help="time torch.compile(transformer) ('model', the default) or each block compiled as "
                          "compile_repeated_blocks(fullgraph=True) does ('blocks'); inductor, precision-cast "
                          "emulation on; instead of eager")
-    ap.add_argument("--fill-uninitialized", action="store_true",
-                    help="with --compile: exact_inductor(fill_uninitialized=True), under which recompiles of "
-                         "Qwen-Image repeated (docs/design.md §1); the JSON name gains -fill")
     args = ap.parse_args()
-    if args.fill_uninitialized and not args.compile:
-        sys.exit("--fill-uninitialized goes with --compile")
     if args.cuda_graph and args.compile:
         sys.exit("--cuda-graph and --compile are separate modes; run them one at a time")
     if args.kv_cached and args.model != "qwen-image-2.1":
@@ -708,7 +702,7 @@ def main() -> None:
     if args.compile:
         from diffusers_nvfp4_fast.inductor import exact_inductor
 
-        with exact_inductor(fill_uninitialized=args.fill_uninitialized):
+        with exact_inductor():
             result = run(args)
     else:
         result = run(args)
@@ -718,7 +712,6 @@ def main() -> None:
         import common
 
         mode = "-graph" if args.cuda_graph else {"model": "-compile", "blocks": "-compile-blocks"}.get(args.compile, "")
-        mode += "-fill" if args.fill_uninitialized else ""
         mode += "-kv-cached" if args.kv_cached else ""
         path = common.write_result(result, name=f"transformer_step-{args.model}{mode}")
         print(f"-> {path}")

@@ -83,7 +83,10 @@ def main() -> None:
              "second_compile_caches_on_equal_first": same(cached, first[0]),
              "third_compile_caches_off_equal_first": same(uncached, first[0]),
              "third_equal_second": same(uncached, cached),
-             "eager_equal_first": same(eager, first[0])}
+             "eager_equal_first": same(eager, first[0]),
+             # equal bytes prove nothing if they are NaN (--fill fills fresh memory with NaN)
+             "all_finite": {name: bool(torch.isfinite(t).all()) for name, t in
+                            (("eager", eager), ("first", first[0]), ("second", cached), ("third", uncached))}}
     print(cases)
     variant = "-".join(k.replace("_", "-") for k in ("caches_off", "sync", "fill", "deterministic_only")
                        if getattr(args, k))

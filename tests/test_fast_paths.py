@@ -451,25 +451,6 @@ def test_exact_inductor_sets_and_restores_both_settings():
     assert (inductor_config.emulate_precision_casts, inductor_config.deterministic) == before
 
 
-def test_exact_inductor_fills_fresh_memory_only_when_asked_and_restores_torch_flags():
-    import torch.utils.deterministic as deterministic
-
-    def flags():
-        return (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-                deterministic.fill_uninitialized_memory)
-
-    before = flags()
-    with exact_inductor():
-        assert flags() == before
-    with exact_inductor(fill_uninitialized=True):
-        assert flags() == (True, True, True)
-        assert torch.isnan(torch.empty(8)).all()  # torch fills a new float tensor with NaN
-    assert flags() == before
-    with pytest.raises(ValueError), exact_inductor(fill_uninitialized=True):
-        raise ValueError("inside")
-    assert flags() == before
-
-
 def test_kv_cache_processor_variant_is_patched_too(modelopt_exports):
     from diffusers.models.transformers.transformer_flux2 import Flux2KVParallelSelfAttnProcessor
 
