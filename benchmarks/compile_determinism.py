@@ -15,6 +15,7 @@ and writes benchmarks/results/compile_determinism-<device>.json.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -22,13 +23,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+VARIANTS = ("caches_off", "sync", "fill", "deterministic_only")  # the run's flags; its file name joins the set ones
+
+
+def _caches(off: bool) -> contextlib.AbstractContextManager:
+    """Inductor's caches off inside, where ``off``."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(force_disable_caches=True) if off else contextlib.nullcontext()
+
 
 def main() -> None:
     import argparse
-    import contextlib
 
     import common
-    import torch._inductor.config as inductor_config
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--caches-off", action="store_true", help="every compile with inductor's caches off")
@@ -68,15 +76,14 @@ def main() -> None:
         model.transformer_blocks = torch.nn.ModuleList([_Synchronized(b) for b in model.transformer_blocks])
     eager = run()
     result = common.header("compile_determinism", common.copy_bandwidth_gbps())
-    caches_off = inductor_config.patch(force_disable_caches=True) if args.caches_off else contextlib.nullcontext()
-    with exact_inductor(), caches_off:
+    with exact_inductor(), _caches(args.caches_off):
         model.compile_repeated_blocks(fullgraph=True)
         first = [run() for _ in range(3)]
         torch._dynamo.reset()
         model.compile_repeated_blocks(fullgraph=True)
         cached = run()
         torch._dynamo.reset()
-        with inductor_config.patch(force_disable_caches=True):
+        with _caches(True):
             model.compile_repeated_blocks(fullgraph=True)
             uncached = run()
     cases = {"runs_of_one_compile_equal": same(first[0], first[1]) and same(first[0], first[2]),
@@ -88,10 +95,9 @@ def main() -> None:
              "all_finite": {name: bool(torch.isfinite(t).all()) for name, t in
                             (("eager", eager), ("first", first[0]), ("second", cached), ("third", uncached))}}
     print(cases)
-    variant = "-".join(k.replace("_", "-") for k in ("caches_off", "sync", "fill", "deterministic_only")
-                       if getattr(args, k))
-    result["cases"] = [{"caches_off_throughout": args.caches_off, "sync": args.sync, "fill": args.fill,
-                        "deterministic_only": args.deterministic_only, **cases}]
+    flags = {k: getattr(args, k) for k in VARIANTS}
+    variant = "-".join(k.replace("_", "-") for k, on in flags.items() if on)
+    result["cases"] = [{**flags, **cases}]
     print("wrote", common.write_result(result, "compile_determinism" + (f"-{variant}" if variant else "")))
 
 
@@ -128,10 +134,7 @@ class _Recorder(torch.nn.Module):
 def per_block(model: torch.nn.Module, inputs: dict, caches_off: bool) -> None:
     """Three compiles of ``model`` (dynamo reset between): for each pair, the first block whose outputs differ,
     whether its inputs were equal, and how the generated wrappers of the two compiles differ."""
-    import contextlib
-
     import common
-    import torch._inductor.config as inductor_config
     from compile_diagnose import _wrappers_loaded, code_diff
 
     from diffusers_nvfp4_fast import NVFP4Linear, exact_inductor
@@ -144,8 +147,7 @@ def per_block(model: torch.nn.Module, inputs: dict, caches_off: bool) -> None:
         wrappers: list = []
         model.transformer_blocks = torch.nn.ModuleList([_Recorder(b, log) for b in blocks])
         torch._dynamo.reset()
-        caches = inductor_config.patch(force_disable_caches=True) if caches_off else contextlib.nullcontext()
-        with exact_inductor(), caches, _wrappers_loaded(wrappers), torch.inference_mode():
+        with exact_inductor(), _caches(caches_off), _wrappers_loaded(wrappers), torch.inference_mode():
             model.compile_repeated_blocks(fullgraph=True)
             model(**inputs)
             calls = len(log)
@@ -171,7 +173,7 @@ def per_block(model: torch.nn.Module, inputs: dict, caches_off: bool) -> None:
     repeat = [runs[k]["first_call"] == runs[k]["second_call"] for k in range(3)]
     print("each compile's two calls equal:", repeat)
     result = common.header("compile_determinism", common.copy_bandwidth_gbps())
-    result["cases"] = [{"per_block": True, "caches_off_throughout": caches_off, "calls_repeat": repeat}, *cases]
+    result["cases"] = [{"per_block": True, "caches_off": caches_off, "calls_repeat": repeat}, *cases]
     print("wrote", common.write_result(result, "compile_determinism-per-block"))
 
 

@@ -351,7 +351,8 @@ def fused_kernels(results: Results) -> list[str]:
 
 
 DETERMINISM_VARIANTS = ["", "caches-off", "sync", "fill", "deterministic-only"]  # compile_determinism.py's files
-DETERMINISM_FLAGS = {"caches_off_throughout", "sync", "fill", "deterministic_only"}
+# the runs' flags (files of 2026-12-03 name caches_off "caches_off_throughout")
+DETERMINISM_FLAGS = {"caches_off", "caches_off_throughout", "sync", "fill", "deterministic_only"}
 
 
 def compiled_bytes(results: Results) -> list[str]:
