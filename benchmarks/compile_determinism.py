@@ -3,9 +3,11 @@
     python benchmarks/compile_determinism.py               # H200: about two minutes
     python benchmarks/compile_determinism.py --caches-off  # every compile with inductor's caches off
     python benchmarks/compile_determinism.py --per-block   # three compiles: the first block whose bytes differ
+    python benchmarks/compile_determinism.py --per-block --caches-off  # the same, each compile generating afresh
     python benchmarks/compile_determinism.py --sync        # a device synchronize after every block
     python benchmarks/compile_determinism.py --fill        # torch's deterministic mode: fresh memory filled (NaN)
     python benchmarks/compile_determinism.py --deterministic-only  # the mode without the fill
+    python benchmarks/compile_determinism.py --vs-deterministic    # what the mode changes in the generated code
 
 A 6-block Qwen-Image transformer at full width (blocks 0, 1, 4, 5 BF16 under the public exclusion rule, 2 and 3
 NVFP4, fast paths off), ``compile_repeated_blocks`` inside ``exact_inductor``: three runs of one compile, then a
@@ -47,6 +49,8 @@ def main() -> None:
                    help="torch.use_deterministic_algorithms(warn_only) with fill_uninitialized_memory")
     p.add_argument("--deterministic-only", action="store_true",
                    help="torch.use_deterministic_algorithms(warn_only) without filling fresh memory")
+    p.add_argument("--vs-deterministic", action="store_true",
+                   help="four compiles, caches off: two plain, two in deterministic mode; how their code differs")
     args = p.parse_args()
     if args.fill or args.deterministic_only:
         torch.use_deterministic_algorithms(True, warn_only=True)
@@ -72,6 +76,8 @@ def main() -> None:
 
     if args.per_block:
         return per_block(model, inputs, args.caches_off)
+    if args.vs_deterministic:
+        return vs_deterministic(model, inputs)
     if args.sync:
         model.transformer_blocks = torch.nn.ModuleList([_Synchronized(b) for b in model.transformer_blocks])
     eager = run()
@@ -174,7 +180,43 @@ def per_block(model: torch.nn.Module, inputs: dict, caches_off: bool) -> None:
     print("each compile's two calls equal:", repeat)
     result = common.header("compile_determinism", common.copy_bandwidth_gbps())
     result["cases"] = [{"per_block": True, "caches_off": caches_off, "calls_repeat": repeat}, *cases]
-    print("wrote", common.write_result(result, "compile_determinism-per-block"))
+    print("wrote", common.write_result(result, "compile_determinism-per-block" + ("-caches-off" if caches_off else "")))
+
+
+def vs_deterministic(model: torch.nn.Module, inputs: dict) -> None:
+    """Four compiles with inductor's caches off, two plain and two under ``use_deterministic_algorithms(True,
+    warn_only=True)``: whether each pair gives the same bytes, and how the generated code of the modes differs."""
+    import common
+    import torch._inductor.config as inductor_config
+    from compile_diagnose import _wrappers_loaded, code_diff
+
+    runs = []
+    for deterministic in (False, False, True, True):
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        wrappers: list = []
+        torch._dynamo.reset()
+        # exact_inductor's inductor settings without the mode it now sets itself
+        with inductor_config.patch(emulate_precision_casts=True, deterministic=True), _caches(True), \
+                _wrappers_loaded(wrappers), torch.inference_mode():
+            model.compile_repeated_blocks(fullgraph=True)
+            out = model(**inputs)[0].clone()
+        runs.append((out, [w for w, _ in wrappers]))
+    torch.use_deterministic_algorithms(False)
+    same = [bool(torch.equal(runs[i][0].view(torch.int16), runs[j][0].view(torch.int16)))
+            for i, j in ((0, 1), (2, 3), (0, 2))]
+    case: dict = {"vs_deterministic": True, "plain_twice_equal": same[0], "deterministic_twice_equal": same[1],
+                  "plain_equal_deterministic": same[2],
+                  "all_finite": [bool(torch.isfinite(o).all()) for o, _ in runs],
+                  "plain_code_repeats": [code_diff(a, b)["identical"] for a, b in zip(runs[0][1], runs[1][1])],
+                  "code_plain_vs_deterministic": [code_diff(a, b, limit=120) for a, b in zip(runs[0][1], runs[2][1])]}
+    print({k: v for k, v in case.items() if k != "code_plain_vs_deterministic"})
+    for n, c in enumerate(case["code_plain_vs_deterministic"]):
+        print(f"wrapper {n}: identical {c['identical']}, lines changed {c['lines_changed']}, kernels differing "
+              f"{c['kernels_differing']}, only plain {c['kernels_only_a']}, only deterministic {c['kernels_only_b']}",
+              *c["diff_head"], sep="\n    ", flush=True)
+    result = common.header("compile_determinism", common.copy_bandwidth_gbps())
+    result["cases"] = [case]
+    print("wrote", common.write_result(result, "compile_determinism-vs-deterministic"))
 
 
 if __name__ == "__main__":
