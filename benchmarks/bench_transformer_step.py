@@ -621,6 +621,10 @@ def run(args) -> dict:
     result["host_speed"] = host_speed(device)
     if args.compile:  # recompiles, graph breaks, frames: why a compiled step might run eagerly or differ
         result["dynamo_counters"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}
+        from diffusers_nvfp4_fast.inductor import SHARE_ACTIVATION_QUANTIZE
+
+        # NVFP4 layer nodes rewritten to share one activation quantize (0 where inductor's cache served the code)
+        result["shared_quantize_nodes"] = SHARE_ACTIVATION_QUANTIZE.rewritten
     result["wall_s"] = round(time.time() - t_start, 1)
     return result
 
@@ -682,6 +686,7 @@ def main() -> None:
     ap.add_argument("--kv-cached", action="store_true",
                     help="qwen-image-2.1 only: time a decode step against a filled KV cache (kv_cache_mode='cached') "
                          "instead of the full prefill")
+    ap.add_argument("--tag", default="", help="appended to the result's file name (another host, say)")
     ap.add_argument("--compile", nargs="?", const="model", choices=("model", "blocks"),
                     help="time torch.compile(transformer) ('model', the default) or each block compiled as "
                          "compile_repeated_blocks(fullgraph=True) does ('blocks'); inductor, precision-cast "
@@ -713,7 +718,8 @@ def main() -> None:
 
         mode = "-graph" if args.cuda_graph else {"model": "-compile", "blocks": "-compile-blocks"}.get(args.compile, "")
         mode += "-kv-cached" if args.kv_cached else ""
-        path = common.write_result(result, name=f"transformer_step-{args.model}{mode}")
+        path = common.write_result(result, name=f"transformer_step-{args.model}{mode}"
+                                   + (f"-{args.tag}" if args.tag else ""))
         print(f"-> {path}")
     print(f"{'variant':16s} {'ms/step':>10s} {'host ms':>8s} {'peak GB':>8s} {'weight GB':>9s} {'exact':>6s}  "
           "speedup_vs")

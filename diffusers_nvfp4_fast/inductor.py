@@ -10,15 +10,23 @@ benchmarks/compile_determinism.py).
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
 @contextlib.contextmanager
 def exact_inductor() -> Iterator[None]:
     """Compile and run inside this block: inductor rounds every intermediate to its dtype where eager does
-    (``emulate_precision_casts``) and picks reduction configs without timing them (``deterministic``).
+    (``emulate_precision_casts``), picks reduction configs without timing them (``deterministic``), and compiles
+    and runs under ``torch.use_deterministic_algorithms(True, warn_only=True)`` (kept strict if it already was).
+    NVFP4 layers that read one activation quantize it once (``SHARE_ACTIVATION_QUANTIZE``, the same bytes), unless
+    another ``post_grad_custom_pre_pass`` is set.
 
     Example::
 
@@ -33,5 +41,81 @@ def exact_inductor() -> Iterator[None]:
     if not hasattr(inductor_config, "deterministic"):
         raise RuntimeError(f"torch {torch.__version__}: inductor has no `deterministic` setting; exact_inductor "
                            "needs a torch whose inductor can skip timing reduction configs")
-    with inductor_config.patch(emulate_precision_casts=True, deterministic=True):
-        yield
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    # without it, compiles of one Qwen-Image model gave other bytes (docs/design.md §1, "compile repeatability")
+    torch.use_deterministic_algorithms(True, warn_only=before[1] if before[0] else True)
+    try:
+        settings: dict[str, Any] = {"emulate_precision_casts": True, "deterministic": True}
+        if inductor_config.post_grad_custom_pre_pass is None:
+            settings["post_grad_custom_pre_pass"] = SHARE_ACTIVATION_QUANTIZE
+        with inductor_config.patch(settings):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+class ShareActivationQuantize(CustomGraphPass):
+    """Inductor post-grad pass: the ``quantized_linear`` nodes that read one activation with one recipe and output
+    dtype become one ``quantized_linears`` node (the activation quantized once where their global scales agree,
+    ``ops/shared_quantize.py``): a block's query, key and value projections. ``rewritten`` counts the nodes."""
+
+    def __init__(self) -> None:
+        self.rewritten = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        single = torch.ops.nvfp4_fast.quantized_linear.default
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        groups: dict[tuple, list[torch.fx.Node]] = {}
+        for node in graph.nodes:
+            if node.target is single and len(node.args) == 9 and not node.kwargs:
+                x, _, fast_math, *_, out_dtype, _ = node.args
+                groups.setdefault((_same_values(x), fast_math, out_dtype), []).append(node)
+        for (_, fast_math, out_dtype), nodes in groups.items():
+            first = nodes[0]
+            # a later layer's tensors must exist where the first one runs (they are graph inputs in a block)
+            nodes = [first] + [n for n in nodes[1:] if all(order.get(a, -1) < order[first] for a in n.all_input_nodes
+                                                          if a is not n.args[0])]
+            if len(nodes) > 1:
+                self._rewrite(graph, first.args[0], fast_math, out_dtype, nodes)
+
+    def _rewrite(self, graph: torch.fx.Graph, x: Any, fast_math: bool, out_dtype: torch.dtype,
+                 nodes: list[torch.fx.Node]) -> None:
+        import operator
+
+        from .ops import shared_quantize  # noqa: F401 - registers nvfp4_fast::quantized_linears
+
+        columns = list(zip(*(n.args for n in nodes)))  # per argument position, one entry per layer
+        with graph.inserting_before(nodes[0]):
+            shared = graph.call_function(torch.ops.nvfp4_fast.quantized_linears.default, (
+                x, list(columns[1]), fast_math, list(columns[3]), list(columns[4]), list(columns[5]),
+                list(columns[6]), out_dtype, list(columns[8])))
+            shared.meta["val"] = [n.meta.get("val") for n in nodes]
+            items = [graph.call_function(operator.getitem, (shared, i)) for i in range(len(nodes))]
+        for item, node in zip(items, nodes):
+            item.meta.update(node.meta)
+            node.replace_all_uses_with(item)
+            graph.erase_node(node)
+        self.rewritten += len(nodes)
+
+    def uuid(self) -> str:
+        return _source_hash()
+
+
+_VIEWS = ("aten.reshape.default", "aten.view.default", "aten._unsafe_view.default", "aten.clone.default")
+
+
+def _same_values(x: Any) -> Any:
+    """A key equal for nodes that hold the same values: each layer reshapes the shared input itself."""
+    if isinstance(x, torch.fx.Node) and x.op == "call_function" and str(x.target) in _VIEWS and not x.kwargs:
+        return (str(x.target), _same_values(x.args[0]), repr(x.args[1:]))
+    return x
+
+
+@functools.cache
+def _source_hash() -> str:
+    """This module's source hash: inductor's FX graph cache keys on the pass's uuid, so a changed pass must not reuse
+    code the old one compiled."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+
+
+SHARE_ACTIVATION_QUANTIZE = ShareActivationQuantize()

@@ -441,14 +441,26 @@ def test_torch_compile_inductor_on_equals_off(modelopt_exports):
     assert on == off
 
 
-def test_exact_inductor_sets_and_restores_both_settings():
+def _exactness_settings() -> tuple[bool, bool, bool, bool]:
     import torch._inductor.config as inductor_config
 
-    before = inductor_config.emulate_precision_casts, inductor_config.deterministic
-    with exact_inductor():
-        inside = inductor_config.emulate_precision_casts, inductor_config.deterministic
-    assert inside == (True, True)
-    assert (inductor_config.emulate_precision_casts, inductor_config.deterministic) == before
+    return (inductor_config.emulate_precision_casts, inductor_config.deterministic,
+            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+
+
+@pytest.mark.parametrize("strict_before", [False, True])
+def test_exact_inductor_sets_and_restores_its_settings(strict_before):
+    torch.use_deterministic_algorithms(strict_before)
+    try:
+        before = _exactness_settings()
+        with exact_inductor():
+            inside = _exactness_settings()
+        after = _exactness_settings()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    # a user's strict mode stays strict inside; otherwise warn_only, so that no op without a deterministic kernel fails
+    assert inside == (True, True, True, not strict_before)
+    assert after == before
 
 
 def test_kv_cache_processor_variant_is_patched_too(modelopt_exports):
