@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .ops import shared_quantize  # noqa: F401 - registers nvfp4_fast::quantized_linears, which compiled code calls
+
 
 @contextlib.contextmanager
 def exact_inductor() -> Iterator[None]:
@@ -81,8 +83,6 @@ class ShareActivationQuantize(CustomGraphPass):
     def _rewrite(self, graph: torch.fx.Graph, x: Any, fast_math: bool, out_dtype: torch.dtype,
                  nodes: list[torch.fx.Node]) -> None:
         import operator
-
-        from .ops import shared_quantize  # noqa: F401 - registers nvfp4_fast::quantized_linears
 
         columns = list(zip(*(n.args for n in nodes)))  # per argument position, one entry per layer
         with graph.inserting_before(nodes[0]):
