@@ -1,10 +1,7 @@
-"""Inductor settings under which a compiled model gives the same bytes with fast paths on and off (docs/design.md §1).
-
-Two things make compiled bytes differ between two compiles of the same model, with or without this plugin:
-inductor fuses BF16 ops and keeps their FP32 intermediates unless told to round them as eager does, and it times
-candidate reduction configs on the device at first run, so two compiles may pick different summation orders. A
-third, seen on the H200 with whole Qwen-Image models, is not located yet (docs/design.md §1,
-benchmarks/compile_determinism.py).
+"""Inductor settings under which a compiled model gives the same bytes with fast paths on and off, and again at every
+compile (docs/design.md §1): inductor rounds BF16 intermediates as eager does, and its kernels pick reduction configs
+without timing them, which in torch 2.11 takes torch's deterministic algorithms as well as inductor's own setting.
+Also the pass that lets NVFP4 layers reading one activation quantize it once (``ShareActivationQuantize``).
 """
 
 from __future__ import annotations
@@ -44,7 +41,7 @@ def exact_inductor() -> Iterator[None]:
         raise RuntimeError(f"torch {torch.__version__}: inductor has no `deterministic` setting; exact_inductor "
                            "needs a torch whose inductor can skip timing reduction configs")
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    # without it, compiles of one Qwen-Image model gave other bytes (docs/design.md §1, "compile repeatability")
+    # without it torch 2.11's kernels still timed reduction configs: compiles gave other bytes (docs/design.md §1)
     torch.use_deterministic_algorithms(True, warn_only=before[1] if before[0] else True)
     try:
         settings: dict[str, Any] = {"emulate_precision_casts": True, "deterministic": True}
