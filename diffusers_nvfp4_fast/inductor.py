@@ -23,7 +23,8 @@ from .ops import shared_quantize  # noqa: F401 - registers nvfp4_fast::quantized
 def exact_inductor() -> Iterator[None]:
     """Compile and run inside this block: inductor rounds every intermediate to its dtype where eager does
     (``emulate_precision_casts``), picks reduction configs without timing them (``deterministic``), and compiles
-    and runs under ``torch.use_deterministic_algorithms(True, warn_only=True)`` (kept strict if it already was).
+    and runs under ``torch.use_deterministic_algorithms(True, warn_only=True)`` without filling fresh memory (a mode
+    the user set stays as set).
     NVFP4 layers that read one activation quantize it once (``SHARE_ACTIVATION_QUANTIZE``, the same bytes), unless
     another ``post_grad_custom_pre_pass`` is set.
 
@@ -40,9 +41,14 @@ def exact_inductor() -> Iterator[None]:
     if not hasattr(inductor_config, "deterministic"):
         raise RuntimeError(f"torch {torch.__version__}: inductor has no `deterministic` setting; exact_inductor "
                            "needs a torch whose inductor can skip timing reduction configs")
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    # without it torch 2.11's kernels still timed reduction configs: compiles gave other bytes (docs/design.md §1)
-    torch.use_deterministic_algorithms(True, warn_only=before[1] if before[0] else True)
+    deterministic = torch.utils.deterministic  # type: ignore[attr-defined]
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              deterministic.fill_uninitialized_memory)
+    if not before[0]:
+        # without it torch 2.11's kernels still timed reduction configs: compiles gave other bytes (design.md §1);
+        # no NaN fill of fresh memory: a fill kernel per allocation (9 ms a Qwen-Image step) and no byte changes
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        deterministic.fill_uninitialized_memory = False
     try:
         settings: dict[str, Any] = {"emulate_precision_casts": True, "deterministic": True}
         if inductor_config.post_grad_custom_pre_pass is None:
@@ -51,6 +57,7 @@ def exact_inductor() -> Iterator[None]:
             yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        deterministic.fill_uninitialized_memory = before[2]
 
 
 class ShareActivationQuantize(CustomGraphPass):

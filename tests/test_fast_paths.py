@@ -441,11 +441,12 @@ def test_torch_compile_inductor_on_equals_off(modelopt_exports):
     assert on == off
 
 
-def _exactness_settings() -> tuple[bool, bool, bool, bool]:
+def _exactness_settings() -> tuple[bool, bool, bool, bool, bool]:
     import torch._inductor.config as inductor_config
 
     return (inductor_config.emulate_precision_casts, inductor_config.deterministic,
-            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+            torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+            torch.utils.deterministic.fill_uninitialized_memory)
 
 
 @pytest.mark.parametrize("strict_before", [False, True])
@@ -458,8 +459,10 @@ def test_exact_inductor_sets_and_restores_its_settings(strict_before):
         after = _exactness_settings()
     finally:
         torch.use_deterministic_algorithms(False)
-    # a user's strict mode stays strict inside; otherwise warn_only, so that no op without a deterministic kernel fails
-    assert inside == (True, True, True, not strict_before)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+    # a user's strict mode stays as set (fill included); otherwise warn_only (no op without a deterministic kernel
+    # fails) and no NaN fill of fresh memory (a kernel per allocation)
+    assert inside == ((True, True, True, False, True) if strict_before else (True, True, True, True, False))
     assert after == before
 
 
