@@ -41,7 +41,7 @@ def exact_inductor() -> Iterator[None]:
     if not hasattr(inductor_config, "deterministic"):
         raise RuntimeError(f"torch {torch.__version__}: inductor has no `deterministic` setting; exact_inductor "
                            "needs a torch whose inductor can skip timing reduction configs")
-    deterministic = torch.utils.deterministic  # type: ignore[attr-defined]
+    deterministic: Any = torch.utils.deterministic  # its module attribute is not in the stubs
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               deterministic.fill_uninitialized_memory)
     if not before[0]:
