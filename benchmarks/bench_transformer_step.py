@@ -621,10 +621,9 @@ def run(args) -> dict:
     result["host_speed"] = host_speed(device)
     if args.compile:  # recompiles, graph breaks, frames: why a compiled step might run eagerly or differ
         result["dynamo_counters"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}
-        from diffusers_nvfp4_fast.inductor import SHARE_ACTIVATION_QUANTIZE
+        import common
 
-        # NVFP4 layer nodes rewritten to share one activation quantize (0 where inductor's cache served the code)
-        result["shared_quantize_nodes"] = SHARE_ACTIVATION_QUANTIZE.rewritten
+        result["shared_quantize_nodes"] = common.shared_quantize_nodes()
     result["wall_s"] = round(time.time() - t_start, 1)
     return result
 

@@ -105,3 +105,11 @@ def write_result(result: dict, name: str | None = None) -> Path:
     path = RESULTS / f"{name or result['benchmark']}-{device_slug()}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
+
+
+def shared_quantize_nodes() -> int:
+    """NVFP4 layer nodes that ``exact_inductor``'s pass rewrote to share one activation quantize in this process (0
+    where inductor's cache served the compiled code)."""
+    from diffusers_nvfp4_fast.inductor import SHARE_ACTIVATION_QUANTIZE
+
+    return SHARE_ACTIVATION_QUANTIZE.rewritten

@@ -364,8 +364,8 @@ def compiled_bytes(results: Results) -> list[str]:
         rows = [[q.replace("_", " ")] + [fmt(field(d, "cases")[0].get(q)) for _, d in variants] for q in questions]
         out += ["Repeatability of a compiled 6-block Qwen-Image model at full width (`compile_determinism.py`), one "
                 "column per run: plain, every compile with caches off, a device synchronize after every block, "
-                "torch's deterministic algorithms with fresh memory filled (NaN: a fill that reaches the output makes "
-                "compiles equal, so `fill` says nothing until its outputs are shown finite; docs/design.md §1):", ""]
+                "torch's deterministic algorithms with fresh memory filled (NaN) and without the fill (docs/design.md "
+                "§1; the runs record whether their outputs are finite):", ""]
         out += table(["question"] + [f"`{v or 'plain'}`" for v, _ in variants], rows, "l" + "l" * len(variants))
         out += ["", source([(d, "`cases[0]`") for _, d in variants])]
     d = results.get("compile_repeatability")

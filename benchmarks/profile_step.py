@@ -192,16 +192,14 @@ def main() -> None:
         with exact_inductor():
             result = profile(step.compiled(model, args.compile), inputs, device, warmups=3)
         mode, name = "compile_repeated_blocks(fullgraph=True) in exact_inductor, fast paths on", "profile_step_compiled"
-    if args.compile:
-        from diffusers_nvfp4_fast.inductor import SHARE_ACTIVATION_QUANTIZE
-
-        # NVFP4 layer nodes rewritten to share one activation quantize (0 where inductor's cache served the code)
-        result["shared_quantize_nodes"] = SHARE_ACTIVATION_QUANTIZE.rewritten
     else:
         result = profile(model, inputs, device)
         mode, name = "eager, fast paths on, one step after two warm-ups", "profile_step"
     if not args.tiny:
         import common
+
+        if args.compile:
+            result["shared_quantize_nodes"] = common.shared_quantize_nodes()
 
         out = common.header(name, common.copy_bandwidth_gbps())
         out.update(model=args.model, inputs=vars(args), mode=mode, **result)

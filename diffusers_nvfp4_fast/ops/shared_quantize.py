@@ -3,7 +3,7 @@ the activation quantized once where every ``s_i`` holds the same value (docs/des
 
 Reference: the list of ``quantized_linear`` calls. There is no kernel of its own: one quantize (packed, or straight to
 the FP16 values the SM90 GEMM multiplies) and each layer's GEMM, the two halves ``quantized_linear`` runs per layer,
-so the bytes are those of the separate calls. Compiled graphs get it from ``inductor.share_activation_quantize``,
+so the bytes are those of the separate calls. Compiled graphs get it from ``inductor.ShareActivationQuantize``,
 which rewrites the ``quantized_linear`` nodes that read one tensor (a block's query, key and value projections).
 Eager fused sites share their quantize their own way (``patches/adaln.py``).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import call_op
+from .dispatch import call_op, kernels
 from .linear import _linear_fp16_x_impl, _linear_impl, _quantized_linear_impl, takes_decoded_activation
 from .quantize import quantize
 
@@ -62,8 +62,6 @@ def _quantized_linears_impl(
         return quantized_linears_reference(x, global_scales, fast_math, w_packed, w_scales, alphas, biases,
                                            out_dtype, w_swizzled)
     if forms == {True}:  # the SM90 GEMM multiplies the activation's FP16 values: quantize straight to them, once
-        from .dispatch import kernels
-
         assert kernels is not None  # takes_decoded_activation holds only where the kernels imported
         x16 = kernels.quantize_nvfp4_decoded(x, global_scales[0], fast_math=fast_math)
         return [_linear_fp16_x_impl(x16, w, ws, a, b, out_dtype) for w, ws, a, b in
