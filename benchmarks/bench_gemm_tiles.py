@@ -16,6 +16,10 @@ divided by ``R``. Variants per (M, N, K):
 
 ``vs_cublas_bf16`` = cuBLAS time / variant time. ``exact``: every tile height gave the same bytes. ``chosen_bm`` is
 ``sm90_block_m``'s pick and ``best_bm`` the fastest height measured.
+
+``--small-m-sweep`` (M <= 64 only, the modulation layers' shapes) times the in-kernel-X GEMM over ``SMALL_M_SWEEP``
+configs x K splits instead, with the weight's bytes per second as a fraction of the copy bandwidth, and checks that
+every config of one split gives the same bytes; it writes gemm_small_m-<device>.json.
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ SHAPES = {  # (N, K) of the transformer blocks' Linears
     "flux2-dev": [(6144, 6144), (36864, 6144), (6144, 18432), (55296, 6144), (6144, 24576)],
 }
 STREAM_BYTES = 160 << 20
+# (BLOCK_N, BLOCK_K, warps, stages) of the small-M sweep; BLOCK_M is 16 (the MMA's narrowest side).
+SMALL_M_SWEEP = [(32, 256, 2, 4), (32, 512, 2, 3), (64, 128, 2, 4), (64, 256, 2, 3), (64, 256, 4, 4),
+                 (64, 512, 4, 3), (64, 128, 4, 6), (128, 128, 4, 4), (128, 128, 4, 6), (128, 256, 4, 3),
+                 (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (32, 256, 4, 4)]
+SMALL_M_SPLITS = (1, 2, 3, 6, 12)
+MODULATION_SHAPES = {"qwen-image": [(18432, 3072)], "flux2-dev": [(36864, 6144), (18432, 6144)]}  # the M = 1 layers
 
 
 def graph_us(calls: list) -> float:
@@ -93,13 +103,87 @@ def run_shape(model: str, m: int, n: int, k: int) -> list[dict]:
              "chosen_bm": chosen, "best_bm": best} for v, t in us.items()]
 
 
+def small_m_sweep(model: str, m: int, n: int, k: int, copy_gbps: float) -> list[dict]:
+    """The in-kernel-X GEMM (``nvfp4_gemm``, M <= 64) per config of ``SMALL_M_SWEEP`` and K split, plus the default
+    (autotuned config, ``split_k_for``'s split) and cuBLAS BF16; GPU µs per call under CUDA graphs."""
+    import importlib
+
+    import triton
+
+    from diffusers_nvfp4_fast.kernels import quantize_nvfp4_triton
+
+    gemm = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm")
+
+    shape = {"model": model, "M": m, "N": n, "K": k}
+    weight_bytes = n * k // 2 + n * k // 16
+    weights, alpha = nvfp4_weights(n, k, max(1, math.ceil(STREAM_BYTES / weight_bytes)))
+    x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
+    xp, xs = quantize_nvfp4_triton(x, (2688.0 / x.float().abs().amax()).reshape(1))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = []
+
+    def row(label: str, split: int | None, us: float, same: bool | None) -> dict:
+        gbps = weight_bytes / (us * 1e-6) / 1e9
+        return {"shape": shape, "config": label, "splits": split, "us": round(us, 2), "weight_GBps": round(gbps, 1),
+                "of_copy_bandwidth": round(gbps / copy_gbps, 3), "same_bytes_as_split_peers": same}
+
+    default = gemm.split_k_for(m, n, k, sms)[0]
+    us = graph_us([lambda w=w: gemm.nvfp4_gemm(xp, xs, w[0], w[1], alpha, torch.bfloat16) for w in weights])
+    rows.append(row("default (autotuned)", default, us, None))
+    for split in SMALL_M_SPLITS:
+        chunk = -(-k // split)
+        reference = None
+        for bn, bk, warps, stages in SMALL_M_SWEEP:
+            if split > 1 and (-(-chunk // 256) * 256) % bk:
+                continue  # a split boundary would cut this config's K step
+            cfg = triton.Config({"BLOCK_M": 16, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": 8, "W_IN_REGS": False},
+                                num_warps=warps, num_stages=stages)
+            call = lambda w, cfg=cfg, split=split: gemm.nvfp4_gemm(  # noqa: E731
+                xp, xs, w[0], w[1], alpha, torch.bfloat16, split_k=split, config=cfg)
+            try:
+                result = call(weights[0]).clone()
+                us = graph_us([lambda w=w, call=call: call(w) for w in weights])
+            except Exception as e:  # noqa: BLE001 - out of registers or shared memory: recorded, not fatal
+                rows.append({"shape": shape, "config": f"BN{bn} BK{bk} w{warps} s{stages}", "splits": split,
+                             "error": str(e)[:160]})
+                continue
+            reference = result if reference is None else reference
+            rows.append(row(f"BN{bn} BK{bk} w{warps} s{stages}", split, us, torch.equal(result, reference)))
+    del weights
+    dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+             for _ in range(max(1, math.ceil(STREAM_BYTES / (n * k * 2))))]
+    us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in dense])
+    rows.append(row("cublas_bf16 (weight bytes: 2 per value)", None, us, None) | {
+        "weight_GBps": round(n * k * 2 / (us * 1e-6) / 1e9, 1)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 17, 512, 1024, 2048, 4096, 4608])
     ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--small-m-sweep", action="store_true", help="configs x K splits of the M <= 64 GEMM")
     args = ap.parse_args()
     t0 = time.time()
     copy = copy_bandwidth_gbps()
+    if args.small_m_sweep:
+        out = header("gemm_small_m", copy)
+        for model in args.models:
+            for n, k in MODULATION_SHAPES[model]:
+                for m in (m for m in args.m if m <= 64):
+                    out["cases"] += small_m_sweep(model, m, n, k, copy)
+                    for c in out["cases"][-3:]:
+                        print(c, flush=True)
+        best = {}
+        for c in out["cases"]:
+            key = str(c["shape"])
+            if "us" in c and (key not in best or c["us"] < best[key]["us"]):
+                best[key] = c
+        for c in best.values():
+            print("best", c)
+        out["wall_s"] = round(time.time() - t0, 1)
+        print("wrote", write_result(out, "gemm_small_m"))
+        return
     out = header("gemm_tiles", copy)
     out["timing"] = (f"CUDA-graph replay (common.time_us), >= {STREAM_BYTES >> 20} MB of distinct weights per pass "
                      "over the calls")
