@@ -17,9 +17,12 @@ divided by ``R``. Variants per (M, N, K):
 ``vs_cublas_bf16`` = cuBLAS time / variant time. ``exact``: every tile height gave the same bytes. ``chosen_bm`` is
 ``sm90_block_m``'s pick and ``best_bm`` the fastest height measured.
 
-``--small-m-sweep`` (M <= 64 only, the modulation layers' shapes) times the in-kernel-X GEMM over ``SMALL_M_SWEEP``
-configs x K splits instead, with the weight's bytes per second as a fraction of the copy bandwidth, and checks that
-every config of one split gives the same bytes; it writes gemm_small_m-<device>.json.
+``--small-m-sweep mma`` (M <= 64 only, the modulation layers' shapes) times the tensor-core small-M GEMM over
+``SMALL_M_SWEEP`` configs x K splits instead, with the weight's bytes per second as a fraction of the copy bandwidth,
+and checks that every config of one split gives the same bytes (gemm_small_m-mma-<device>.json). ``--small-m-sweep
+gemv`` (M = 1) times the one-row kernel ``nvfp4_gemv``: its three activation forms, the whole layer call, the
+tensor-core kernel it replaced, and ``GEMV_SWEEP`` tiles x K splits, checking that tiles of one BLOCK_K and split give
+the same bytes (gemm_small_m-gemv-<device>.json).
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ SMALL_M_SWEEP = [(32, 256, 2, 4), (32, 512, 2, 3), (64, 128, 2, 4), (64, 256, 2,
                  (64, 512, 4, 3), (64, 128, 4, 6), (128, 128, 4, 4), (128, 128, 4, 6), (128, 256, 4, 3),
                  (128, 128, 8, 4), (128, 256, 8, 3), (256, 128, 8, 3), (32, 256, 4, 4)]
 SMALL_M_SPLITS = (1, 2, 3, 6, 12)
+# (BLOCK_N, BLOCK_K, warps, stages) of the one-row kernel's sweep; BLOCK_N, warps and stages do not change a byte.
+GEMV_SWEEP = [(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 1),
+              (64, 128, 4, 4), (256, 128, 8, 3), (32, 128, 2, 3), (64, 256, 4, 3), (128, 256, 8, 3), (64, 64, 4, 3)]
+GEMV_SPLITS = (1, 2, 4)
 MODULATION_SHAPES = {"qwen-image": [(18432, 3072)], "flux2-dev": [(36864, 6144), (18432, 6144)]}  # the M = 1 layers
 
 
@@ -158,31 +165,92 @@ def small_m_sweep(model: str, m: int, n: int, k: int, copy_gbps: float) -> list[
     return rows
 
 
+def gemv_sweep(model: str, n: int, k: int, copy_gbps: float) -> list[dict]:
+    """The one-row kernel (M = 1): activation forms, the layer call, the tensor-core kernel, tiles x K splits, cuBLAS;
+    GPU µs per call under CUDA graphs over >= 160 MB of weights."""
+    import importlib
+
+    from diffusers_nvfp4_fast import kernels
+    from diffusers_nvfp4_fast.ops.linear import quantized_linear
+
+    gemv = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemv")
+    shape = {"model": model, "M": 1, "N": n, "K": k}
+    weight_bytes = n * k // 2 + n * k // 16
+    weights, alpha = nvfp4_weights(n, k, max(1, math.ceil(STREAM_BYTES / weight_bytes)))
+    x = (torch.randn(1, k, device="cuda") * 3).bfloat16()
+    g = (2688.0 / x.float().abs().amax()).reshape(1)
+    xp, xs = kernels.quantize_nvfp4_triton(x, g)
+    x16 = kernels.quantize_nvfp4_decoded(x, g)
+    rows = []
+
+    def timed(label: str, call, split=None, tile=None, reference=None) -> torch.Tensor | None:
+        try:
+            result = call(weights[0]).clone()
+            us = graph_us([lambda w=w: call(w) for w in weights])
+        except Exception as e:  # noqa: BLE001 - a tile that does not fit: recorded, not fatal
+            rows.append({"shape": shape, "config": label, "splits": split, "error": str(e)[:160]})
+            return None
+        gbps = weight_bytes / (us * 1e-6) / 1e9
+        rows.append({"shape": shape, "config": label, "splits": split, "tile": tile, "us": round(us, 2),
+                     "weight_GBps": round(gbps, 1), "of_copy_bandwidth": round(gbps / copy_gbps, 3),
+                     "same_bytes_as_peers": None if reference is None else torch.equal(result, reference)})
+        return result
+
+    first = timed("nvfp4_gemm (one row: the GEMV, packed row)", lambda w: kernels.nvfp4_gemm(xp, xs, w[0], w[1], alpha))
+    timed("GEMV, FP16 row", lambda w: gemv.nvfp4_gemv(x16, w[0], w[1], alpha), reference=first)
+    timed("GEMV, BF16 row quantized in the kernel",
+          lambda w: gemv.nvfp4_gemv(x, w[0], w[1], alpha, global_scale=g), reference=first)
+    timed("quantized_linear (the layer call)",
+          lambda w: quantized_linear(x, g, True, w[0], w[1], alpha, None, torch.bfloat16), reference=first)
+    timed("tensor-core small-M kernel (autotuned; before the GEMV)",
+          lambda w: kernels.nvfp4_gemm(xp, xs, w[0], w[1], alpha, kernel="triton", x_decode="in_kernel"))
+    for split in GEMV_SPLITS:
+        peers: dict[int, torch.Tensor] = {}
+        for tile in GEMV_SWEEP:
+            bn, bk, warps, stages = tile
+            out = timed(f"GEMV BN{bn} BK{bk} w{warps} s{stages}", lambda w, tile=tile, split=split: gemv.nvfp4_gemv(
+                x, w[0], w[1], alpha, global_scale=g, splits=split, tile=tile), split, list(tile), peers.get(bk))
+            if out is not None:
+                peers.setdefault(bk, out)
+    weights.clear()  # free them before the BF16 weights
+    dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+             for _ in range(max(1, math.ceil(STREAM_BYTES / (n * k * 2))))]
+    us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in dense])
+    rows.append({"shape": shape, "config": "cublas_bf16", "us": round(us, 2),
+                 "weight_GBps": round(n * k * 2 / (us * 1e-6) / 1e9, 1)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 17, 512, 1024, 2048, 4096, 4608])
     ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--small-m-sweep", action="store_true", help="configs x K splits of the M <= 64 GEMM")
+    ap.add_argument("--small-m-sweep", choices=["mma", "gemv"], help="configs x K splits of the M <= 64 tensor-core "
+                    "GEMM, or of the one-row kernel")
     args = ap.parse_args()
     t0 = time.time()
     copy = copy_bandwidth_gbps()
     if args.small_m_sweep:
-        out = header("gemm_small_m", copy)
+        out = header(f"gemm_small_m-{args.small_m_sweep}", copy)
         for model in args.models:
             for n, k in MODULATION_SHAPES[model]:
+                if args.small_m_sweep == "gemv":
+                    out["cases"] += gemv_sweep(model, n, k, copy)
+                    continue
                 for m in (m for m in args.m if m <= 64):
                     out["cases"] += small_m_sweep(model, m, n, k, copy)
-                    for c in out["cases"][-3:]:
-                        print(c, flush=True)
         best = {}
         for c in out["cases"]:
             key = str(c["shape"])
             if "us" in c and (key not in best or c["us"] < best[key]["us"]):
                 best[key] = c
+        for c in out["cases"]:
+            print(c["shape"]["N"], c["shape"]["K"], c["config"], c.get("splits"), c.get("us", c.get("error")),
+                  c.get("of_copy_bandwidth"), c.get("same_bytes_as_peers", c.get("same_bytes_as_split_peers")))
         for c in best.values():
             print("best", c)
         out["wall_s"] = round(time.time() - t0, 1)
-        print("wrote", write_result(out, "gemm_small_m"))
+        print("wrote", write_result(out, f"gemm_small_m-{args.small_m_sweep}"))
         return
     out = header("gemm_tiles", copy)
     out["timing"] = (f"CUDA-graph replay (common.time_us), >= {STREAM_BYTES >> 20} MB of distinct weights per pass "

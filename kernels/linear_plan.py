@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .nvfp4_gemm import sm90_kernel_module
+from .nvfp4_gemv import GemvLaunch, gemv_launch
 from .quantize_nvfp4 import DecodedQuantizeLaunch, decoded_quantize_launch
 
 if TYPE_CHECKING:  # the Gluon module is imported where this Triton has it (nvfp4_gemm.sm90_kernel_module)
@@ -66,3 +67,32 @@ def linear_plan(x: torch.Tensor | None, x16: torch.Tensor, global_scale: torch.T
     assert global_scale is not None  # a quantizing plan quantizes with the layer's input scale
     quantize = decoded_quantize_launch(x, global_scale, x16, fast_math)
     return None if quantize is None else LinearPlan(quantize, gemm, k, out.device)
+
+
+class RowPlan:
+    """One NVFP4 linear call class with one activation row (``nvfp4_gemv`` quantizing the BF16/FP16 row itself):
+    one launch into a fresh ``[1, N]`` output."""
+
+    __slots__ = ("gemv", "device_index")
+
+    def __init__(self, gemv: GemvLaunch):
+        self.gemv = gemv
+        device = gemv.device
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[1, k]`` contiguous, 8-byte aligned BF16/FP16 on the plan's device. Returns the fresh ``[1, n]``."""
+        gemv = self.gemv
+        out = torch.empty((1, gemv.n), dtype=gemv.out_dtype, device=gemv.device)
+        return gemv.run(x.data_ptr(), out, torch._C._cuda_getCurrentRawStream(self.device_index))
+
+
+def row_plan(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, w_packed: torch.Tensor,
+             w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
+             out: torch.Tensor) -> RowPlan | None:
+    """The plan of a call ``nvfp4_gemv(x, ..., global_scale=..., fast_math=..., bias=bias)`` that just ran the normal
+    way and wrote ``out``; None where it split K or its binary cannot be launched directly."""
+    if bias is not None and not bias.is_contiguous():
+        return None
+    gemv = gemv_launch(x, w_packed, w_scales, alpha, out, global_scale=global_scale, fast_math=fast_math, bias=bias)
+    return None if gemv is None else RowPlan(gemv)

@@ -476,8 +476,8 @@ def _check_gemm_args(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype, x
     _check_out_and_alpha("nvfp4_gemm", out_dtype, alpha, x_packed.device)
     if x_decode not in ("auto", "in_kernel", "predecode"):
         raise ValueError(f"nvfp4_gemm: x_decode must be 'auto', 'in_kernel' or 'predecode', got {x_decode!r}")
-    if kernel not in ("auto", "triton", "sm90"):
-        raise ValueError(f"nvfp4_gemm: kernel must be 'auto', 'triton' or 'sm90', got {kernel!r}")
+    if kernel not in ("auto", "triton", "sm90", "gemv"):
+        raise ValueError(f"nvfp4_gemm: kernel must be 'auto', 'triton', 'sm90' or 'gemv', got {kernel!r}")
     if kernel == "sm90" and config is not None:
         raise ValueError("nvfp4_gemm: config is a Triton-kernel config; it cannot be combined with kernel='sm90'")
     m, half_k = x_packed.shape
@@ -605,9 +605,11 @@ def nvfp4_gemm(
             ``"in_kernel"`` or ``"predecode"``.
         split_k: force the number of K splits of the in-kernel-X variant (tests); default ``split_k_for(...)``.
         config: run this ``triton.Config`` instead of autotuning (tests; the interpreter always uses one).
-        kernel: ``"auto"`` (the SM90 Gluon kernel for pre-decoded X where it applies, else the Triton kernel),
-            ``"triton"`` (always the Triton kernel) or ``"sm90"`` (the Gluon kernel, or ``ValueError``). Every choice
-            gives the same bytes.
+        kernel: ``"auto"`` (one row: ``nvfp4_gemv``; else the SM90 Gluon kernel for pre-decoded X where it applies,
+            else the Triton kernel), ``"triton"`` (always the Triton kernel), ``"sm90"`` (the Gluon kernel, or
+            ``ValueError``) or ``"gemv"`` (``nvfp4_gemv``, one row only). The tensor-core kernels give the same bytes
+            as each other; the one-row kernel sums in its own fixed order (``nvfp4_gemv``), so ``"auto"`` depends on
+            the shape only.
         bias: ``[N]`` in ``out_dtype``, or None. Added in the epilogue with the bytes of torch's ``out + bias``.
 
     Returns:
@@ -627,6 +629,14 @@ def nvfp4_gemm(
     if kernel == "sm90" and not predecode:
         raise ValueError(f"nvfp4_gemm: kernel='sm90' needs the pre-decoded X path (M > {PREDECODE_MAX_M} or "
                          f"x_decode='predecode'), got M={m}, x_decode={x_decode!r}")
+    if kernel == "gemv" or (m == 1 and kernel == "auto" and x_decode == "auto" and config is None and split_k is None):
+        if m != 1 or config is not None or x_decode != "auto":
+            raise ValueError(f"nvfp4_gemm: kernel='gemv' takes one row and no config or x_decode, got M={m}")
+        from .nvfp4_gemv import nvfp4_gemv  # imports this module
+
+        fused = bias.contiguous() if bias is not None else None
+        return nvfp4_gemv(x_packed, w_packed, w_scales, alpha, out_dtype, x_scales=x_scales, bias=fused,
+                          splits=split_k)
     sm90 = sm90_kernel_for(m, k, w_packed, w_scales, x_decode, kernel, config)
     if kernel == "sm90" and sm90 is None:
         raise ValueError(f"nvfp4_gemm: kernel='sm90' does not take these operands (needs an SM90 GPU, "
