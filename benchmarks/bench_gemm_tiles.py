@@ -20,7 +20,7 @@ divided by ``R``. Variants per (M, N, K):
 ``--small-m-sweep mma`` (M <= 64 only, the modulation layers' shapes) times the tensor-core small-M GEMM over
 ``SMALL_M_SWEEP`` configs x K splits instead, with the weight's bytes per second as a fraction of the copy bandwidth,
 and checks that every config of one split gives the same bytes (gemm_small_m-mma-<device>.json). ``--small-m-sweep
-gemv`` (M = 1) times the one-row kernel ``nvfp4_gemv``: its three activation forms, the whole layer call, the
+gemv`` (M = 1) times the one-row kernel ``nvfp4_gemv``: its two activation forms, the whole layer call, the
 tensor-core kernel it replaced, and ``GEMV_SWEEP`` tiles x K splits, checking that tiles of one BLOCK_K and split give
 the same bytes (gemm_small_m-gemv-<device>.json).
 """
@@ -198,8 +198,6 @@ def gemv_sweep(model: str, n: int, k: int, copy_gbps: float) -> list[dict]:
 
     first = timed("nvfp4_gemm (one row: the GEMV, packed row)", lambda w: kernels.nvfp4_gemm(xp, xs, w[0], w[1], alpha))
     timed("GEMV, FP16 row", lambda w: gemv.nvfp4_gemv(x16, w[0], w[1], alpha), reference=first)
-    timed("GEMV, BF16 row quantized in the kernel",
-          lambda w: gemv.nvfp4_gemv(x, w[0], w[1], alpha, global_scale=g), reference=first)
     timed("quantized_linear (the layer call)",
           lambda w: quantized_linear(x, g, True, w[0], w[1], alpha, None, torch.bfloat16), reference=first)
     timed("tensor-core small-M kernel (autotuned; before the GEMV)",
@@ -209,7 +207,7 @@ def gemv_sweep(model: str, n: int, k: int, copy_gbps: float) -> list[dict]:
         for tile in GEMV_SWEEP:
             bn, bk, warps, stages = tile
             out = timed(f"GEMV BN{bn} BK{bk} w{warps} s{stages}", lambda w, tile=tile, split=split: gemv.nvfp4_gemv(
-                x, w[0], w[1], alpha, global_scale=g, splits=split, tile=tile), split, list(tile), peers.get(bk))
+                x16, w[0], w[1], alpha, splits=split, tile=tile), split, list(tile), peers.get(bk))
             if out is not None:
                 peers.setdefault(bk, out)
     weights.clear()  # free them before the BF16 weights

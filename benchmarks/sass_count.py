@@ -116,15 +116,14 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, 
                           options={"num_warps": mod.NUM_WARPS, "maxnreg": mod.MAX_REGISTERS})
 
 
-def compile_gemv(x_form: int, arch: int = 90, has_bias: bool = True):
-    """Compile the one-row product (``nvfp4_gemv``) for activation form ``x_form`` (0 packed, 1 FP16 decode, 2
-    BF16 quantized in the kernel) as it launches (its tile, no FMA contraction), without a GPU."""
+def compile_gemv(x_packed: bool, arch: int = 90, has_bias: bool = True):
+    """Compile the one-row product (``nvfp4_gemv``) for a packed or an FP16 row as it launches (its tile, no FMA
+    contraction), without a GPU."""
     mod = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemv")
-    consts = {"X_FORM": x_form, "IS_BF16": True, "FAST_MATH": True, "HW_E2M1": arch >= 100, "SPLIT": False,
-              "HAS_BIAS": has_bias, "EVEN_K": True, "USE_ASM": True, "BLOCK_N": mod.GEMV_BLOCK_N,
-              "BLOCK_K": mod.GEMV_BLOCK_K, "HALVINGS": mod.GEMV_BLOCK_K.bit_length() - 1}
+    consts = {"X_PACKED": x_packed, "SPLIT": False, "HAS_BIAS": has_bias, "EVEN_K": True, "USE_ASM": True,
+              "BLOCK_N": mod.GEMV_BLOCK_N, "BLOCK_K": mod.GEMV_BLOCK_K, "HALVINGS": mod.GEMV_BLOCK_K.bit_length() - 1}
     names = list(inspect.signature(mod._nvfp4_gemv_kernel.fn).parameters)
-    pointers = {"x_ptr": ("*u8", "*fp16", "*i64")[x_form], "xs_ptr": "*i32", "g_ptr": "*fp32", "w_ptr": "*u8",
+    pointers = {"x_ptr": "*u8" if x_packed else "*fp16", "xs_ptr": "*i32", "w_ptr": "*u8",
                 "ws_ptr": "*i32", "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
     sig = {n: pointers.get(n, "i32") for n in names if n not in consts}
     aligned = (*pointers, "N", "K", "stride_wn")
@@ -132,7 +131,8 @@ def compile_gemv(x_form: int, arch: int = 90, has_bias: bool = True):
     src = ASTSource(mod._nvfp4_gemv_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options={"enable_fp_fusion": False, "num_warps": mod.GEMV_WARPS})
+                          options={"enable_fp_fusion": False, "num_warps": mod.GEMV_WARPS,
+                                   "num_stages": mod.GEMV_STAGES})
 
 
 def compile_qwen_resnorm(d: int = 3072, arch: int = 90, has_residual: bool = True, decoded: bool = False,

@@ -70,29 +70,35 @@ def linear_plan(x: torch.Tensor | None, x16: torch.Tensor, global_scale: torch.T
 
 
 class RowPlan:
-    """One NVFP4 linear call class with one activation row (``nvfp4_gemv`` quantizing the BF16/FP16 row itself):
-    one launch into a fresh ``[1, N]`` output."""
+    """One NVFP4 linear call class with one activation row: ``quantize_nvfp4_decoded`` (the row's exact FP16 values)
+    then ``nvfp4_gemv``, both launched directly, into a fresh ``[1, N]`` output."""
 
-    __slots__ = ("gemv", "device_index")
+    __slots__ = ("quantize", "gemv", "k", "device_index")
 
-    def __init__(self, gemv: GemvLaunch):
-        self.gemv = gemv
+    def __init__(self, quantize: DecodedQuantizeLaunch, gemv: GemvLaunch, k: int):
+        self.quantize, self.gemv, self.k = quantize, gemv, k
         device = gemv.device
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x: ``[1, k]`` contiguous, 8-byte aligned BF16/FP16 on the plan's device. Returns the fresh ``[1, n]``."""
+        """x: ``[1, k]`` contiguous, 16-byte aligned BF16/FP16 on the plan's device. Returns the fresh ``[1, n]``."""
         gemv = self.gemv
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        x16 = torch.empty((1, self.k), dtype=torch.float16, device=gemv.device)
         out = torch.empty((1, gemv.n), dtype=gemv.out_dtype, device=gemv.device)
-        return gemv.run(x.data_ptr(), out, torch._C._cuda_getCurrentRawStream(self.device_index))
+        address = x16.data_ptr()
+        self.quantize.run(x.data_ptr(), address, stream)
+        return gemv.run(address, out, stream)
 
 
-def row_plan(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, w_packed: torch.Tensor,
+def row_plan(x: torch.Tensor, x16: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, w_packed: torch.Tensor,
              w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
              out: torch.Tensor) -> RowPlan | None:
-    """The plan of a call ``nvfp4_gemv(x, ..., global_scale=..., fast_math=..., bias=bias)`` that just ran the normal
-    way and wrote ``out``; None where it split K or its binary cannot be launched directly."""
+    """The plan of a one-row call that just ran the normal way: ``x16 = quantize_nvfp4_decoded(x, global_scale,
+    fast_math=fast_math)`` (``x`` contiguous), then ``out = nvfp4_gemv(x16, ..., bias=bias)``; None where the product
+    split K or a kernel cannot be launched directly."""
     if bias is not None and not bias.is_contiguous():
         return None
-    gemv = gemv_launch(x, w_packed, w_scales, alpha, out, global_scale=global_scale, fast_math=fast_math, bias=bias)
-    return None if gemv is None else RowPlan(gemv)
+    gemv = gemv_launch(x16, w_packed, w_scales, alpha, out, bias)
+    quantize = None if gemv is None else decoded_quantize_launch(x, global_scale, x16, fast_math)
+    return None if quantize is None or gemv is None else RowPlan(quantize, gemv, x16.shape[1])

@@ -15,8 +15,10 @@ shape) only, and ``gemv_reference`` reproduces them on any device:
   * the accumulator's columns are then added pairwise, adjacent columns first (``c[2j] + c[2j+1]``), log2(BLOCK_K)
     times;
   * split partial sums are added in split order, from the first (``_split_reduce_kernel`` of ``nvfp4_gemm``).
-The activation arrives in one of three forms with the same FP32 values: packed (+ 128x4 scales), its exact FP16
-decode (``quantize_nvfp4_decoded``), or BF16/FP16 quantized in the kernel with the quantize kernel's code.
+The activation arrives packed (+ 128x4 scales; ``nvfp4_gemm``'s one-row calls) or as its exact FP16 decode
+(``quantize_nvfp4_decoded``; a layer's one-row calls), with the same FP32 values. Quantizing the BF16 row inside this
+kernel instead (every program redoing its K steps' blocks) was measured 1.6x slower than the FP16 row on the H200
+(docs/history.md, "the one-row product").
 """
 
 from __future__ import annotations
@@ -25,10 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import DirectLaunch, as_block_rows, cdiv, launch, launch_by_site, launch_options, site_binary, sm_count
-from .nvfp4_epilogue import e4m3_value, load_blocks, quantize_blocks
+from .launch import DirectLaunch, cdiv, launch, launch_by_site, site_binary, sm_count
 from .nvfp4_gemm import _load_decode, _scale_words, _split_reduce_kernel, _swizzled_word_row, _use_asm, linear_epilogue
-from .quantize_nvfp4 import _e2m1_times
 
 __all__ = ["GEMV_BLOCK_K", "GEMV_BLOCK_N", "GemvLaunch", "gemv_launch", "gemv_reference", "gemv_splits", "nvfp4_gemv"]
 
@@ -41,37 +41,26 @@ GEMV_STAGES = 3
 # Programs per SM below which K is split (each split adds a partial-sum pass and a launch).
 _SPLIT_BELOW_PROGRAMS_PER_SM = 2
 _MIN_SPLIT_K = 1024
-_X_PACKED, _X_FP16, _X_RAW = 0, 1, 2
 
 
 @triton.jit
-def _x_values(x_ptr, xs_ptr, g_ptr, k0, K, Cp, X_FORM: tl.constexpr, IS_BF16: tl.constexpr,
-              FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+def _x_values(x_ptr, xs_ptr, k0, K, Cp, X_PACKED: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
               BLOCK_K: tl.constexpr):
     """FP32 ``[BLOCK_K]``: the exact values (E2M1 x E4M3, global scale not applied) of ``x[k0:k0 + BLOCK_K]``, zero
-    past K. X_FORM 0: packed uint8 + 128x4 scale words; 1: exact FP16 decode; 2: BF16/FP16 as int64 words, quantized
-    here with the global scale at ``g_ptr`` (the bytes ``quantize_nvfp4_triton`` writes)."""
-    NB: tl.constexpr = BLOCK_K // 16
-    if X_FORM == 0:
+    past K; from the packed row and its 128x4 scale words (X_PACKED) or from its exact FP16 decode."""
+    if X_PACKED:
+        NB: tl.constexpr = BLOCK_K // 16
         p_ptrs = x_ptr + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
         s_row = _swizzled_word_row(tl.zeros((1,), tl.int32), Cp)
         s_ptrs = xs_ptr + s_row[:, None] + (k0 // 64 + tl.arange(0, NB // 4))[None, :] * 128
         v = _load_decode(p_ptrs, s_ptrs, k0, K, Cp, 1, NB, EVEN_K, USE_ASM).to(tl.float32) * 128.0
         return tl.reshape(v, (BLOCK_K,))
-    elif X_FORM == 1:
+    else:
         offs = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             return tl.load(x_ptr + offs).to(tl.float32)
         else:
             return tl.load(x_ptr + offs, mask=offs < K, other=0.0).to(tl.float32)
-    else:
-        kbs = k0 // 16 + tl.arange(0, NB)
-        rows = tl.zeros((1,), tl.int32)
-        q0, q1, q2, q3 = load_blocks(x_ptr, rows, kbs, 0, (kbs < K // 16)[None, :])
-        packed, sf_byte = quantize_blocks(q0, q1, q2, q3, tl.load(g_ptr), IS_BF16, FAST_MATH, HW_E2M1)
-        codes = (packed[:, :, None] >> (tl.arange(0, 16) * 4)[None, None, :].to(tl.int64)) & 0xF
-        v = _e2m1_times(codes, e4m3_value(sf_byte)[:, :, None])  # [1, NB, 16]
-        return tl.reshape(v, (BLOCK_K,))
 
 
 @triton.jit
@@ -86,15 +75,14 @@ def _pairwise_columns(acc, BLOCK_N: tl.constexpr, HALVINGS: tl.constexpr):
 
 @triton.jit
 def _nvfp4_gemv_kernel(
-    x_ptr, xs_ptr, g_ptr, w_ptr, ws_ptr, alpha_ptr, bias_ptr, out_ptr, N, K, stride_wn, Cp, k_chunk,
-    X_FORM: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr,
-    SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, alpha_ptr, bias_ptr, out_ptr, N, K, stride_wn, Cp, k_chunk,
+    X_PACKED: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVINGS: tl.constexpr,
 ):
     """Outputs ``[pid0 * BLOCK_N, +BLOCK_N)`` over K range ``[pid1 * k_chunk, +k_chunk)``.
 
-    x_ptr: the activation row in form X_FORM (``_x_values``); xs_ptr: its scale words (form 0); g_ptr: its FP32
-    global scale (form 2); w_ptr: packed uint8 ``[N, K/2]``; ws_ptr: W's 128x4 scales as int32 words; alpha_ptr:
+    x_ptr: the activation row, packed uint8 ``[1, K/2]`` (X_PACKED, with xs_ptr its 128x4 scale words) or its FP16
+    decode ``[1, K]``; w_ptr: packed uint8 ``[N, K/2]``; ws_ptr: W's 128x4 scales as int32 words; alpha_ptr:
     FP32 ``[1]``; bias_ptr: ``[N]`` in the output dtype (HAS_BIAS); out_ptr: ``[1, N]``, or with SPLIT the FP32
     workspace ``[splits, 1, N]``. Cp = round_up(K/16, 4); k_chunk is a multiple of BLOCK_K = 2^HALVINGS.
     """
@@ -110,7 +98,7 @@ def _nvfp4_gemv_kernel(
         w_ptrs = w_rows + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
         ws_ptrs = ws_rows + (k0 // 64 + tl.arange(0, NB // 4))[None, :] * 128
         w = _load_decode(w_ptrs, ws_ptrs, k0, K, Cp, BLOCK_N, NB, EVEN_K, USE_ASM).to(tl.float32)  # * 2^-7
-        x = _x_values(x_ptr, xs_ptr, g_ptr, k0, K, Cp, X_FORM, IS_BF16, FAST_MATH, HW_E2M1, EVEN_K, USE_ASM, BLOCK_K)
+        x = _x_values(x_ptr, xs_ptr, k0, K, Cp, X_PACKED, EVEN_K, USE_ASM, BLOCK_K)
         acc = tl.fma(w, x[None, :], acc)  # the product is exact: one rounding, as a multiply then an add would
     sums = _pairwise_columns(acc, BLOCK_N, HALVINGS) * 128.0  # undo 2^-7 (exact)
     mask = offs_n < N
@@ -164,36 +152,23 @@ def gemv_reference(
     return out if bias is None else out + bias
 
 
-def _x_args(x: torch.Tensor, x_scales: torch.Tensor | None, global_scale: torch.Tensor | None):
-    """(x argument, scale-word argument, global-scale argument, X_FORM, IS_BF16) of an activation form."""
-    if x.dtype == torch.uint8:
-        assert x_scales is not None
-        words = _scale_words(x_scales)
-        return x, words, words, _X_PACKED, False
-    if global_scale is None:
-        return x, x, x, _X_FP16, False
-    blocks, _ = as_block_rows(x)
-    return blocks, blocks, global_scale, _X_RAW, x.dtype == torch.bfloat16
-
-
 def nvfp4_gemv(
     x: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
     out_dtype: torch.dtype = torch.bfloat16, *, x_scales: torch.Tensor | None = None,
-    global_scale: torch.Tensor | None = None, fast_math: bool = True, bias: torch.Tensor | None = None,
-    splits: int | None = None, tile: tuple[int, int, int, int] | None = None,
+    bias: torch.Tensor | None = None, splits: int | None = None, tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """The NVFP4 product of one activation row with a packed weight: ``[1, N]`` in ``out_dtype``.
 
     Args:
-        x: the row ``[1, K]`` as packed uint8 ``[1, K/2]`` (with ``x_scales``, 128x4), as its exact FP16 decode, or
-            as BF16/FP16 to quantize here (with ``global_scale``, FP32 one element, and ``fast_math``). Contiguous.
+        x: the row as packed uint8 ``[1, K/2]`` (with ``x_scales``, 128x4) or as its exact FP16 decode ``[1, K]``
+            (``quantize_nvfp4_decoded``); contiguous.
         w_packed: uint8 ``[N, K/2]``; w_scales: its 128x4 scales (uint8 or float8_e4m3fn, checked by the caller).
         alpha: FP32 one element; bias: ``[N]`` in ``out_dtype`` (16-bit outputs only) or None.
         splits: force the K split count (tests, benchmarks); default ``gemv_splits``.
         tile: (BLOCK_N, BLOCK_K, warps, stages) instead of the module's (benchmarks). BLOCK_N, warps and stages do not
             change a byte; a BLOCK_K other than ``GEMV_BLOCK_K`` sums in another order (``gemv_reference`` then
             does not apply).
-    Every form gives the same bytes; they are those of ``gemv_reference``.
+    Both forms give the same bytes; they are those of ``gemv_reference``.
     """
     n, k = w_packed.shape[0], 2 * w_packed.shape[1]
     device = w_packed.device
@@ -203,65 +178,62 @@ def nvfp4_gemv(
         chunk = cdiv(cdiv(k, max(1, splits)), GEMV_BLOCK_K) * GEMV_BLOCK_K
         count = cdiv(k, chunk)
     target = torch.empty((count, 1, n), dtype=torch.float32, device=device) if count > 1 else out
-    args, site, meta = _launch_arguments(x, x_scales, global_scale, fast_math, w_packed, w_scales, alpha, bias,
-                                         target, chunk, tile)
+    args, site, meta = _launch_arguments(x, x_scales, w_packed, w_scales, alpha, bias, target, chunk, tile)
     launch_by_site(_nvfp4_gemv_kernel, (cdiv(n, meta["BLOCK_N"]), count), site, *args, **meta)
     if count > 1:
         block = 1024
-        launch(_split_reduce_kernel, (cdiv(n, block),), target, alpha, args[6], out, 1, n, SPLITS=count, BLOCK=block,
+        launch(_split_reduce_kernel, (cdiv(n, block),), target, alpha, args[5], out, 1, n, SPLITS=count, BLOCK=block,
                HAS_BIAS=bias is not None, num_warps=4)
     return out
 
 
-def _launch_arguments(x, x_scales, global_scale, fast_math, w_packed, w_scales, alpha, bias, target, chunk,
-                      tile=None):
+def _launch_arguments(x, x_scales, w_packed, w_scales, alpha, bias, target, chunk, tile=None):
     """(positional arguments, ``launch_by_site`` site, keyword arguments) of one ``_nvfp4_gemv_kernel`` launch into
     ``target`` (the output, or the split workspace)."""
     n, k = w_packed.shape[0], 2 * w_packed.shape[1]
-    x_arg, xs_arg, g_arg, form, is_bf16 = _x_args(x, x_scales, global_scale)
+    packed = x.dtype == torch.uint8
+    w_words = _scale_words(w_scales)
+    xs_arg = _scale_words(x_scales) if packed and x_scales is not None else w_words  # unread without X_PACKED
     bias_arg = alpha if bias is None else bias  # unread without HAS_BIAS
-    args = (x_arg, xs_arg, g_arg, w_packed, _scale_words(w_scales), alpha, bias_arg, target, n, k,
-            w_packed.stride(0), w_scales.shape[1], chunk)
+    args = (x, xs_arg, w_packed, w_words, alpha, bias_arg, target, n, k, w_packed.stride(0), w_scales.shape[1], chunk)
     block_n, block_k, warps, stages = tile or (GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, GEMV_STAGES)
-    meta = dict(X_FORM=form, IS_BF16=is_bf16, SPLIT=target.dim() == 3, HAS_BIAS=bias is not None and target.dim() == 2,
+    meta = dict(X_PACKED=packed, SPLIT=target.dim() == 3, HAS_BIAS=bias is not None and target.dim() == 2,
                 EVEN_K=k % block_k == 0, USE_ASM=_use_asm(w_packed), BLOCK_N=block_n, BLOCK_K=block_k,
-                HALVINGS=block_k.bit_length() - 1, num_stages=stages,
-                **launch_options(w_packed.device, fast_math, warps))
+                HALVINGS=block_k.bit_length() - 1, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     # What Triton specializes the launch on: every integer, every pointer's alignment and dtype, the keywords.
-    site = (n, k, w_packed.stride(0), w_scales.shape[1], chunk, *(a.data_ptr() % 16 == 0 for a in args[:8]),
-            *(a.dtype for a in args[:8]), *meta.values())
+    site = (n, k, w_packed.stride(0), w_scales.shape[1], chunk, *(a.data_ptr() % 16 == 0 for a in args[:7]),
+            *(a.dtype for a in args[:7]), *meta.values())
     return args, site, meta
 
 
 class GemvLaunch:
-    """``nvfp4_gemv`` for one class of calls without split (a layer's tensors, the activation's form), launched
-    without its wrapper (``launch.DirectLaunch``): ``run`` writes the bytes of the wrapper's call."""
+    """``nvfp4_gemv`` on an FP16 row for one class of calls without split (a layer's tensors), launched without its
+    wrapper (``launch.DirectLaunch``): ``run`` writes the bytes of the wrapper's call."""
 
     __slots__ = ("direct", "grid", "before_out_tail", "after_out", "n", "out_dtype", "device")
 
     def __init__(self, direct: DirectLaunch, tail: tuple, args: tuple, grid: tuple[int, int],
                  out_dtype: torch.dtype, device: torch.device) -> None:
         self.direct, self.grid = direct, grid
-        self.before_out_tail = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[1:7])
-        self.after_out = (*args[8:], *tail)
-        self.n, self.out_dtype, self.device = args[8], out_dtype, device
+        self.before_out_tail = tuple(a.data_ptr() for a in args[1:6])
+        self.after_out = (*args[7:], *tail)
+        self.n, self.out_dtype, self.device = args[7], out_dtype, device
 
     def run(self, x_address: int, out: torch.Tensor, stream: int) -> torch.Tensor:
-        """``out`` ``[1, N]`` = the product for the row at ``x_address`` (the form the plan was built for)."""
+        """``out`` ``[1, N]`` = the product for the FP16 row at ``x_address``."""
         self.direct.run(self.grid, stream, x_address, *self.before_out_tail, out.data_ptr(), *self.after_out)
         return out
 
 
-def gemv_launch(x: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
-                out: torch.Tensor, *, global_scale: torch.Tensor | None, fast_math: bool,
-                bias: torch.Tensor | None) -> GemvLaunch | None:
-    """The ``GemvLaunch`` of a call ``nvfp4_gemv(x, ...)`` (FP16 or BF16/FP16 form, default split) that just ran and
-    wrote ``out``, or None where it split K or its binary cannot be launched directly."""
+def gemv_launch(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
+                out: torch.Tensor, bias: torch.Tensor | None) -> GemvLaunch | None:
+    """The ``GemvLaunch`` of a call ``nvfp4_gemv(x16, ..., bias=bias)`` on an FP16 row (default split and tile) that
+    just ran and wrote ``out``, or None where it split K or its binary cannot be launched directly."""
     n, k = w_packed.shape[0], 2 * w_packed.shape[1]
     count, chunk = gemv_splits(n, k, sm_count(out.device))
     if count > 1:
         return None
-    args, site, _ = _launch_arguments(x, None, global_scale, fast_math, w_packed, w_scales, alpha, bias, out, chunk)
+    args, site, _ = _launch_arguments(x16, None, w_packed, w_scales, alpha, bias, out, chunk)
     recorded = site_binary(_nvfp4_gemv_kernel, site)
     if recorded is None or recorded[0].descriptor_meta is not None:
         return None

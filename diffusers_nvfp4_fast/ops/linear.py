@@ -3,8 +3,8 @@
 Reference: ``linear_reference`` (exact W4A4 emulation in torch). Kernels: FlashInfer ``mm_fp4`` on SM100+,
 ``kernels.nvfp4_gemm`` (Triton / Gluon) on SM80-SM90; ``dispatch.gemm_backend`` picks. On SM80-SM90 the bias is
 added in the GEMM's epilogue (same bytes as ``out + bias``), and ``quantized_linear`` quantizes a large-M activation
-straight to the FP16 values the GEMM multiplies, and a one-row activation inside the one-row kernel
-(``kernels.nvfp4_gemv``), the same bytes as ``quantize`` then ``nvfp4_linear``.
+straight to the FP16 values the GEMM multiplies (as it does a one-row activation for the one-row kernel,
+``kernels.nvfp4_gemv``): the same bytes as ``quantize`` then ``nvfp4_linear``.
 """
 
 from __future__ import annotations
@@ -109,9 +109,9 @@ def takes_decoded_activation(
 def takes_one_row(
     rows: int, device: torch.device, bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool
 ) -> bool:
-    """Whether a ``quantized_linear`` call with ``rows`` rows runs ``kernels.nvfp4_gemv`` on its BF16/FP16 row (one
-    row on SM80-SM90): the quantize inside the product's kernel, one launch; the bytes of ``nvfp4_linear`` on the
-    packed row, which runs the same kernel."""
+    """Whether a ``quantized_linear`` call with ``rows`` rows runs ``kernels.nvfp4_gemv`` (one row on SM80-SM90) on
+    its row quantized straight to FP16 values: the bytes of ``nvfp4_linear`` on the packed row, which runs the same
+    kernel."""
     return (rows == 1 and device.type == "cuda" and w_swizzled and kernels is not None
             and _kernel_takes_bias(bias, out_dtype) and gemm_backend(device) == "triton")
 
@@ -219,9 +219,9 @@ def _quantized_linear_impl(
         if plan is not None:
             return plan(x)
         k = cast(ModuleType, kernels)
-        out = k.nvfp4_gemv(x, w_packed, w_scales, alpha, out_dtype, global_scale=global_scale, fast_math=fast_math,
-                           bias=bias)
-        _learn(key, lambda: k.row_plan(x, global_scale, fast_math, w_packed, w_scales, alpha, bias, out))
+        x16 = k.quantize_nvfp4_decoded(x, global_scale, fast_math=fast_math)
+        out = k.nvfp4_gemv(x16, w_packed, w_scales, alpha, out_dtype, bias=bias)
+        _learn(key, lambda: k.row_plan(x, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out))
         return out
     x_packed, x_scales = quantize(x, global_scale, fast_math)
     return _linear_impl(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
