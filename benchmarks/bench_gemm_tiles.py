@@ -229,7 +229,8 @@ def main() -> None:
     t0 = time.time()
     copy = copy_bandwidth_gbps()
     if args.small_m_sweep:
-        out = header(f"gemm_small_m-{args.small_m_sweep}", copy)
+        name = {"mma": "gemm_small_m-mma", "gemv": "gemm_small_m-gemv"}[args.small_m_sweep]
+        out = header(name, copy)
         for model in args.models:
             for n, k in MODULATION_SHAPES[model]:
                 if args.small_m_sweep == "gemv":
@@ -248,7 +249,7 @@ def main() -> None:
         for c in best.values():
             print("best", c)
         out["wall_s"] = round(time.time() - t0, 1)
-        print("wrote", write_result(out, f"gemm_small_m-{args.small_m_sweep}"))
+        print("wrote", write_result(out, name))
         return
     out = header("gemm_tiles", copy)
     out["timing"] = (f"CUDA-graph replay (common.time_us), >= {STREAM_BYTES >> 20} MB of distinct weights per pass "

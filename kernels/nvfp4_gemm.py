@@ -49,7 +49,6 @@ Decoding (integer arithmetic and one FP16 multiply; no lookup table, no FP8 cast
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
@@ -57,7 +56,15 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETING, cdiv, launch, launch_by_site, next_power_of_2, sm_count
-from .rounding import SOFT_CONVERT, narrow_bf16, widen_bf16
+from .nvfp4_decode import (
+    linear_epilogue,
+    load_decode,
+    scale_words,
+    split_reduce_kernel,
+    swizzled_word_row,
+    use_asm_split,
+)
+from .nvfp4_gemv import nvfp4_gemv
 from .tiling import grouped_tile
 
 __all__ = ["nvfp4_gemm", "nvfp4_gemm_fp16_x", "decode_nvfp4_rows", "gemm_configs", "split_k_for", "PREDECODE_MAX_M"]
@@ -68,121 +75,6 @@ PREDECODE_MAX_M = 64
 _SPLIT_QUANTUM = 256
 # Smallest K range worth a split of its own.
 _MIN_SPLIT_K = 1024
-
-
-def _use_asm(t: torch.Tensor) -> bool:
-    """Whether to use the one-instruction PTX register split (CUDA only; the interpreter runs the shift version).
-
-    DIFFUSERS_NVFP4_TRITON_NO_ASM=1 forces the pure-Triton version on the GPU too (same values, slower).
-    """
-    return t.is_cuda and not INTERPRETING and os.environ.get("DIFFUSERS_NVFP4_TRITON_NO_ASM", "") in ("", "0")
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Decode helpers (shared by the GEMM and the standalone decode).
-# ---------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _scale_bytes(words, ROWS: tl.constexpr, NB: tl.constexpr):
-    """int32 words ``[ROWS, NB/4]`` (4 consecutive scale columns each, little endian) -> int32 bytes ``[ROWS, NB]``."""
-    shifts = tl.arange(0, 4) * 8
-    return tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xFF, (ROWS, NB))
-
-
-@triton.jit
-def _e4m3_to_f16_x128(b):
-    """E4M3 bytes (int32, any shape) -> FP16 ``scale * 2^7`` (exact: in [2^-2, 57344]; NaN bytes -> NaN)."""
-    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)  # FP16 bits of scale * 2^-8 (E4M3 bias 7 -> FP16 bias 15)
-    s = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 32768.0
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), s).to(tl.float16)
-
-
-@triton.jit
-def _decode_tile(packed, s16, ROWS: tl.constexpr, NB: tl.constexpr, USE_ASM: tl.constexpr):
-    """packed uint8 ``[ROWS, NB*8]`` + FP16 ``scale * 2^7`` ``[ROWS, NB]`` -> FP16 ``[ROWS, NB*16]`` = value*scale*2^-7.
-
-    Element 2j of a row is the low nibble of byte j and 2j+1 the high nibble; ``join(lo, hi)`` + reshape puts them
-    side by side, which is also how a 16-bit MMA operand holds K pairs in one register.
-    """
-    b = tl.reshape(packed, (ROWS, NB, 8)).to(tl.int32)
-    # r = FP16 bits of (low nibble) | (high nibble) << 16, each value * 2^-14 (see the module docstring).
-    r = ((b * 0x00200200) & 0x0E000E00) | ((b * 0x01001000) & -0x7FFF8000)  # -0x7FFF8000 == 0x80008000 (int32)
-    if USE_ASM:
-        # Reinterpret the word as its two FP16 halves; written with shifts, the compiler splits the word and
-        # re-packs the pair with extra PRMTs (~10 % more instructions in the decode loop).
-        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r], dtype=(tl.float16, tl.float16),
-                                           is_pure=True, pack=1)
-    else:
-        lo = r.to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (r >> 16).to(tl.int16).to(tl.float16, bitcast=True)
-    # Multiply after the join so that one FP16x2 multiply scales the (2j, 2j+1) pair of a byte.
-    v = tl.join(lo, hi) * s16[:, :, None, None]  # [ROWS, NB, 8, 2]
-    return tl.reshape(v, (ROWS, NB * 16))
-
-
-@triton.jit
-def _swizzled_word_row(rows, Cp):
-    """Row part of the int32-word offset into a 128x4 scale matrix with Cp columns.
-
-    Byte (r, kb) lives at (r//128)*(Cp*128) + (kb//4)*512 + (r%32)*16 + ((r%128)//32)*4 + kb%4, so the four
-    columns kb = 4q..4q+3 of a row form one aligned int32 word at (r//128)*(Cp*32) + q*128 + (r%32)*4 + (r%128)//32.
-    Loading words rather than bytes lets the pipeliner prefetch scales with async copies.
-    """
-    r = rows.to(tl.int64)
-    return (r // 128) * (Cp * 32) + (r % 32) * 4 + (r % 128) // 32
-
-
-@triton.jit
-def _load_decode(p_ptrs, s_ptrs, k0, K, Cp, ROWS: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr,
-                 USE_ASM: tl.constexpr):
-    """Load one K step of a packed operand and decode it -> FP16 ``[ROWS, NB*16]`` = value * scale * 2^-7.
-
-    p_ptrs: uint8 pointers ``[ROWS, NB*8]`` (rows already clamped into the matrix); s_ptrs: int32 word pointers
-    ``[ROWS, NB/4]`` into the 128x4 scales. K past the data reads as zero bytes with scale 0 (exact zeros), so the
-    padding columns of the scale matrix never reach the result.
-    """
-    if EVEN_K:
-        q = tl.load(p_ptrs)
-        sb = _scale_bytes(tl.load(s_ptrs), ROWS, NB)
-    else:
-        kbyte = k0 // 2 + tl.arange(0, NB * 8)
-        q = tl.load(p_ptrs, mask=(kbyte < K // 2)[None, :], other=0)
-        wq = k0 // 64 + tl.arange(0, NB // 4)
-        words = tl.load(s_ptrs, mask=(wq < Cp // 4)[None, :], other=0)
-        kb = k0 // 16 + tl.arange(0, NB)
-        sb = tl.where((kb < K // 16)[None, :], _scale_bytes(words, ROWS, NB), 0)
-    return _decode_tile(q, _e4m3_to_f16_x128(sb), ROWS, NB, USE_ASM)
-
-
-@triton.jit
-def _to_out(v, OUT_TY: tl.constexpr):
-    """FP32 -> the output dtype, round to nearest even (the interpreter's BF16 cast truncates: rounding.py)."""
-    if OUT_TY == tl.bfloat16:
-        return narrow_bf16(v, SOFT_CONVERT)
-    else:
-        return v.to(OUT_TY)
-
-
-@triton.jit
-def _widen(v):
-    """The output dtype -> FP32 (exact)."""
-    if v.dtype == tl.bfloat16:
-        return widen_bf16(v, SOFT_CONVERT)
-    else:
-        return v.to(tl.float32)
-
-
-@triton.jit
-def linear_epilogue(sums, alpha_ptr, bias_ptr, offs_n, N, OUT_TY: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """FP32 sums ``[.., BN]`` (columns ``offs_n``) -> ``OUT_TY(sums * alpha)``, then, with a bias, torch's eager
-    ``out + bias``: the FP32 sum of the two rounded values, rounded once more (docs/design.md §7). Also used by the
-    Gluon SM90 kernel's epilogue."""
-    out = _to_out(sums * tl.load(alpha_ptr), OUT_TY)
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-        out = _to_out(_widen(out) + _widen(b)[None, :], OUT_TY)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -226,10 +118,10 @@ def _nvfp4_gemm_kernel(
     kwords = k_lo // 64 + tl.arange(0, NB // 4)
 
     w_ptrs = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn + kbytes[None, :]
-    ws_ptrs = ws_ptr + _swizzled_word_row(rows_n, Cp)[:, None] + kwords[None, :] * 128
+    ws_ptrs = ws_ptr + swizzled_word_row(rows_n, Cp)[:, None] + kwords[None, :] * 128
     if X_PACKED:
         x_ptrs = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm + kbytes[None, :]
-        xs_ptrs = xs_ptr + _swizzled_word_row(rows_m, Cp)[:, None] + kwords[None, :] * 128
+        xs_ptrs = xs_ptr + swizzled_word_row(rows_m, Cp)[:, None] + kwords[None, :] * 128
     else:
         offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + rows_m.to(tl.int64)[:, None] * stride_xm + (k_lo + offs_k)[None, :]
@@ -239,9 +131,9 @@ def _nvfp4_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        w_tile = _load_decode(w_ptrs, ws_ptrs, k0, K, Cp, BLOCK_N, NB, EVEN_K, USE_ASM)  # [BN, BK] * 2^-7
+        w_tile = load_decode(w_ptrs, ws_ptrs, k0, K, Cp, BLOCK_N, NB, EVEN_K, USE_ASM)  # [BN, BK] * 2^-7
         if X_PACKED:
-            x_tile = _load_decode(x_ptrs, xs_ptrs, k0, K, Cp, BLOCK_M, NB, EVEN_K, USE_ASM)  # [BM, BK] * 2^-7
+            x_tile = load_decode(x_ptrs, xs_ptrs, k0, K, Cp, BLOCK_M, NB, EVEN_K, USE_ASM)  # [BM, BK] * 2^-7
             acc = tl.dot(w_tile, tl.trans(x_tile), acc)
             x_ptrs += HALF_K
             xs_ptrs += NB * 32
@@ -274,19 +166,6 @@ def _nvfp4_gemm_kernel(
         tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :], out, mask=mask)
 
 
-@triton.jit
-def _split_reduce_kernel(part_ptr, alpha_ptr, bias_ptr, out_ptr, M, N, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                         HAS_BIAS: tl.constexpr):
-    """out = out_dtype((part[0] + part[1] + ... + part[SPLITS-1]) * alpha) (+ bias), summed in split order."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
-    out = linear_epilogue(acc[None, :], alpha_ptr, bias_ptr, offs % N, N, out_ptr.dtype.element_ty, HAS_BIAS)
-    tl.store(out_ptr + offs[None, :], out, mask=mask[None, :])
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Standalone decode (large-M activations; also a GPU decode_nvfp4).
 # ---------------------------------------------------------------------------------------------------------------
@@ -303,19 +182,11 @@ def _decode_rows_kernel(
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ld_rows = tl.minimum(rows, R - 1)
     p_ptrs = p_ptr + ld_rows.to(tl.int64)[:, None] * stride_pr + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
-    s_ptrs = s_ptr + _swizzled_word_row(ld_rows, Cp)[:, None] + (k0 // 64 + tl.arange(0, NB // 4))[None, :] * 128
-    v = _load_decode(p_ptrs, s_ptrs, k0, K, Cp, BLOCK_R, NB, False, USE_ASM) * 128.0  # exact: undo the 2^-7
+    s_ptrs = s_ptr + swizzled_word_row(ld_rows, Cp)[:, None] + (k0 // 64 + tl.arange(0, NB // 4))[None, :] * 128
+    v = load_decode(p_ptrs, s_ptrs, k0, K, Cp, BLOCK_R, NB, False, USE_ASM) * 128.0  # exact: undo the 2^-7
     cols = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_or + cols[None, :], v.to(out_ptr.dtype.element_ty),
              mask=(rows < R)[:, None] & (cols < K)[None, :])
-
-
-def _scale_words(scales: torch.Tensor) -> torch.Tensor:
-    """uint8 128x4 scales -> the same bytes viewed as int32 words (copied only if the storage is misaligned)."""
-    s = scales if scales.dtype == torch.uint8 else scales.view(torch.uint8)
-    if s.data_ptr() % 4:
-        s = s.clone()
-    return s.view(torch.int32)
 
 
 def _check_scales(scales: torch.Tensor, rows: int, k: int, name: str) -> None:
@@ -343,8 +214,8 @@ def decode_nvfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.d
         return out
     block_r, block_k = 32, 256
     grid = (cdiv(rows, block_r), cdiv(k, block_k))
-    launch(_decode_rows_kernel, grid, packed, _scale_words(scales), out, rows, k, packed.stride(0), out.stride(0),
-           scales.shape[1], BLOCK_R=block_r, BLOCK_K=block_k, USE_ASM=_use_asm(packed), num_warps=4)
+    launch(_decode_rows_kernel, grid, packed, scale_words(scales), out, rows, k, packed.stride(0), out.stride(0),
+           scales.shape[1], BLOCK_R=block_r, BLOCK_K=block_k, USE_ASM=use_asm_split(packed), num_warps=4)
     return out
 
 
@@ -514,13 +385,13 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, 
     ``x_packed`` may be None when ``x16`` is given (its scales are then unused)."""
     m, k = x16.shape if predecode else (x_packed.shape[0], 2 * x_packed.shape[1])
     n, device, cp = w_packed.shape[0], w_packed.device, w_scales.shape[1]
-    use_asm = _use_asm(w_packed)
-    w_words = _scale_words(w_scales)
+    use_asm = use_asm_split(w_packed)
+    w_words = scale_words(w_scales)
     if predecode:
         x_arg, xs_arg, stride_x = x16, w_words, x16.stride(0)  # xs_ptr is unused by this variant
         splits, chunk = 1, k
     else:
-        x_arg, xs_arg, stride_x = x_packed, _scale_words(x_scales), x_packed.stride(0)
+        x_arg, xs_arg, stride_x = x_packed, scale_words(x_scales), x_packed.stride(0)
         sms = sm_count(device) if device.type == "cuda" else 132
         splits, chunk = split_k_for(m, n, k, sms)
         if split_k is not None:
@@ -546,7 +417,7 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, 
                                  num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
         block = 1024
-        launch(_split_reduce_kernel, (cdiv(m * n, block),), target, alpha, bias_arg, out, m, n, SPLITS=splits,
+        launch(split_reduce_kernel, (cdiv(m * n, block),), target, alpha, bias_arg, out, m, n, SPLITS=splits,
                BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
     return out
 
@@ -632,8 +503,6 @@ def nvfp4_gemm(
     if kernel == "gemv" or (m == 1 and kernel == "auto" and x_decode == "auto" and config is None and split_k is None):
         if m != 1 or config is not None or x_decode != "auto":
             raise ValueError(f"nvfp4_gemm: kernel='gemv' takes one row and no config or x_decode, got M={m}")
-        from .nvfp4_gemv import nvfp4_gemv  # imports this module
-
         fused = bias.contiguous() if bias is not None else None
         return nvfp4_gemv(x_packed, w_packed, w_scales, alpha, out_dtype, x_scales=x_scales, bias=fused,
                           splits=split_k)

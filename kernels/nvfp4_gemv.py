@@ -3,7 +3,7 @@
 ``out[0, n] = out_dtype((sum_k x[k] * w[n, k]) * alpha)`` (+ bias) with the exact values of both NVFP4 operands, as
 ``nvfp4_gemm`` computes it (docs/design.md §7), for the layers that see one row per call (the modulation Linears).
 A tensor-core tile spends at least 16 rows on that one row, and the swap-AB kernel reached 15-27 % of the copy
-bandwidth there whatever its tile or K split (benchmarks/results/gemm_small_m-h200.json). Here each thread decodes
+bandwidth there whatever its tile or K split (benchmarks/results/gemm_small_m-mma-h200.json). Here each thread decodes
 its share of the weight tile to FP16 (``value * scale * 2^-7``, exact), widens it to FP32 and adds its product with
 the activation value by one FMA: both factors have at most 6 significant bits, so the product is exact and the FMA
 rounds once, like the MMA's FP32 accumulation.
@@ -14,7 +14,7 @@ shape) only, and ``gemv_reference`` reproduces them on any device:
     ``k_lo + BLOCK_K + j``, ... in K order, starting from +0;
   * the accumulator's columns are then added pairwise, adjacent columns first (``c[2j] + c[2j+1]``), log2(BLOCK_K)
     times;
-  * split partial sums are added in split order, from the first (``_split_reduce_kernel`` of ``nvfp4_gemm``).
+  * split partial sums are added in split order, from the first (``nvfp4_decode.split_reduce_kernel``).
 The activation arrives packed (+ 128x4 scales; ``nvfp4_gemm``'s one-row calls) or as its exact FP16 decode
 (``quantize_nvfp4_decoded``; a layer's one-row calls), with the same FP32 values. Quantizing the BF16 row inside this
 kernel instead (every program redoing its K steps' blocks) was measured 1.6x slower than the FP16 row on the H200
@@ -28,12 +28,19 @@ import triton
 import triton.language as tl
 
 from .launch import DirectLaunch, cdiv, launch, launch_by_site, site_binary, sm_count
-from .nvfp4_gemm import _load_decode, _scale_words, _split_reduce_kernel, _swizzled_word_row, _use_asm, linear_epilogue
+from .nvfp4_decode import (
+    linear_epilogue,
+    load_decode,
+    scale_words,
+    split_reduce_kernel,
+    swizzled_word_row,
+    use_asm_split,
+)
 
 __all__ = ["GEMV_BLOCK_K", "GEMV_BLOCK_N", "GemvLaunch", "gemv_launch", "gemv_reference", "gemv_splits", "nvfp4_gemv"]
 
 # The one configuration (the order of the sums depends on BLOCK_K; docs/design.md §7). Measured on the H200:
-# benchmarks/results/gemm_small_m-h200.json.
+# benchmarks/results/gemm_small_m-gemv-h200.json (tiles x splits).
 GEMV_BLOCK_N = 64
 GEMV_BLOCK_K = 128
 GEMV_WARPS = 4
@@ -51,9 +58,9 @@ def _x_values(x_ptr, xs_ptr, k0, K, Cp, X_PACKED: tl.constexpr, EVEN_K: tl.const
     if X_PACKED:
         NB: tl.constexpr = BLOCK_K // 16
         p_ptrs = x_ptr + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
-        s_row = _swizzled_word_row(tl.zeros((1,), tl.int32), Cp)
+        s_row = swizzled_word_row(tl.zeros((1,), tl.int32), Cp)
         s_ptrs = xs_ptr + s_row[:, None] + (k0 // 64 + tl.arange(0, NB // 4))[None, :] * 128
-        v = _load_decode(p_ptrs, s_ptrs, k0, K, Cp, 1, NB, EVEN_K, USE_ASM).to(tl.float32) * 128.0
+        v = load_decode(p_ptrs, s_ptrs, k0, K, Cp, 1, NB, EVEN_K, USE_ASM).to(tl.float32) * 128.0
         return tl.reshape(v, (BLOCK_K,))
     else:
         offs = k0 + tl.arange(0, BLOCK_K)
@@ -92,12 +99,12 @@ def _nvfp4_gemv_kernel(
     k_lo = tl.program_id(1) * k_chunk
     k_hi = min(K, k_lo + k_chunk)
     w_rows = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn
-    ws_rows = ws_ptr + _swizzled_word_row(rows_n, Cp)[:, None]
+    ws_rows = ws_ptr + swizzled_word_row(rows_n, Cp)[:, None]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         w_ptrs = w_rows + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :]
         ws_ptrs = ws_rows + (k0 // 64 + tl.arange(0, NB // 4))[None, :] * 128
-        w = _load_decode(w_ptrs, ws_ptrs, k0, K, Cp, BLOCK_N, NB, EVEN_K, USE_ASM).to(tl.float32)  # * 2^-7
+        w = load_decode(w_ptrs, ws_ptrs, k0, K, Cp, BLOCK_N, NB, EVEN_K, USE_ASM).to(tl.float32)  # * 2^-7
         x = _x_values(x_ptr, xs_ptr, k0, K, Cp, X_PACKED, EVEN_K, USE_ASM, BLOCK_K)
         acc = tl.fma(w, x[None, :], acc)  # the product is exact: one rounding, as a multiply then an add would
     sums = _pairwise_columns(acc, BLOCK_N, HALVINGS) * 128.0  # undo 2^-7 (exact)
@@ -163,7 +170,7 @@ def nvfp4_gemv(
         x: the row as packed uint8 ``[1, K/2]`` (with ``x_scales``, 128x4) or as its exact FP16 decode ``[1, K]``
             (``quantize_nvfp4_decoded``); contiguous.
         w_packed: uint8 ``[N, K/2]``; w_scales: its 128x4 scales (uint8 or float8_e4m3fn, checked by the caller).
-        alpha: FP32 one element; bias: ``[N]`` in ``out_dtype`` (16-bit outputs only) or None.
+        alpha: FP32 one element; bias: ``[N]`` in ``out_dtype`` or None, added as torch's ``out + bias`` would.
         splits: force the K split count (tests, benchmarks); default ``gemv_splits``.
         tile: (BLOCK_N, BLOCK_K, warps, stages) instead of the module's (benchmarks). BLOCK_N, warps and stages do not
             change a byte; a BLOCK_K other than ``GEMV_BLOCK_K`` sums in another order (``gemv_reference`` then
@@ -182,7 +189,7 @@ def nvfp4_gemv(
     launch_by_site(_nvfp4_gemv_kernel, (cdiv(n, meta["BLOCK_N"]), count), site, *args, **meta)
     if count > 1:
         block = 1024
-        launch(_split_reduce_kernel, (cdiv(n, block),), target, alpha, args[5], out, 1, n, SPLITS=count, BLOCK=block,
+        launch(split_reduce_kernel, (cdiv(n, block),), target, alpha, args[5], out, 1, n, SPLITS=count, BLOCK=block,
                HAS_BIAS=bias is not None, num_warps=4)
     return out
 
@@ -192,13 +199,13 @@ def _launch_arguments(x, x_scales, w_packed, w_scales, alpha, bias, target, chun
     ``target`` (the output, or the split workspace)."""
     n, k = w_packed.shape[0], 2 * w_packed.shape[1]
     packed = x.dtype == torch.uint8
-    w_words = _scale_words(w_scales)
-    xs_arg = _scale_words(x_scales) if packed and x_scales is not None else w_words  # unread without X_PACKED
+    w_words = scale_words(w_scales)
+    xs_arg = scale_words(x_scales) if packed and x_scales is not None else w_words  # unread without X_PACKED
     bias_arg = alpha if bias is None else bias  # unread without HAS_BIAS
     args = (x, xs_arg, w_packed, w_words, alpha, bias_arg, target, n, k, w_packed.stride(0), w_scales.shape[1], chunk)
     block_n, block_k, warps, stages = tile or (GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, GEMV_STAGES)
     meta = dict(X_PACKED=packed, SPLIT=target.dim() == 3, HAS_BIAS=bias is not None and target.dim() == 2,
-                EVEN_K=k % block_k == 0, USE_ASM=_use_asm(w_packed), BLOCK_N=block_n, BLOCK_K=block_k,
+                EVEN_K=k % block_k == 0, USE_ASM=use_asm_split(w_packed), BLOCK_N=block_n, BLOCK_K=block_k,
                 HALVINGS=block_k.bit_length() - 1, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     # What Triton specializes the launch on: every integer, every pointer's alignment and dtype, the keywords.
     site = (n, k, w_packed.stride(0), w_scales.shape[1], chunk, *(a.data_ptr() % 16 == 0 for a in args[:7]),
