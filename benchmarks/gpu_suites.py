@@ -69,6 +69,8 @@ SUITES: dict[str, list[tuple[str, list[str], int]]] = {
                                                       "--caches-off"], 300)],
     "compile_profile": [("profile_compiled_qwen", [PY, "benchmarks/profile_step.py", "--model", "qwen-image",
                                                    "--compile", "blocks"], 150),
+                        ("profile_compiled_qwen_bf16", [PY, "benchmarks/profile_step.py", "--model", "qwen-image",
+                                                        "--compile", "blocks", "--bf16"], 150),
                         ("profile_host_compiled_qwen", [PY, "benchmarks/profile_step.py", "--model", "qwen-image",
                                                         "--host", "--compile", "blocks"], 240),
                         ("compile_repeat", [PY, "benchmarks/compile_repeatability.py"], 150)],

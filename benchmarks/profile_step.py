@@ -4,6 +4,7 @@ Qwen-Image transformer, NVFP4 with fast paths on (the model is built as ``bench_
     python benchmarks/profile_step.py --model flux2-dev      # or qwen-image; --tiny: CPU dry run of the logic
     python benchmarks/profile_step.py --model qwen-image --compile blocks   # blocks compiled, in exact_inductor
     python benchmarks/profile_step.py --model qwen-image --host             # where the eager step's host time goes
+    python benchmarks/profile_step.py --model qwen-image --compile blocks --bf16   # the BF16 model, for comparison
 
 Kernels are grouped into classes (NVFP4 GEMM, BF16 GEMM, attention, fused kernels, quantize, activation decode,
 LayerNorm, other elementwise, copies, other); NVFP4 GEMM time is also split by shape (M, N, K), each NVFP4 layer call
@@ -171,13 +172,16 @@ def main() -> None:
                     "inside exact_inductor (as bench_transformer_step.py --compile blocks)")
     ap.add_argument("--host", action="store_true", help="cProfile the step's Python instead (with --compile: of the "
                     "compiled step)")
+    ap.add_argument("--bf16", action="store_true", help="profile the BF16 model (no NVFP4 layers, no fast paths), "
+                    "the baseline of the NVFP4 profile; written with the suffix -bf16")
     args = ap.parse_args()
     from diffusers_nvfp4_fast import enable_fast_paths, exact_inductor
 
     device = torch.device("cpu" if args.tiny else "cuda")
     model = step.empty_model(args.model, args.tiny)
-    step.materialize(model, args.model, device, nvfp4=True)
-    enable_fast_paths(model)
+    step.materialize(model, args.model, device, nvfp4=not args.bf16)
+    if not args.bf16:
+        enable_fast_paths(model)
     inputs = step.make_inputs(args.model, model, args.height, args.width, args.text_tokens, device)
     if args.host and args.compile:  # where the compiled step's host time goes
         with exact_inductor():
@@ -201,9 +205,11 @@ def main() -> None:
         if args.compile:
             result["shared_quantize_nodes"] = common.shared_quantize_nodes()
 
+        if args.bf16:
+            mode = mode.replace("fast paths on", "the BF16 model")
         out = common.header(name, common.copy_bandwidth_gbps())
         out.update(model=args.model, inputs=vars(args), mode=mode, **result)
-        print("wrote", common.write_result(out, f"{name}-{args.model}"))
+        print("wrote", common.write_result(out, f"{name}-{args.model}" + ("-bf16" if args.bf16 else "")))
     if args.host:
         print(f"{args.model}: wall under cProfile {result['wall_ms_under_cprofile']} ms")
         for row in result["by_own_time"][:25]:

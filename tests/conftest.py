@@ -9,6 +9,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 _DURATIONS: dict[str, float] = defaultdict(float)
+_GPU_TESTS: set[str] = set()
 _START = [time.perf_counter()]
 
 
@@ -24,7 +25,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Every run: the total and the slowest tests against the time budget (tests/support/time_budget.py)."""
     from support.time_budget import verdict
 
-    result = verdict(dict(_DURATIONS), time.perf_counter() - _START[0])
+    result = verdict(dict(_DURATIONS), time.perf_counter() - _START[0], gpu_tests=frozenset(_GPU_TESTS))
     terminalreporter.section("time budget")
     for line in result.lines:
         terminalreporter.write_line(line)
@@ -34,6 +35,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_collection_modifyitems(config, items):
+    _GPU_TESTS.update(item.nodeid for item in items if "gpu" in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="GPU test (marked gpu) not run: no CUDA device here; "

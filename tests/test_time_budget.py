@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from support.time_budget import FAIL_FACTOR, TEST_BUDGET_S, verdict
+from support.time_budget import FAIL_FACTOR, GPU_TEST_LIMIT_S, TEST_BUDGET_S, verdict
 
 
 def test_slow_but_within_the_limit_is_reported_not_failed():
@@ -18,3 +18,11 @@ def test_a_test_past_the_limit_fails_the_run_and_a_long_suite_is_flagged():
     assert result.too_slow == ["stuck"]
     assert "OVER BUDGET" in result.lines[0] and len(result.lines) == 3
     assert result.lines[1].endswith("stuck FAILS: past the limit") and result.lines[2].endswith("slow over budget")
+
+
+def test_gpu_tests_have_their_own_limit():
+    """A GPU test (full-size compiles on the GPU machine) fails the run only past GPU_TEST_LIMIT_S."""
+    limit = FAIL_FACTOR * TEST_BUDGET_S
+    durations = {"compile": limit + 10, "stuck gpu": GPU_TEST_LIMIT_S + 1, "cpu": limit + 10}
+    result = verdict(durations, 400.0, gpu_tests=frozenset({"compile", "stuck gpu"}))
+    assert sorted(result.too_slow) == ["cpu", "stuck gpu"]
