@@ -26,6 +26,7 @@ Shape of the work:
   decoded tile is either the MMA's register A operand of ``W @ X^T`` (``W_IN_REGS``, 256 tokens per tile) or the
   shared-memory B operand of ``X @ W^T``; in both, Triton (3.6, SM90 SASS) waits for each wgmma before the next
   tile is decoded, so decode and MMA do not overlap (0.5-0.7x cuBLAS BF16 on an H200).
+* One row: ``nvfp4_gemv`` (CUDA cores, its own fixed summation order; ``kernel="triton"`` keeps this module's).
 * Small M (``M <= PREDECODE_MAX_M``): X is decoded in the kernel too, and the kernel computes the transposed tile
   ``W @ X^T`` so that weight rows fill the MMA's 64-row side and the few tokens its cheap N side ("swap AB").
   When there are too few weight tiles to fill the GPU, K is split over a second grid axis; the FP32 partial sums
