@@ -180,6 +180,7 @@ def nvfp4_gemv(
     """
     n, k = w_packed.shape[0], 2 * w_packed.shape[1]
     device = w_packed.device
+    bias = None if bias is None else bias.contiguous()  # the kernel reads it at unit stride
     out = torch.empty((1, n), dtype=out_dtype, device=device)
     count, chunk = gemv_splits(n, k, sm_count(device) if device.type == "cuda" else 132)
     if splits is not None:

@@ -85,6 +85,12 @@ def interpreted_gemv() -> list[dict]:
         results.append({"name": f"{n}x{k} splits={splits} {dtype_name} bias={bias is not None} random={random_bytes}",
                         "differing": [f for f, out in got.items() if not torch.equal(out, want)],
                         "emulation_rel": ((exact - emulated).norm() / emulated.norm()).item()})
+    # A bias that is a strided view (every other element of a longer tensor) is read at its stride.
+    x, gx, wp, ws, alpha, xv, wv = _operands(64, 256, 4)
+    strided = torch.randn(128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)[::2]
+    want = gemv_mod.gemv_reference(xv, wv, alpha, torch.bfloat16, strided.contiguous())
+    got = _forms(x, gx, wp, ws, alpha, torch.bfloat16, strided)
+    results.append({"name": "strided bias", "differing": [f for f, out in got.items() if not torch.equal(out, want)]})
     # nvfp4_gemm routes one row here; kernel="gemv" refuses more rows.
     x, gx, wp, ws, alpha, xv, wv = _operands(96, 512, 3)
     xp, xs = importlib.import_module("diffusers_nvfp4_fast.kernels").quantize_nvfp4_triton(x, gx, fast_math=False)
@@ -120,6 +126,7 @@ def test_interpreted_forms_equal_the_ordered_reference(interpreter_results):
 def test_interpreted_nvfp4_gemm_routes_one_row_to_the_gemv(interpreter_results):
     by_name = {r["name"]: r for r in interpreter_results}
     assert by_name["nvfp4_gemm one row"]["differing"] == []
+    assert by_name["strided bias"]["differing"] == []
     assert "M=2" in by_name["gemv with two rows"]["error"]
 
 
