@@ -154,10 +154,12 @@ def source(uses: list[tuple[dict, str]]) -> str:
 
 
 def kernel_classes(results: Results) -> list[str]:
-    """GPU time of one profiled step by kernel class, per model and mode, with host gap."""
-    stems = (("eager", "profile_step"), ("compiled", "profile_step_compiled"))
-    runs = [(f"{MODELS[m]} {mode}", d) for mode, stem in stems for m in MODELS
-            if (d := results.get(f"{stem}-{m}")) is not None]
+    """GPU time of one profiled step by kernel class, per model and mode (the compiled BF16 model beside the compiled
+    NVFP4 one where ``profile_step.py --bf16`` ran), with host gap."""
+    stems = (("eager", "profile_step", ""), ("compiled", "profile_step_compiled", ""),
+             ("compiled, BF16 model", "profile_step_compiled", "-bf16"))
+    runs = [(f"{MODELS[m]} {mode}", d) for mode, stem, suffix in stems for m in MODELS
+            if (d := results.get(f"{stem}-{m}{suffix}")) is not None]
     if not runs:
         return ["No `profile_step-*` results."]
     classes = sorted({c for _, d in runs for c in field(d, "classes")},
@@ -170,7 +172,7 @@ def kernel_classes(results: Results) -> list[str]:
     modes = "; ".join(f"{label}: {field(d, 'mode')}" for label, d in runs)
     inputs = {f"{field(d, 'inputs', 'height')}x{field(d, 'inputs', 'width')}, "
               f"{field(d, 'inputs', 'text_tokens')} text tokens" for _, d in runs}
-    return ([f"One step of the full-size transformer, NVFP4 with fast paths on, {', '.join(sorted(inputs))}, under "
+    return ([f"One step of the full-size transformer, {', '.join(sorted(inputs))}, under "
              f"the torch profiler ({modes}). GPU ms by kernel class (share of the step's kernel time):", ""]
             + table(["class"] + [label + " ms" for label, _ in runs], rows)
             + ["", source([(d, "`classes`, `kernel_ms`, `wall_ms`, `host_gap_ms`, `mode`, `inputs`")

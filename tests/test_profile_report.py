@@ -83,3 +83,16 @@ def test_bad_input_is_named(copies, capsys):
     (results / "pipeline-h200.json").write_text(json.dumps({"benchmark": "pipeline", "cases": [{"model": "x"}]}))
     assert profile_report.main(_args(results, doc)) == 2
     assert "pipeline-h200.json cases[0] has no field ['dtype']" in capsys.readouterr().err
+
+
+def test_a_bf16_profile_gets_its_own_column(copies):
+    """``profile_step.py --compile blocks --bf16`` writes ``profile_step_compiled-<model>-bf16``: the class table
+    shows it beside the NVFP4 compiled profile."""
+    results, doc = copies
+    nvfp4 = json.loads((results / "profile_step_compiled-qwen-image-h200.json").read_text())
+    bf16 = dict(nvfp4, classes={"BF16 GEMM": EDITED, "attention": 27.0}, kernel_ms=EDITED + 27.0)
+    (results / "profile_step_compiled-qwen-image-bf16-h200.json").write_text(json.dumps(bf16))
+    assert profile_report.main(_args(results, doc, "--write")) == 0
+    header = next(line for line in doc.read_text().splitlines() if line.startswith("| class |"))
+    assert "Qwen-Image compiled, BF16 model ms" in header
+    assert any(line.startswith("| BF16 GEMM |") and str(EDITED) in line for line in doc.read_text().splitlines())
