@@ -70,6 +70,13 @@ def nvfp4_weights(n: int, k: int, count: int):
     return [(packed.clone(), scales.clone()) for _ in range(count)], (1.0 / gw).float().reshape(1)
 
 
+def cublas_us(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None) -> float:
+    """GPU µs per ``F.linear(x, w, bias)`` with BF16 ``[n, k]`` weights streamed from memory (``graph_us``)."""
+    dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16()
+             for _ in range(max(1, math.ceil(STREAM_BYTES / (n * k * 2))))]
+    return graph_us([lambda w=w: torch.nn.functional.linear(x, w, bias) for w in dense])
+
+
 def run_shape(model: str, m: int, n: int, k: int) -> list[dict]:
     from diffusers_nvfp4_fast.kernels import nvfp4_gemm_sm90 as sm90
     from diffusers_nvfp4_fast.kernels.nvfp4_gemm import PREDECODE_MAX_M
@@ -77,7 +84,6 @@ def run_shape(model: str, m: int, n: int, k: int) -> list[dict]:
 
     shape = {"model": model, "M": m, "N": n, "K": k}
     reps4 = max(1, math.ceil(STREAM_BYTES / (n * k * 9 // 16)))
-    reps16 = max(1, math.ceil(STREAM_BYTES / (n * k * 2)))
     weights, alpha = nvfp4_weights(n, k, reps4)
     x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
     g = (2688.0 / x.float().abs().amax()).reshape(1)
@@ -101,9 +107,7 @@ def run_shape(model: str, m: int, n: int, k: int) -> list[dict]:
     us["nvfp4_layer"] = graph_us([lambda w=w: quantized_linear(x, g, True, w[0], w[1], alpha, bias, torch.bfloat16)
                                   for w in weights])
     del weights
-    dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16() for _ in range(reps16)]
-    us["cublas_bf16"] = graph_us([lambda w=w: torch.nn.functional.linear(x, w, bias) for w in dense])
-    del dense
+    us["cublas_bf16"] = cublas_us(x, n, k, bias)
     flop = 2 * m * n * k
     return [{"shape": shape, "variant": v, "us": round(t, 2), "tflops": round(flop / t / 1e6, 1),
              "vs_cublas_bf16": round(us["cublas_bf16"] / t, 3), "exact_tile_heights": exact,
@@ -157,9 +161,7 @@ def small_m_sweep(model: str, m: int, n: int, k: int, copy_gbps: float) -> list[
             reference = result if reference is None else reference
             rows.append(row(f"BN{bn} BK{bk} w{warps} s{stages}", split, us, torch.equal(result, reference)))
     del weights
-    dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16()
-             for _ in range(max(1, math.ceil(STREAM_BYTES / (n * k * 2))))]
-    us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in dense])
+    us = cublas_us(x, n, k)
     rows.append(row("cublas_bf16 (weight bytes: 2 per value)", None, us, None) | {
         "weight_GBps": round(n * k * 2 / (us * 1e-6) / 1e9, 1)})
     return rows
@@ -211,9 +213,7 @@ def gemv_sweep(model: str, n: int, k: int, copy_gbps: float) -> list[dict]:
             if out is not None:
                 peers.setdefault(bk, out)
     weights.clear()  # free them before the BF16 weights
-    dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16()
-             for _ in range(max(1, math.ceil(STREAM_BYTES / (n * k * 2))))]
-    us = graph_us([lambda w=w: torch.nn.functional.linear(x, w) for w in dense])
+    us = cublas_us(x, n, k)
     rows.append({"shape": shape, "config": "cublas_bf16", "us": round(us, 2),
                  "weight_GBps": round(n * k * 2 / (us * 1e-6) / 1e9, 1)})
     return rows

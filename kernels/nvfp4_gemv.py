@@ -117,14 +117,16 @@ def _nvfp4_gemv_kernel(
         tl.store(out_ptr + offs_n[None, :], out, mask=mask[None, :])
 
 
-def gemv_splits(n: int, k: int, sms: int) -> tuple[int, int]:
+def gemv_splits(n: int, k: int, sms: int, forced: int | None = None) -> tuple[int, int]:
     """(splits, K elements per split) for ``N x K``: split K in ranges of at least ``_MIN_SPLIT_K`` when the
-    ``BLOCK_N`` tiles alone give fewer than ``_SPLIT_BELOW_PROGRAMS_PER_SM`` programs per SM. A function of the shape
-    and the SM count only, so it fixes the summation order."""
-    tiles = cdiv(n, GEMV_BLOCK_N)
-    splits = max(1, min(cdiv(_SPLIT_BELOW_PROGRAMS_PER_SM * sms, tiles), k // _MIN_SPLIT_K))
-    if splits == 1:
-        return 1, k
+    ``BLOCK_N`` tiles alone give fewer than ``_SPLIT_BELOW_PROGRAMS_PER_SM`` programs per SM, or in about ``forced``
+    ranges (tests, benchmarks). A function of the shape and the SM count only, so it fixes the summation order."""
+    if forced is None:
+        splits = max(1, min(cdiv(_SPLIT_BELOW_PROGRAMS_PER_SM * sms, cdiv(n, GEMV_BLOCK_N)), k // _MIN_SPLIT_K))
+        if splits == 1:
+            return 1, k
+    else:
+        splits = max(1, forced)
     chunk = cdiv(cdiv(k, splits), GEMV_BLOCK_K) * GEMV_BLOCK_K
     return cdiv(k, chunk), chunk
 
@@ -140,10 +142,7 @@ def gemv_reference(
     ``nvfp4_gemv`` (default ``gemv_splits`` for ``sms`` SMs). Returns ``[1, N]`` in ``out_dtype``.
     """
     n, k = w_values.shape
-    count, chunk = gemv_splits(n, k, sms)
-    if splits is not None:
-        chunk = cdiv(cdiv(k, max(1, splits)), GEMV_BLOCK_K) * GEMV_BLOCK_K
-        count = cdiv(k, chunk)
+    count, chunk = gemv_splits(n, k, sms, splits)
     total = None
     for split in range(count):
         acc = torch.zeros(n, GEMV_BLOCK_K, dtype=torch.float32, device=w_values.device)
@@ -182,10 +181,7 @@ def nvfp4_gemv(
     device = w_packed.device
     bias = None if bias is None else bias.contiguous()  # the kernel reads it at unit stride
     out = torch.empty((1, n), dtype=out_dtype, device=device)
-    count, chunk = gemv_splits(n, k, sm_count(device) if device.type == "cuda" else 132)
-    if splits is not None:
-        chunk = cdiv(cdiv(k, max(1, splits)), GEMV_BLOCK_K) * GEMV_BLOCK_K
-        count = cdiv(k, chunk)
+    count, chunk = gemv_splits(n, k, sm_count(device) if device.type == "cuda" else 132, splits)
     target = torch.empty((count, 1, n), dtype=torch.float32, device=device) if count > 1 else out
     args, site, meta = _launch_arguments(x, x_scales, w_packed, w_scales, alpha, bias, target, chunk, tile)
     launch_by_site(_nvfp4_gemv_kernel, (cdiv(n, meta["BLOCK_N"]), count), site, *args, **meta)

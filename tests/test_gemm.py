@@ -35,6 +35,7 @@ from diffusers_nvfp4_fast.format import (  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
 from diffusers_nvfp4_fast.linear import NVFP4Linear  # noqa: E402
 from diffusers_nvfp4_fast.ops.linear import emulated_gemm  # noqa: E402
+from support.gpus import skip_unless_sm80_to_sm90  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
 from support.launch_sites import check_sites_against_binder  # noqa: E402
 
@@ -341,10 +342,7 @@ def _exact_fp32_reference():
 
 
 def _skip_unless_sm80_to_sm90():
-    major = torch.cuda.get_device_capability()[0]
-    if not 8 <= major <= 9:
-        pytest.skip("Triton GEMM test not run: it targets SM80-SM90 (Ampere to Hopper) and runs on such a GPU (the "
-                    "H200 here); on Blackwell NVFP4Linear uses FlashInfer mm_fp4 instead")
+    skip_unless_sm80_to_sm90("Triton GEMM test")
 
 
 def _operands(m: int, n: int, k: int, seed: int = 0):

@@ -22,6 +22,7 @@ pytest.importorskip("triton", reason="Triton is not installed, so the one-row pr
                                      "wherever Triton is installed, as in CI (pip install -e '.[test]')")
 from diffusers_nvfp4_fast.format import decode_nvfp4, swizzle_scales  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
+from support.gpus import skip_unless_sm80_to_sm90  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
 
 gemv_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemv")
@@ -165,10 +166,7 @@ def test_gemv_compiles_without_spills(arch):
 
 
 def _skip_unless_sm80_to_sm90():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU: the one-row product's GPU tests did not run; they run on SM80-SM90")
-    if not 8 <= torch.cuda.get_device_capability()[0] <= 9:
-        pytest.skip("the one-row product serves SM80-SM90; this GPU runs FlashInfer's GEMM")
+    skip_unless_sm80_to_sm90("one-row product GPU test")
 
 
 @pytest.mark.gpu

@@ -199,29 +199,20 @@ def _quantized_linear_impl(
     x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, w_packed: torch.Tensor, w_scales: torch.Tensor,
     alpha: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool,
 ) -> torch.Tensor:
-    if takes_decoded_activation(x.shape[0], x.device, bias, out_dtype, w_swizzled):
-        key = _plan_key("quantize", x, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha, bias, global_scale,
-                        fast_math)
+    decoded = takes_decoded_activation(x.shape[0], x.device, bias, out_dtype, w_swizzled)
+    if decoded or takes_one_row(x.shape[0], x.device, bias, out_dtype, w_swizzled):
+        key = _plan_key("quantize" if decoded else "row", x, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha,
+                        bias, global_scale, fast_math)
         plan = _plan(key)
         if plan is not None:
             return plan(x)
-        # The large-M GEMM multiplies the activation's exact FP16 values: quantize straight to them (one pass, no
-        # packed bytes in between); decode(quantize(x)) has the same bytes (GPU-tested).
+        # The large-M GEMM and the one-row product multiply the activation's exact FP16 values: quantize straight to
+        # them (one pass, no packed bytes in between); decode(quantize(x)) has the same bytes (GPU-tested).
         k = cast(ModuleType, kernels)
         x16 = k.quantize_nvfp4_decoded(x, global_scale, fast_math=fast_math)
-        out = k.nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
-        _learn(key, lambda: k.linear_plan(x, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out))
-        return out
-    if takes_one_row(x.shape[0], x.device, bias, out_dtype, w_swizzled):
-        key = _plan_key("row", x, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha, bias, global_scale,
-                        fast_math)
-        plan = _plan(key)
-        if plan is not None:
-            return plan(x)
-        k = cast(ModuleType, kernels)
-        x16 = k.quantize_nvfp4_decoded(x, global_scale, fast_math=fast_math)
-        out = k.nvfp4_gemv(x16, w_packed, w_scales, alpha, out_dtype, bias=bias)
-        _learn(key, lambda: k.row_plan(x, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out))
+        gemm, build = (k.nvfp4_gemm_fp16_x, k.linear_plan) if decoded else (k.nvfp4_gemv, k.row_plan)
+        out = gemm(x16, w_packed, w_scales, alpha, out_dtype, bias=bias)
+        _learn(key, lambda: build(x, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out))
         return out
     x_packed, x_scales = quantize(x, global_scale, fast_math)
     return _linear_impl(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
