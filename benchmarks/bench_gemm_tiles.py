@@ -22,7 +22,11 @@ divided by ``R``. Variants per (M, N, K):
 and checks that every config of one split gives the same bytes (gemm_small_m-mma-<device>.json). ``--small-m-sweep
 gemv`` (M = 1) times the one-row kernel ``nvfp4_gemv``: its two activation forms, the whole layer call, the
 tensor-core kernel it replaced, and ``GEMV_SWEEP`` tiles x K splits, checking that tiles of one BLOCK_K and split give
-the same bytes (gemm_small_m-gemv-<device>.json).
+the same bytes (gemm_small_m-gemv-<device>.json). ``--quantize-sweep`` times the large-M layers' activation quantize
+(``quantize_nvfp4_decoded``, BF16 to the exact FP16 values the GEMM multiplies) over ``QUANTIZE_SWEEP`` tiles, beside
+the same quantize built from E2M1 codes (``codes_then_decode``, the kernel before 2026-12-03's value rounding), with
+bytes moved per second as a fraction of the copy bandwidth and byte equality with the codes kernel
+(quantize_decoded-<device>.json).
 """
 
 from __future__ import annotations
@@ -34,9 +38,14 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth_gbps, header, time_us, write_result  # noqa: E402
+
+from diffusers_nvfp4_fast.kernels import nvfp4_epilogue as ep  # noqa: E402
+from diffusers_nvfp4_fast.kernels import quantize_nvfp4 as qn  # noqa: E402
 
 SHAPES = {  # (N, K) of the transformer blocks' Linears
     "qwen-image": [(3072, 3072), (12288, 3072), (3072, 12288), (18432, 3072)],
@@ -52,6 +61,11 @@ SMALL_M_SPLITS = (1, 2, 3, 6, 12)
 GEMV_SWEEP = [(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (64, 128, 8, 3), (64, 128, 4, 1),
               (64, 128, 4, 4), (256, 128, 8, 3), (32, 128, 2, 3), (64, 256, 4, 3), (128, 256, 8, 3), (64, 64, 4, 3)]
 GEMV_SPLITS = (1, 2, 4)
+# (block rows, 16-block columns, warps) of the decoded quantize's sweep; the tile does not change a byte.
+QUANTIZE_SWEEP = [(4, 32, 4), (8, 16, 4), (2, 64, 4), (1, 128, 4), (2, 32, 2), (4, 64, 8), (2, 64, 8), (4, 16, 2),
+                  (8, 32, 8), (16, 16, 4)]
+QUANTIZE_SHAPES = {"qwen-image": [(4096, 3072), (4096, 12288), (512, 3072), (512, 12288)],
+                   "flux2-dev": [(4608, 6144), (4096, 18432)]}
 MODULATION_SHAPES = {"qwen-image": [(18432, 3072)], "flux2-dev": [(36864, 6144), (18432, 6144)]}  # the M = 1 layers
 
 
@@ -219,15 +233,70 @@ def gemv_sweep(model: str, n: int, k: int, copy_gbps: float) -> list[dict]:
     return rows
 
 
+@triton.jit
+def codes_then_decode(x_ptr, g_ptr, out_ptr, M, K, row_stride, col_tiles, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
+    """The decoded quantize as it was built before 2026-12-03: E2M1 codes, then their FP16 values (the baseline)."""
+    rows, kbs, mask = ep.block_tile(tl.program_id(0), col_tiles, M, K, BLOCK_R, BLOCK_C)
+    q0, q1, q2, q3 = ep.load_blocks(x_ptr, rows, kbs, row_stride, mask)
+    packed, sf_byte = ep.quantize_blocks(q0, q1, q2, q3, tl.load(g_ptr), IS_BF16, FAST_MATH, HW_E2M1)
+    w0, w1, w2, w3 = qn.decoded_words(packed, ep.e4m3_value(sf_byte))
+    qn.store_words(w0, w1, w2, w3, rows, kbs, out_ptr, K, mask)
+
+
+def quantize_sweep(model: str, m: int, k: int, copy_gbps: float) -> list[dict]:
+    """The decoded activation quantize of an ``[m, k]`` BF16 activation: the codes kernel, then every tile of the
+    value-rounding kernel; GPU µs per call under CUDA graphs over >= 160 MB of distinct activations."""
+    from diffusers_nvfp4_fast import kernels
+
+    shape = {"model": model, "M": m, "K": k}
+    count = max(1, math.ceil(STREAM_BYTES / (2 * m * k)))
+    xs = [(torch.randn(m, k, device="cuda") * 3).bfloat16() for _ in range(count)]
+    g = (2688.0 / xs[0].float().abs().amax()).reshape(1)
+    moved = 4 * m * k  # BF16 in, FP16 out
+    rows = []
+
+    def timed(label: str, call, tile=None, reference=None) -> torch.Tensor:
+        result = call(xs[0]).clone()
+        us = graph_us([lambda x=x: call(x) for x in xs])
+        gbps = moved / (us * 1e-6) / 1e9
+        rows.append({"shape": shape, "config": label, "tile": tile, "us": round(us, 2), "GBps": round(gbps, 1),
+                     "of_copy_bandwidth": round(gbps / copy_gbps, 3),
+                     "same_bytes_as_codes_kernel": None if reference is None else torch.equal(result, reference)})
+        return result
+
+    old = (8, 16, 4)  # the codes kernel's tile (before 2026-12-03)
+    codes = timed(f"codes_then_decode R{old[0]} C{old[1]} w{old[2]}", lambda x: qn.launch_decoded_quantize(
+        codes_then_decode, x, g, True, *old), list(old))
+    for tile in QUANTIZE_SWEEP:
+        r, c, w = tile
+        timed(f"quantize_nvfp4_decoded R{r} C{c} w{w}", lambda x, r=r, c=c, w=w: kernels.quantize_nvfp4_decoded(
+            x, g, block_r=r, block_c=c, num_warps=w), list(tile), codes)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 17, 512, 1024, 2048, 4096, 4608])
     ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--small-m-sweep", choices=["mma", "gemv"], help="configs x K splits of the M <= 64 tensor-core "
                     "GEMM, or of the one-row kernel")
+    ap.add_argument("--quantize-sweep", action="store_true", help="tiles of the large-M layers' activation quantize")
     args = ap.parse_args()
     t0 = time.time()
     copy = copy_bandwidth_gbps()
+    if args.quantize_sweep:
+        out = header("quantize_decoded", copy)
+        for model in args.models:
+            for m, k in QUANTIZE_SHAPES[model]:
+                cases = quantize_sweep(model, m, k, copy)
+                out["cases"] += cases
+                for c in cases:
+                    print(model, m, k, c["config"], c["us"], c["of_copy_bandwidth"], c["same_bytes_as_codes_kernel"],
+                          flush=True)
+        out["wall_s"] = round(time.time() - t0, 1)
+        print("wrote", write_result(out, "quantize_decoded"))
+        return
     if args.small_m_sweep:
         name = {"mma": "gemm_small_m-mma", "gemv": "gemm_small_m-gemv"}[args.small_m_sweep]
         out = header(name, copy)

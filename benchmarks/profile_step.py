@@ -7,9 +7,9 @@ Qwen-Image transformer, NVFP4 with fast paths on (the model is built as ``bench_
     python benchmarks/profile_step.py --model qwen-image --compile blocks --bf16   # the BF16 model, for comparison
 
 Kernels are grouped into classes (NVFP4 GEMM, BF16 GEMM, attention, fused kernels, quantize, activation decode,
-LayerNorm, other elementwise, copies, other); NVFP4 GEMM time is also split by shape (M, N, K), each NVFP4 layer call
-being wrapped in a profiler range for this pass. Host gap = step wall time minus the summed kernel time. Writes
-benchmarks/results/profile_step-<model>-<device>.json and prints the tables that docs/profile.md holds.
+LayerNorm, inductor kernels, other elementwise, copies, other); NVFP4 GEMM time is also split by shape (M, N, K), each
+NVFP4 layer call being wrapped in a profiler range for this pass. Host gap = step wall time minus the summed kernel
+time. Writes benchmarks/results/profile_step-<model>-<device>.json and prints the tables that docs/profile.md holds.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 CLASSES = (  # first match wins
+    ("inductor kernels", r"^triton_(poi|red|per)_"),  # torch.compile's own; names list the ops they fused
     ("fused kernels", r"token_cat|qwen_resnorm|layer_norm_kernel_exact|gelu_quantize|swiglu|rotary"),
-    ("NVFP4 GEMM", r"nvfp4_gemm|split_reduce"),
+    ("NVFP4 GEMM", r"nvfp4_gemm|nvfp4_gemv|split_reduce"),
     ("activation decode", r"decode_rows"),
     ("quantize", r"quantize_nvfp4"),
     ("attention", r"flash|fmha|attention|sdpa|cudnn"),

@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from .launch import INTERPRETING, launch
-from .nvfp4_epilogue import block_tile, load_blocks, quantize_blocks, store_blocks, unpack4
-from .quantize_nvfp4 import launch_block_quantize, launch_decoded_quantize, store_decoded
+from .nvfp4_epilogue import block_tile, decoded_blocks, load_blocks, quantize_blocks, store_blocks, unpack4
+from .quantize_nvfp4 import launch_block_quantize, launch_decoded_quantize, store_words
 from .rounding import round_to_half
 
 try:
@@ -89,8 +89,10 @@ def _gelu_quantize_decoded_kernel(
     HW_E2M1: tl.constexpr,
 ):
     rows, kbs, mask = block_tile(tl.program_id(0), col_tiles, M, K, BLOCK_R, BLOCK_C)
-    packed, sf_byte = _gelu_blocks(h_ptr, g_ptr, rows, kbs, row_stride, mask, IS_BF16, FAST_MATH, HW_E2M1)
-    store_decoded(packed, sf_byte, rows, kbs, out_ptr, K, mask)
+    q0, q1, q2, q3 = load_blocks(h_ptr, rows, kbs, row_stride, mask)
+    w0, w1, w2, w3 = decoded_blocks(gelu_word(q0, IS_BF16), gelu_word(q1, IS_BF16), gelu_word(q2, IS_BF16),
+                                    gelu_word(q3, IS_BF16), tl.load(g_ptr), IS_BF16, FAST_MATH)
+    store_words(w0, w1, w2, w3, rows, kbs, out_ptr, K, mask)
 
 
 def gelu_quantize_decoded_triton(

@@ -263,9 +263,40 @@ def _max4(a, b, c, d):
 
 
 @triton.jit
-def quantize_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
-    """Four int64 tensors ``[R, C]`` (elements 4i..4i+3 of each 16-block in ``q_i``) -> (packed int64 ``[R, C]``:
-    the block's 8 packed bytes, little-endian; E4M3 scale byte int32 ``[R, C]``)."""
+def e2m1_value(v):
+    """A scaled FP32 value (a product, as for ``_e2m1_parts``) -> the E2M1 value its code stands for, as FP32 with
+    the code's sign (-0 for a small negative value, +6 for NaN), without building the code: ``(a + c) - c`` is
+    ``a`` on the E2M1 grid (the same correctly rounded add as ``_e2m1_parts``; the subtraction is exact)."""
+    if INLINE_PTX:
+        a = tl.minimum(tl.abs(v), 6.0)
+        sign = v
+    else:
+        sign = tl.maximum(tl.minimum(v, 6.0), -6.0)
+        a = tl.abs(sign)
+    e8 = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) >> 23
+    c = (e8 * 0x800002 + (0x4AC00000 - 127 * 0x800002)).to(tl.float32, bitcast=True)
+    magnitude = ((a + c) - c).to(tl.uint32, bitcast=True)
+    return (magnitude | (sign.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp16_pair(lo, hi):
+    """Two FP32 values exact in FP16 -> uint32 holding their FP16 bits, ``lo`` in the low half."""
+    return (lo.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32)
+            | (hi.to(tl.float16).to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
+
+
+@triton.jit
+def _decoded_word(x0, x1, x2, x3, f, s):
+    """Four values, their block's factor and FP32 scale -> int64 of the four exact FP16 products ``e2m1 * s``."""
+    lo = _fp16_pair(e2m1_value(x0 * f) * s, e2m1_value(x1 * f) * s)
+    hi = _fp16_pair(e2m1_value(x2 * f) * s, e2m1_value(x3 * f) * s)
+    return lo.to(tl.int64) | (hi.to(tl.int64) << 32)
+
+
+@triton.jit
+def _block_values(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr):
+    """Four int64 tensors ``[R, C]`` of 16-blocks -> (the 16 FP32 values, E4M3 scale byte int32, FP32 factor)."""
     e0, e1, e2, e3 = unpack4(q0, IS_BF16)
     e4, e5, e6, e7 = unpack4(q1, IS_BF16)
     e8, e9, e10, e11 = unpack4(q2, IS_BF16)
@@ -273,6 +304,27 @@ def quantize_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.cons
     vec_max = tl.maximum(tl.maximum(_max4(e0, e1, e2, e3), _max4(e4, e5, e6, e7)),
                          tl.maximum(_max4(e8, e9, e10, e11), _max4(e12, e13, e14, e15)))
     sf_byte, f = block_scale_and_factor(vec_max, g, FAST_MATH)
+    return (e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15), sf_byte, f
+
+
+@triton.jit
+def decoded_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr):
+    """``quantize_blocks``'s 16-blocks straight to their exact FP16 values (code value times E4M3 scale, the bytes
+    of decoding the packed result): four int64 ``[R, C]``, element ``4j + i`` of a block in bits ``16i`` of word
+    ``j``. Rounds each value to the E2M1 grid as a float instead of building and decoding codes (docs/design.md
+    §7)."""
+    e, sf_byte, f = _block_values(q0, q1, q2, q3, g, IS_BF16, FAST_MATH)
+    s = e4m3_value(sf_byte)
+    return (_decoded_word(e[0], e[1], e[2], e[3], f, s), _decoded_word(e[4], e[5], e[6], e[7], f, s),
+            _decoded_word(e[8], e[9], e[10], e[11], f, s), _decoded_word(e[12], e[13], e[14], e[15], f, s))
+
+
+@triton.jit
+def quantize_blocks(q0, q1, q2, q3, g, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr, HW_E2M1: tl.constexpr):
+    """Four int64 tensors ``[R, C]`` (elements 4i..4i+3 of each 16-block in ``q_i``) -> (packed int64 ``[R, C]``:
+    the block's 8 packed bytes, little-endian; E4M3 scale byte int32 ``[R, C]``)."""
+    e, sf_byte, f = _block_values(q0, q1, q2, q3, g, IS_BF16, FAST_MATH)
+    e0, e1, e2, e3, e4, e5, e6, e7, e8, e9, e10, e11, e12, e13, e14, e15 = e
     w0 = e2m1_word(e0 * f, e1 * f, e2 * f, e3 * f, e4 * f, e5 * f, e6 * f, e7 * f, HW_E2M1)
     w1 = e2m1_word(e8 * f, e9 * f, e10 * f, e11 * f, e12 * f, e13 * f, e14 * f, e15 * f, HW_E2M1)
     packed = w0.to(tl.uint32).to(tl.int64) | (w1.to(tl.int64) << 32)

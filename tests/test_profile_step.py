@@ -51,3 +51,16 @@ def test_every_gemm_entry_of_the_layer_opens_a_shape_range(monkeypatch):
     names = [e.name for e in prof.events() if e.name.startswith("gemm M=")]
     assert names == ["gemm M=3 N=32 K=64"] * 3, names
     assert NVFP4Linear.forward_decoded.__name__ == "forward_decoded"  # restored
+
+
+@pytest.mark.parametrize("name,label", [
+    ("_nvfp4_gemv_kernel", "NVFP4 GEMM"),  # was counted as a BF16 GEMM
+    ("_nvfp4_gemm_sm90_kernel", "NVFP4 GEMM"),
+    ("triton_poi_fused_gelu_quantized_linear_view_11", "inductor kernels"),  # was "fused kernels" (gelu_quantize...)
+    ("triton_poi_fused__scaled_dot_product_cudnn_attention__to_copy_cat_permute_view_5", "inductor kernels"),
+    ("_gelu_quantize_decoded_kernel", "fused kernels"),
+    ("_quantize_nvfp4_decoded_kernel", "quantize"),
+    ("nvjet_sm90_tst_192x8_64x8_4x1_v_bz_bias_TNT", "BF16 GEMM"),
+])
+def test_kernel_classes(name, label):
+    assert profile_step.kernel_class(name) == label

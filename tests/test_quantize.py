@@ -13,7 +13,7 @@ import triton.language as tl  # noqa: E402
 
 from diffusers_nvfp4_fast.format import e2m1_round, pack_nibbles  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
-from diffusers_nvfp4_fast.kernels.nvfp4_epilogue import e2m1_words  # noqa: E402
+from diffusers_nvfp4_fast.kernels.nvfp4_epilogue import e2m1_value, e2m1_words  # noqa: E402
 from support.inputs import INPUT_KINDS, adversarial, global_scale_for, make_input  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
 
@@ -104,6 +104,25 @@ def interpreted_e2m1_words() -> dict:
     return {"checked": x.numel(), "mismatches": bad.numel(), "first": x.view(-1, 8)[bad[:3]].tolist()}
 
 
+@triton.jit
+def _e2m1_value_probe(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + i, e2m1_value(tl.load(x_ptr + i, mask=i < n, other=0.0)), mask=i < n)
+
+
+def interpreted_e2m1_values() -> dict:
+    """The decoded quantize's rounding to E2M1 values (no codes) against the value of the reference's code."""
+    x = e2m1_boundary_values()
+    got = torch.empty_like(x)
+    _e2m1_value_probe[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), BLOCK=1024)
+    codes = e2m1_round(x).long()
+    table = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    want = torch.where(codes >= 8, -table[codes & 7], table[codes & 7])  # code 8 is -0.0
+    bad = (got.view(torch.int32) != want.view(torch.int32)).nonzero().flatten()
+    return {"checked": x.numel(), "mismatches": bad.numel(), "first": x[bad[:3]].tolist(),
+            "negative_zeros": int((want.view(torch.int32) == -2**31).sum())}
+
+
 def interpreted_fuzz() -> dict:
     from diffusers_nvfp4_fast.kernels import quantize_nvfp4_triton
 
@@ -127,6 +146,12 @@ def test_interpreted_kernel_matches_reference():
 def test_e2m1_encoder_matches_reference_on_every_boundary():
     res = run_interpreted(__name__, "interpreted_e2m1_words")
     assert res["checked"] > 500_000 and res["mismatches"] == 0, res
+
+
+def test_e2m1_values_match_the_reference_codes_on_every_boundary():
+    """Bit for bit, signed zeros included: what ``quantize_nvfp4_decoded`` multiplies by the block scale."""
+    res = run_interpreted(__name__, "interpreted_e2m1_values")
+    assert res["checked"] > 500_000 and res["mismatches"] == 0 and res["negative_zeros"] > 0, res
 
 
 @pytest.mark.parametrize("capability", [90, 100, 120])
