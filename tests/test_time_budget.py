@@ -26,3 +26,5 @@ def test_gpu_tests_have_their_own_limit():
     durations = {"compile": limit + 10, "stuck gpu": GPU_TEST_LIMIT_S + 1, "cpu": limit + 10}
     result = verdict(durations, 400.0, gpu_tests=frozenset({"compile", "stuck gpu"}))
     assert sorted(result.too_slow) == ["cpu", "stuck gpu"]
+    assert f"a GPU test past {GPU_TEST_LIMIT_S:.0f} s" in result.lines[0]
+    assert "GPU test" not in verdict({"cpu": 1.0}, 1.0).lines[0]

@@ -25,7 +25,8 @@ def verdict(durations: dict[str, float], total_s: float, slowest: int = 10,
     limit = FAIL_FACTOR * TEST_BUDGET_S
     over_suite = " OVER BUDGET" if total_s > SUITE_BUDGET_S else ""
     lines = [f"time budget: {total_s:.0f} s of {SUITE_BUDGET_S:.0f} s for the suite{over_suite}; "
-             f"{TEST_BUDGET_S:.0f} s per test (a test fails the run past {limit:.0f} s)"]
+             f"{TEST_BUDGET_S:.0f} s per test (a test fails the run past {limit:.0f} s"
+             + (f", a GPU test past {GPU_TEST_LIMIT_S:.0f} s)" if gpu_tests & durations.keys() else ")")]
     ranked = sorted(durations.items(), key=lambda item: -item[1])
 
     def past(test: str, seconds: float) -> bool:
