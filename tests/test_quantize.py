@@ -113,6 +113,7 @@ def _e2m1_value_probe(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def interpreted_e2m1_values() -> dict:
     """The decoded quantize's rounding to E2M1 values (no codes) against the value of the reference's code."""
     x = e2m1_boundary_values()
+    x = x[: x.numel() // 8]  # each value once: the eight rolled copies only move it inside an eight-value word
     got = torch.empty_like(x)
     _e2m1_value_probe[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), BLOCK=1024)
     codes = e2m1_round(x).long()
@@ -151,7 +152,7 @@ def test_e2m1_encoder_matches_reference_on_every_boundary():
 def test_e2m1_values_match_the_reference_codes_on_every_boundary():
     """Bit for bit, signed zeros included: what ``quantize_nvfp4_decoded`` multiplies by the block scale."""
     res = run_interpreted(__name__, "interpreted_e2m1_values")
-    assert res["checked"] > 500_000 and res["mismatches"] == 0 and res["negative_zeros"] > 0, res
+    assert res["checked"] > 300_000 and res["mismatches"] == 0 and res["negative_zeros"] > 0, res
 
 
 @pytest.mark.parametrize("capability", [90, 100, 120])
