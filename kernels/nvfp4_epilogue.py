@@ -3,7 +3,8 @@
 A kernel calls the entry point that matches how a 16-block sits in its threads: ``quantize_blocks`` (one thread
 loaded the whole block as four int64 words) or ``quantize_block_halves`` (one thread computed the whole block in
 registers); a kernel that splits a block across threads reduces the maximum itself, then calls
-``block_scale_and_factor`` and ``e2m1_words`` / ``e2m1_half_words`` on its share.
+``block_scale_and_factor`` and ``e2m1_words`` / ``e2m1_half_words`` on its share. ``decoded_blocks`` gives
+``quantize_blocks``' result as the exact FP16 values the large-M GEMM multiplies, without codes (``e2m1_value``).
 Each computes block maxima, E4M3 block scales and E2M1 codes exactly as docs/design.md §3 (and
 ``diffusers_nvfp4_fast.format``) define them; the kernel stores the packed bytes and the 128x4-swizzled scales
 (``swizzled_scale_offset``, ``store_blocks``).
