@@ -247,8 +247,6 @@ def codes_then_decode(x_ptr, g_ptr, out_ptr, M, K, row_stride, col_tiles, BLOCK_
 def quantize_sweep(model: str, m: int, k: int, copy_gbps: float) -> list[dict]:
     """The decoded activation quantize of an ``[m, k]`` BF16 activation: the codes kernel, then every tile of the
     value-rounding kernel; GPU µs per call under CUDA graphs over >= 160 MB of distinct activations."""
-    from diffusers_nvfp4_fast import kernels
-
     shape = {"model": model, "M": m, "K": k}
     count = max(1, math.ceil(STREAM_BYTES / (2 * m * k)))
     xs = [(torch.randn(m, k, device="cuda") * 3).bfloat16() for _ in range(count)]
@@ -270,7 +268,7 @@ def quantize_sweep(model: str, m: int, k: int, copy_gbps: float) -> list[dict]:
         codes_then_decode, x, g, True, *old), list(old))
     for tile in QUANTIZE_SWEEP:
         r, c, w = tile
-        timed(f"quantize_nvfp4_decoded R{r} C{c} w{w}", lambda x, r=r, c=c, w=w: kernels.quantize_nvfp4_decoded(
+        timed(f"quantize_nvfp4_decoded R{r} C{c} w{w}", lambda x, r=r, c=c, w=w: qn.quantize_nvfp4_decoded(
             x, g, block_r=r, block_c=c, num_warps=w), list(tile), codes)
     return rows
 

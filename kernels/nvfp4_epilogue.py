@@ -73,6 +73,14 @@ def _e2m1_parts(v):
     even, so the tie parity is unchanged), hence ``bits(a + c)`` with ``a = min(|v|, 6)`` ends in the code itself.
     ``e`` comes from the exponent field of ``max(a, 1)``; one multiply-add turns it into ``c``'s bits.
     """
+    a, c, sign = _e2m1_grid(v)
+    return (a + c).to(tl.uint32, bitcast=True), sign.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_grid(v):
+    """``_e2m1_parts``' operands: (``a = min(|v|, 6)``, the rounding constant ``c`` of ``a``'s range, a value carrying
+    ``v``'s sign as the code's sign bit)."""
     # minNum (PTX min.f32, np.fmin in the interpreter) saturates at 6 and turns a NaN into 6.0, i.e. code 7.
     if INLINE_PTX:
         # The sign comes from v itself: every caller passes an FP32 product (value * factor), and a GPU multiply
@@ -86,8 +94,7 @@ def _e2m1_parts(v):
     e8 = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) >> 23  # 127, 128 or 129
     # bits(c) = (e8 << 23) + (22 << 23) + 2^22 (the 1.5) + 2 * (e8 - 127) (the first code)
     c_bits = e8 * 0x800002 + (0x4AC00000 - 127 * 0x800002)
-    u = (a + c_bits.to(tl.float32, bitcast=True)).to(tl.uint32, bitcast=True)
-    return u, sign.to(tl.uint32, bitcast=True)
+    return a, c_bits.to(tl.float32, bitcast=True), sign
 
 
 @triton.jit
@@ -268,14 +275,7 @@ def e2m1_value(v):
     """A scaled FP32 value (a product, as for ``_e2m1_parts``) -> the E2M1 value its code stands for, as FP32 with
     the code's sign (-0 for a small negative value, +6 for NaN), without building the code: ``(a + c) - c`` is
     ``a`` on the E2M1 grid (the same correctly rounded add as ``_e2m1_parts``; the subtraction is exact)."""
-    if INLINE_PTX:
-        a = tl.minimum(tl.abs(v), 6.0)
-        sign = v
-    else:
-        sign = tl.maximum(tl.minimum(v, 6.0), -6.0)
-        a = tl.abs(sign)
-    e8 = tl.maximum(a, 1.0).to(tl.int32, bitcast=True) >> 23
-    c = (e8 * 0x800002 + (0x4AC00000 - 127 * 0x800002)).to(tl.float32, bitcast=True)
+    a, c, sign = _e2m1_grid(v)
     magnitude = ((a + c) - c).to(tl.uint32, bitcast=True)
     return (magnitude | (sign.to(tl.uint32, bitcast=True) & 0x80000000)).to(tl.float32, bitcast=True)
 
