@@ -98,6 +98,7 @@ SUITES: dict[str, list[tuple[str, list[str], int]]] = {
                 ("bench_qwen", [PY, "benchmarks/bench_qwen_resnorm.py"], 90),
                 ("bench_adaln", [PY, "benchmarks/bench_adaln.py"], 120),
                 ("bench_gelu", [PY, "benchmarks/bench_gelu.py", "--sweep"], 60),
+                ("bench_quantize_values", [PY, "benchmarks/bench_quantize_values.py"], 200),
                 ("bench_qk", [PY, "benchmarks/bench_qk_norm_rotary.py"], 130)],
     "gemm": [("bench_gemm_tiles", [PY, "benchmarks/bench_gemm_tiles.py"], 330),
              ("bench_gemm", [PY, "benchmarks/bench_gemm.py", "--sweep-configs"], 420),
