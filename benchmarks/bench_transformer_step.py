@@ -623,8 +623,7 @@ def run(args) -> dict:
         result["dynamo_counters"] = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()}
         import common
 
-        result.update(common.quantize_pass_counts())
-        result["opaque_quantize"] = args.opaque_quantize
+        result["shared_quantize_nodes"] = common.shared_quantize_nodes()
     result["wall_s"] = round(time.time() - t_start, 1)
     return result
 
@@ -668,8 +667,6 @@ def _jsonable(obj):
 
 
 def main() -> None:
-    import common
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=list(MODELS), required=True)
     ap.add_argument("--height", type=int, default=1024)
@@ -693,9 +690,7 @@ def main() -> None:
                     help="time torch.compile(transformer) ('model', the default) or each block compiled as "
                          "compile_repeated_blocks(fullgraph=True) does ('blocks'); inductor, precision-cast "
                          "emulation on; instead of eager")
-    common.add_opaque_quantize_flag(ap)
     args = ap.parse_args()
-    common.apply_opaque_quantize_flag(args)
     if args.cuda_graph and args.compile:
         sys.exit("--cuda-graph and --compile are separate modes; run them one at a time")
     if args.kv_cached and args.model != "qwen-image-2.1":

@@ -107,24 +107,9 @@ def write_result(result: dict, name: str | None = None) -> Path:
     return path
 
 
-def quantize_pass_counts() -> dict:
-    """NVFP4 layer nodes that ``exact_inductor``'s pass rewrote in this process (0 where inductor's cache served the
-    compiled code): ``shared_quantize_nodes`` (one activation quantize for several layers) and
-    ``decomposed_quantize_nodes`` (the quantize fused into the activation's producer)."""
-    from diffusers_nvfp4_fast.inductor import ACTIVATION_QUANTIZE_PASS
+def shared_quantize_nodes() -> int:
+    """NVFP4 layer nodes that ``exact_inductor``'s pass rewrote to share one activation quantize in this process (0
+    where inductor's cache served the compiled code)."""
+    from diffusers_nvfp4_fast.inductor import SHARE_ACTIVATION_QUANTIZE
 
-    return {"shared_quantize_nodes": ACTIVATION_QUANTIZE_PASS.shared,
-            "decomposed_quantize_nodes": ACTIVATION_QUANTIZE_PASS.decomposed}
-
-
-def add_opaque_quantize_flag(parser) -> None:
-    """``--opaque-quantize``: compiled graphs keep each layer's quantize as the opaque kernel (the pass's decompose
-    step off), to measure what fusing it into the producers gives."""
-    parser.add_argument("--opaque-quantize", action="store_true",
-                        help="keep the activation quantize opaque in compiled graphs (no fusion into producers)")
-
-
-def apply_opaque_quantize_flag(args) -> None:
-    from diffusers_nvfp4_fast.inductor import ACTIVATION_QUANTIZE_PASS
-
-    ACTIVATION_QUANTIZE_PASS.decompose = not args.opaque_quantize
+    return SHARE_ACTIVATION_QUANTIZE.rewritten

@@ -162,7 +162,6 @@ def profile(model, inputs, device, warmups: int = 2) -> dict:
 
 def main() -> None:
     import bench_transformer_step as step
-    import common
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(step.MODELS), default="flux2-dev")
@@ -176,9 +175,7 @@ def main() -> None:
                     "compiled step)")
     ap.add_argument("--bf16", action="store_true", help="profile the BF16 model (no NVFP4 layers, no fast paths), "
                     "the baseline of the NVFP4 profile; written with the suffix -bf16")
-    common.add_opaque_quantize_flag(ap)
     args = ap.parse_args()
-    common.apply_opaque_quantize_flag(args)
     from diffusers_nvfp4_fast import enable_fast_paths, exact_inductor
 
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -207,15 +204,13 @@ def main() -> None:
         import common
 
         if args.compile:
-            result.update(common.quantize_pass_counts())
-            result["opaque_quantize"] = args.opaque_quantize
+            result["shared_quantize_nodes"] = common.shared_quantize_nodes()
 
         if args.bf16:
             mode = mode.replace("fast paths on", "the BF16 model")
         out = common.header(name, common.copy_bandwidth_gbps())
         out.update(model=args.model, inputs=vars(args), mode=mode, **result)
-        suffix = ("-bf16" if args.bf16 else "") + ("-opaque-quantize" if args.opaque_quantize else "")
-        print("wrote", common.write_result(out, f"{name}-{args.model}{suffix}"))
+        print("wrote", common.write_result(out, f"{name}-{args.model}" + ("-bf16" if args.bf16 else "")))
     if args.host:
         print(f"{args.model}: wall under cProfile {result['wall_ms_under_cprofile']} ms")
         for row in result["by_own_time"][:25]:

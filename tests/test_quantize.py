@@ -14,7 +14,7 @@ import triton.language as tl  # noqa: E402
 from diffusers_nvfp4_fast.format import e2m1_round, pack_nibbles  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
 from diffusers_nvfp4_fast.kernels.nvfp4_epilogue import e2m1_value, e2m1_words  # noqa: E402
-from support.inputs import INPUT_KINDS, adversarial, e2m1_boundary_values, global_scale_for, make_input  # noqa: E402
+from support.inputs import INPUT_KINDS, adversarial, global_scale_for, make_input  # noqa: E402
 from support.interpreter import run_interpreted  # noqa: E402
 
 ROWS = (1, 17, 128, 512, 4096, 4608)
@@ -72,6 +72,20 @@ def test_interpreted_quantize_decoded_equals_decode_of_quantize():
     """Bit for bit (signed zeros included): the values the large-M GEMM would decode the packed activation to."""
     res = run_interpreted(__name__, "interpreted_quantize_decoded")
     assert len(res["equal"]) == len(quantize_cases()) and all(res["equal"]), res
+
+
+def e2m1_boundary_values() -> torch.Tensor:
+    """Every BF16 bit pattern (as FP32), the 4096 FP32 neighbours on each side of every rounding midpoint and code
+    value, NaNs of both signs; each value appears once at every nibble position of an eight-value word."""
+    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0])
+    steps = torch.arange(-4096, 4097, dtype=torch.int32)
+    near = (points.view(torch.int32)[:, None] + steps[None, :]).flatten()
+    near = near[near >= 0].view(torch.float32)
+    every_bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    nans = torch.tensor([0x7FC00000, 0x7F800001, -0x00400000, -0x00000001], dtype=torch.int32).view(torch.float32)
+    x = torch.cat([near, -near, every_bf16, nans])
+    x = torch.cat([x, torch.zeros((-x.numel()) % 8)])
+    return torch.cat([torch.roll(x.view(-1, 8), shifts=k, dims=1).flatten() for k in range(8)])
 
 
 @triton.jit

@@ -1,5 +1,5 @@
 """One activation quantized once for several NVFP4 layers (``ops/shared_quantize.py``) and the inductor pass that
-uses it in compiled graphs (``inductor.ActivationQuantizePass``): the bytes of one ``quantized_linear`` per layer.
+uses it in compiled graphs (``inductor.ShareActivationQuantize``): the bytes of one ``quantized_linear`` per layer.
 CPU here (the reference GEMM); tests/test_compile.py runs whole compiled models on the GPU."""
 
 from __future__ import annotations

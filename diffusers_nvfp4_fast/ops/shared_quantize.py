@@ -3,7 +3,7 @@ the activation quantized once where every ``s_i`` holds the same value (docs/des
 
 Reference: the list of ``quantized_linear`` calls. There is no kernel of its own: one quantize (packed, or straight to
 the FP16 values the SM90 GEMM multiplies) and each layer's GEMM, the two halves ``quantized_linear`` runs per layer,
-so the bytes are those of the separate calls. Compiled graphs get it from ``inductor.ActivationQuantizePass``,
+so the bytes are those of the separate calls. Compiled graphs get it from ``inductor.ShareActivationQuantize``,
 which rewrites the ``quantized_linear`` nodes that read one tensor (a block's query, key and value projections).
 Eager fused sites share their quantize their own way (``patches/adaln.py``).
 """

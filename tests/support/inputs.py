@@ -106,17 +106,3 @@ def gelu_adversarial(rows: int, cols: int, device="cuda", seed: int = 0) -> torc
     pick = torch.randint(0, 4 * len(edges), (rows, cols), device=device, generator=gen)
     x = torch.where(pick < len(edges), edges[pick.clamp(max=len(edges) - 1)] * signs, x)
     return x.to(torch.bfloat16)
-
-
-def e2m1_boundary_values() -> torch.Tensor:
-    """Every BF16 bit pattern (as FP32), the 4096 FP32 neighbours on each side of every rounding midpoint and code
-    value, NaNs of both signs; each value appears once at every nibble position of an eight-value word."""
-    points = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0])
-    steps = torch.arange(-4096, 4097, dtype=torch.int32)
-    near = (points.view(torch.int32)[:, None] + steps[None, :]).flatten()
-    near = near[near >= 0].view(torch.float32)
-    every_bf16 = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
-    nans = torch.tensor([0x7FC00000, 0x7F800001, -0x00400000, -0x00000001], dtype=torch.int32).view(torch.float32)
-    x = torch.cat([near, -near, every_bf16, nans])
-    x = torch.cat([x, torch.zeros((-x.numel()) % 8)])
-    return torch.cat([torch.roll(x.view(-1, 8), shifts=k, dims=1).flatten() for k in range(8)])
