@@ -204,7 +204,7 @@ def _row_slice_scales(scales: torch.Tensor, rows: int) -> torch.Tensor:
 def _sm90_config_str(stages: int | None = None) -> str:
     from diffusers_nvfp4_fast.kernels import nvfp4_gemm_sm90 as s
 
-    return f"sm90 gluon BM{s.BLOCK_M} BN{s.BLOCK_N} BK{s.BLOCK_K} w{s.NUM_WARPS} S{stages or s.SM90_STAGES}"
+    return f"sm90 gluon BN{s.BLOCK_N} BK{s.BLOCK_K} w{s.NUM_WARPS} S{stages or 'default'}"
 
 
 def _config_str(cfg) -> str:

@@ -22,7 +22,9 @@ divided by ``R``. Variants per (M, N, K):
 and checks that every config of one split gives the same bytes (gemm_small_m-mma-<device>.json). ``--small-m-sweep
 gemv`` (M = 1) times the one-row kernel ``nvfp4_gemv``: its two activation forms, the whole layer call, the
 tensor-core kernel it replaced, and ``GEMV_SWEEP`` tiles x K splits, checking that tiles of one BLOCK_K and split give
-the same bytes (gemm_small_m-gemv-<device>.json). ``--quantize-sweep`` times the large-M layers' activation quantize
+the same bytes (gemm_small_m-gemv-<device>.json). ``--stages-sweep`` times the SM90 GEMM at
+every tile height x pipeline depth that fits shared memory, with byte equality to the default launch
+(gemm_stages-<device>.json). ``--quantize-sweep`` times the large-M layers' activation quantize
 (``quantize_nvfp4_decoded``, BF16 to the exact FP16 values the GEMM multiplies) over ``QUANTIZE_SWEEP`` tiles, beside
 the same quantize built from E2M1 codes (``codes_then_decode``, the kernel before 2026-12-03's value rounding), with
 bytes moved per second as a fraction of the copy bandwidth and byte equality with the codes kernel
@@ -273,6 +275,40 @@ def quantize_sweep(model: str, m: int, k: int, copy_gbps: float) -> list[dict]:
     return rows
 
 
+def stages_sweep(model: str, m: int, n: int, k: int) -> list[dict]:
+    """The SM90 GEMM at every tile height x pipeline depth that fits (``sm90_max_stages``), GPU µs per call over
+    streamed weights, each output compared with the default launch's bytes; cuBLAS BF16 beside."""
+    from diffusers_nvfp4_fast.kernels import nvfp4_gemm_sm90 as sm90
+    from diffusers_nvfp4_fast.kernels import quantize_nvfp4_decoded
+
+    shape = {"model": model, "M": m, "N": n, "K": k}
+    weights, alpha = nvfp4_weights(n, k, max(1, math.ceil(STREAM_BYTES / (n * k * 9 // 16))))
+    x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
+    x16 = quantize_nvfp4_decoded(x, (2688.0 / x.float().abs().amax()).reshape(1), fast_math=True)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    want = sm90.nvfp4_gemm_sm90(x16, weights[0][0], weights[0][1], alpha, out.clone())
+    default_bm = sm90.sm90_block_m(m, n, torch.cuda.get_device_properties(0).multi_processor_count)
+    rows = []
+    for bm in sorted(sm90.SM90_TILE_COST, reverse=True):
+        for stages in range(3, sm90.sm90_max_stages(bm, 2) + 1):
+            row = {"shape": shape, "block_m": bm, "stages": stages,
+                   "default": bm == default_bm and stages == sm90.SM90_STAGES[bm]}
+            try:
+                got = sm90.nvfp4_gemm_sm90(x16, weights[0][0], weights[0][1], alpha, out.clone(), stages=stages,
+                                           block_m=bm)
+                row["same_bytes_as_default"] = torch.equal(got, want)
+                row["us"] = round(graph_us([lambda w=w, bm=bm, st=stages: sm90.nvfp4_gemm_sm90(
+                    x16, w[0], w[1], alpha, out, stages=st, block_m=bm) for w in weights]), 2)
+            except Exception as e:  # a depth the compiler cannot fit: recorded, not fatal
+                row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            rows.append(row)
+            print(model, m, n, k, bm, stages, row.get("us", row.get("error")), row.get("same_bytes_as_default"),
+                  flush=True)
+    del weights
+    rows.append({"shape": shape, "variant": "cublas_bf16", "us": round(cublas_us(x, n, k), 2)})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 17, 512, 1024, 2048, 4096, 4608])
@@ -280,9 +316,20 @@ def main() -> None:
     ap.add_argument("--small-m-sweep", choices=["mma", "gemv"], help="configs x K splits of the M <= 64 tensor-core "
                     "GEMM, or of the one-row kernel")
     ap.add_argument("--quantize-sweep", action="store_true", help="tiles of the large-M layers' activation quantize")
+    ap.add_argument("--stages-sweep", action="store_true", help="the SM90 GEMM's tile heights x pipeline depths at "
+                    "--m (default 512 1024) for --models")
     args = ap.parse_args()
     t0 = time.time()
     copy = copy_bandwidth_gbps()
+    if args.stages_sweep:
+        out = header("gemm_stages", copy)
+        for model in args.models:
+            for n, k in SHAPES[model]:
+                for m in (args.m if args.m != ap.get_default("m") else [512, 1024]):
+                    out["cases"] += stages_sweep(model, m, n, k)
+        out["wall_s"] = round(time.time() - t0, 1)
+        print("wrote", write_result(out, "gemm_stages"))
+        return
     if args.quantize_sweep:
         out = header("quantize_decoded", copy)
         for model in args.models:

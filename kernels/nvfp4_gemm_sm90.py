@@ -66,7 +66,7 @@ from .launch import DescriptorEncoding, DirectLaunch, cdiv, cuda_capability, lau
 from .tiling import grouped_tile
 
 __all__ = ["nvfp4_gemm_sm90", "sm90_supported", "sm90_block_m", "sm90_launch", "Sm90Launch", "SM90_STAGES",
-           "SM90_GROUP_N", "SM90_TILE_COST"]
+           "SM90_GROUP_N", "SM90_TILE_COST", "sm90_max_stages"]
 
 BLOCK_N, BLOCK_K, NUM_WARPS = 128, 64, 8
 # Per-thread register cap of the launch: 8 MMA warps + the producer warp (a warpgroup of 4 as allocated) = 384
@@ -75,7 +75,8 @@ BLOCK_N, BLOCK_K, NUM_WARPS = 128, 64, 8
 MAX_REGISTERS = 168
 # Pipeline depth, tile order and tile costs: the H200 measurements behind each are in docs/history.md ("Kernel tuning
 # constants"). None of them changes a byte: every choice runs the same K walk on the same operand values.
-SM90_STAGES = 4  # the fastest depth on 8 of 10 shapes, within 2 % on the rest
+SM90_STAGES = {256: 4, 128: 4, 64: 4}  # per tile height; 256: the fastest depth on 8 of 10 shapes
+SMEM_BYTES = 232448  # shared memory a CTA may use on SM90 (227 KB)
 SM90_GROUP_N = 64  # weight tiles per group of grouped_tile's order
 SM90_TILE_COST = {256: 1.0, 128: 0.72, 64: 0.55}  # relative time of one tile per height; sm90_block_m weighs waves
 
@@ -267,6 +268,15 @@ def sm90_block_m(m: int, n: int, sm_count: int) -> int:
     return min(sorted(SM90_TILE_COST, reverse=True), key=cost)
 
 
+def sm90_max_stages(block_m: int, out_element_size: int) -> int:
+    """The deepest pipeline whose shared memory fits a CTA: per stage the X tile (``block_m`` x 64 FP16), the weight's
+    words (128 rows x 32 bytes) and scale words (512 bytes); besides them the epilogue's layout conversion, taken as
+    ``block_m`` x 64 output elements (which matches the depths measured to fit at 256 tokens: 5 for BF16, 4 for FP32
+    output)."""
+    stage = block_m * BLOCK_K * 2 + BLOCK_N * BLOCK_K // 2 + BLOCK_N * 4
+    return min(12, (SMEM_BYTES - block_m * 64 * out_element_size - 1024) // stage)
+
+
 # (id(weight), id(scales)) -> ((data pointers and shapes), weight descriptor, scale descriptor)
 _WEIGHT_DESCRIPTORS: dict[tuple[int, int], tuple] = {}
 
@@ -315,7 +325,7 @@ def sm90_supported(k: int, w_packed: torch.Tensor, w_scales: torch.Tensor) -> bo
 
 
 def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
-                    out: torch.Tensor, stages: int = SM90_STAGES, group_n: int = SM90_GROUP_N,
+                    out: torch.Tensor, stages: int | None = None, group_n: int = SM90_GROUP_N,
                     bias: torch.Tensor | None = None, block_m: int | None = None) -> torch.Tensor:
     """``out = out.dtype((x16 @ decode(w).T) * alpha)`` (+ bias) on an SM90 GPU (operands as ``sm90_supported``
     requires).
@@ -326,20 +336,22 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
         w_scales: uint8 (or E4M3) 128x4-swizzled scales ``[round_up(N, 128), round_up(K/16, 4)]``, contiguous.
         alpha: FP32 with one element (0-d or ``[1]``) on the same device, read in the kernel.
         out: ``[M, N]`` BF16/FP16/FP32 with unit column stride; written and returned.
-        stages: TMA pipeline depth (3-5; 3-4 with FP32 output); group_n: tile order (see ``SM90_GROUP_N``).
+        stages: TMA pipeline depth (default ``SM90_STAGES`` of the tile height; 3 to ``sm90_max_stages``);
+            group_n: tile order (see ``SM90_GROUP_N``).
         bias: ``[N]`` in out's dtype, contiguous, or None: added as torch's ``out + bias`` would.
         block_m: tokens per tile (64, 128 or 256); default ``sm90_block_m``. The bytes depend on none of these three.
     """
-    max_stages = 4 if out.element_size() == 4 else 5  # shared memory: 36.5 KB per stage + the epilogue's transpose
-    if not 3 <= stages <= max_stages:
-        raise ValueError(f"nvfp4_gemm_sm90: stages={stages} does not fit; with {out.dtype} output it must be in "
-                         f"3..{max_stages}")
     m, k = x16.shape
     n = w_packed.shape[0]
     if block_m is None:
         block_m = sm90_block_m(m, n, sm_count(x16.device))
     if block_m not in SM90_TILE_COST:
         raise ValueError(f"nvfp4_gemm_sm90: block_m={block_m}; it must be one of {sorted(SM90_TILE_COST)}")
+    stages = SM90_STAGES[block_m] if stages is None else stages
+    max_stages = sm90_max_stages(block_m, out.element_size())
+    if not 3 <= stages <= max_stages:
+        raise ValueError(f"nvfp4_gemm_sm90: stages={stages} does not fit; with {block_m}-token tiles and {out.dtype} "
+                         f"output it must be in 3..{max_stages}")
     scale_cols = w_scales.shape[1]
     site = _site(x16, out, alpha, bias, n, scale_cols, block_m, stages, group_n)
     x_desc = _x_descriptor(x16, block_m, site)
@@ -401,7 +413,7 @@ def sm90_launch(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tenso
     m, k = x16.shape
     n = w_packed.shape[0]
     block_m = sm90_block_m(m, n, sm_count(x16.device))
-    site = _site(x16, out, alpha, bias, n, w_scales.shape[1], block_m, SM90_STAGES, SM90_GROUP_N)
+    site = _site(x16, out, alpha, bias, n, w_scales.shape[1], block_m, SM90_STAGES[block_m], SM90_GROUP_N)
     recorded = site_binary(_nvfp4_gemm_sm90_kernel, site)
     if recorded is None or recorded[0].descriptor_meta is None or len(recorded[0].descriptor_meta) != 3:
         return None

@@ -260,10 +260,15 @@ def test_sm90_gemm_rejects_a_pipeline_depth_that_does_not_fit():
     w = torch.zeros(128, 32, dtype=torch.uint8)
     s = torch.zeros(128, 4, dtype=torch.uint8)
     alpha = torch.ones(1)
-    with pytest.raises(ValueError, match="stages=5 does not fit; with torch.float32 output it must be in 3..4"):
-        nvfp4_gemm_sm90(x16, w, s, alpha, torch.empty(4, 128), stages=5)
-    with pytest.raises(ValueError, match="stages=6 does not fit; with torch.bfloat16 output it must be in 3..5"):
-        nvfp4_gemm_sm90(x16, w, s, alpha, torch.empty(4, 128, dtype=torch.bfloat16), stages=6)
+    with pytest.raises(ValueError, match="stages=5 does not fit; with 256-token tiles and torch.float32 output it must "
+                                         "be in 3..4"):
+        nvfp4_gemm_sm90(x16, w, s, alpha, torch.empty(4, 128), stages=5, block_m=256)
+    with pytest.raises(ValueError, match="stages=6 does not fit; with 256-token tiles and torch.bfloat16 output it "
+                                         "must be in 3..5"):
+        nvfp4_gemm_sm90(x16, w, s, alpha, torch.empty(4, 128, dtype=torch.bfloat16), stages=6, block_m=256)
+    # smaller tiles leave room for deeper pipelines
+    with pytest.raises(ValueError, match="it must be in 3..10"):
+        nvfp4_gemm_sm90(x16, w, s, alpha, torch.empty(4, 128, dtype=torch.bfloat16), stages=11, block_m=128)
 
 
 def test_sm90_weight_descriptors_are_reused_rebuilt_and_freed():
