@@ -292,7 +292,7 @@ def stages_sweep(model: str, m: int, n: int, k: int) -> list[dict]:
     for bm in sorted(sm90.SM90_TILE_COST, reverse=True):
         for stages in range(3, sm90.sm90_max_stages(bm, 2) + 1):
             row = {"shape": shape, "block_m": bm, "stages": stages,
-                   "default": bm == default_bm and stages == sm90.SM90_STAGES[bm]}
+                   "default": bm == default_bm and stages == sm90.SM90_STAGES}
             try:
                 got = sm90.nvfp4_gemm_sm90(x16, weights[0][0], weights[0][1], alpha, out.clone(), stages=stages,
                                            block_m=bm)
@@ -309,34 +309,6 @@ def stages_sweep(model: str, m: int, n: int, k: int) -> list[dict]:
     return rows
 
 
-def schedule_compare(model: str, m: int, n: int, k: int) -> list[dict]:
-    """The SM90 GEMM's two K-step schedules (whole 64-wide steps, or 16-wide chunks: ``chunked``) at every tile
-    height, GPU µs per call over streamed weights, bytes compared with the default launch; cuBLAS BF16 beside."""
-    from diffusers_nvfp4_fast.kernels import nvfp4_gemm_sm90 as sm90
-    from diffusers_nvfp4_fast.kernels import quantize_nvfp4_decoded
-
-    shape = {"model": model, "M": m, "N": n, "K": k}
-    weights, alpha = nvfp4_weights(n, k, max(1, math.ceil(STREAM_BYTES / (n * k * 9 // 16))))
-    x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
-    x16 = quantize_nvfp4_decoded(x, (2688.0 / x.float().abs().amax()).reshape(1), fast_math=True)
-    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    want = sm90.nvfp4_gemm_sm90(x16, weights[0][0], weights[0][1], alpha, out.clone())
-    rows = []
-    for bm in sorted(sm90.SM90_TILE_COST, reverse=True):
-        for chunked in (False, True):
-            got = sm90.nvfp4_gemm_sm90(x16, weights[0][0], weights[0][1], alpha, out.clone(), block_m=bm,
-                                       chunked=chunked)
-            us = graph_us([lambda w=w, bm=bm, c=chunked: sm90.nvfp4_gemm_sm90(x16, w[0], w[1], alpha, out, block_m=bm,
-                                                                               chunked=c) for w in weights])
-            rows.append({"shape": shape, "block_m": bm, "chunked": chunked, "us": round(us, 2),
-                         "tflops": round(2 * m * n * k / us / 1e6, 1), "same_bytes_as_default": torch.equal(got, want)})
-            print(model, m, n, k, bm, chunked, rows[-1]["us"], rows[-1]["same_bytes_as_default"], flush=True)
-    del weights
-    rows.append({"shape": shape, "variant": "cublas_bf16", "us": round(cublas_us(x, n, k), 2)})
-    print(model, m, n, k, "cublas", rows[-1]["us"], flush=True)
-    return rows
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--m", type=int, nargs="+", default=[1, 17, 512, 1024, 2048, 4096, 4608])
@@ -346,20 +318,9 @@ def main() -> None:
     ap.add_argument("--quantize-sweep", action="store_true", help="tiles of the large-M layers' activation quantize")
     ap.add_argument("--stages-sweep", action="store_true", help="the SM90 GEMM's tile heights x pipeline depths at "
                     "--m (default 512 1024) for --models")
-    ap.add_argument("--schedule-compare", action="store_true", help="the SM90 GEMM's whole-step and chunked K "
-                    "schedules at --m (default 512 4096) for --models")
     args = ap.parse_args()
     t0 = time.time()
     copy = copy_bandwidth_gbps()
-    if args.schedule_compare:
-        out = header("gemm_schedule", copy)
-        for model in args.models:
-            for n, k in SHAPES[model]:
-                for m in (args.m if args.m != ap.get_default("m") else [512, 4096]):
-                    out["cases"] += schedule_compare(model, m, n, k)
-        out["wall_s"] = round(time.time() - t0, 1)
-        print("wrote", write_result(out, "gemm_schedule"))
-        return
     if args.stages_sweep:
         out = header("gemm_stages", copy)
         for model in args.models:

@@ -100,7 +100,6 @@ SUITES: dict[str, list[tuple[str, list[str], int]]] = {
              ("gemm_small_m", [PY, "benchmarks/bench_gemm_tiles.py", "--small-m-sweep", "mma", "--m", "1"], 240),
              ("gemm_gemv", [PY, "benchmarks/bench_gemm_tiles.py", "--small-m-sweep", "gemv"], 240),
              ("quantize_sweep", [PY, "benchmarks/bench_gemm_tiles.py", "--quantize-sweep"], 200),
-             ("schedule_compare", [PY, "benchmarks/bench_gemm_tiles.py", "--schedule-compare"], 400),
              ("stages_sweep", [PY, "benchmarks/bench_gemm_tiles.py", "--stages-sweep", "--models", "qwen-image", "--m",
                                "512"], 400)],
     "native": [("bench_native", [PY, "benchmarks/bench_native.py"], 420)],

@@ -95,8 +95,7 @@ def compile_flux2_qk_norm_rotary(arch: int, tree: int = 1, block_r: int = 16, nu
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
 
 
-def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, has_bias: bool = False,
-                      chunked: bool = False):
+def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, has_bias: bool = False):
     """Compile the Gluon SM90 GEMM (``kernels/nvfp4_gemm_sm90.py``) for sm_90a without a GPU."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -110,7 +109,7 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, 
            "s_desc": f"tensordesc<i32[1, 128],{flat!r}>", "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "scale_rows_per_tile": "i32"}
     consts = {"BLOCK_M": block_m, "BLOCK_N": mod.BLOCK_N, "BLOCK_K": mod.BLOCK_K, "STAGES": stages, "GROUP_N": 8,
-              "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET, "HAS_BIAS": has_bias, "CHUNKED": chunked}
+              "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET, "HAS_BIAS": has_bias}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 11)}  # as Triton specializes them at run time
     src = GluonASTSource(mod._nvfp4_gemm_sm90_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -75,10 +75,9 @@ BLOCK_N, BLOCK_K, NUM_WARPS = 128, 64, 8
 MAX_REGISTERS = 168
 # Pipeline depth, tile order and tile costs: the H200 measurements behind each are in docs/history.md ("Kernel tuning
 # constants"). None of them changes a byte: every choice runs the same K walk on the same operand values.
-SM90_STAGES = {256: 4, 128: 4, 64: 4}  # per tile height; 256: the fastest depth on 8 of 10 shapes
+SM90_STAGES = 4  # the fastest depth at every tile height (deeper ones fit at 64 and 128 tokens and do not help)
 SMEM_BYTES = 232448  # shared memory a CTA may use on SM90 (227 KB)
 SM90_GROUP_N = 64  # weight tiles per group of grouped_tile's order
-SM90_CHUNKED = False  # K steps decoded and multiplied 16 columns at a time (_mma_step_chunked)
 SM90_TILE_COST = {256: 1.0, 128: 0.72, 64: 0.55}  # relative time of one tile per height; sm90_block_m weighs waves
 
 # Triton 3.9 renamed the TMA load and the shared-memory reinterpret; 3.6 (torch 2.11) has only the old names.
@@ -145,49 +144,9 @@ def _mma_step(i, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3,
 
 
 @gluon.jit
-def _mma_step_chunked(i, acc, x_smem, w_smem, s_smem, ready, empty, K, shift3,
-                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
-                      NEW_REINTERPRET: gl.constexpr, a_layout: gl.constexpr, word_layout: gl.constexpr,
-                      s_rows_layout: gl.constexpr):
-    """``_mma_step`` one 16-wide K chunk at a time: decode chunk j (the row's scale byte j and words 2j, 2j + 1), start
-    its wgmma, retire chunk j of step i - 1, so that each chunk's decode overlaps the chunks still in the tensor core
-    (docs/history.md, "the chunked K step"). The same operands in the same K order: the same bytes."""
-    s = i % STAGES
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    if NEW_REINTERPRET:
-        s_view = s_smem.index(s).reinterpret(gl.int32, [BLOCK_N], s_rows_layout)
-    else:
-        s_view = s_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], s_rows_layout)
-    sword = s_view.load(gl.SliceLayout(1, word_layout))
-    for j in gl.static_range(BLOCK_K // 16):
-        words = w_smem.index(s).slice(2 * j, 2, 1).load(word_layout)  # [BLOCK_N, 2]: K 16j .. 16j + 15
-        # byte j of the scale word, twice, as an exact FP16 pair times 2^7 (see _mma_step)
-        sel = gl.full([BLOCK_N], j * 0x11, gl.int32, gl.SliceLayout(1, word_layout))
-        s_pair = gl.inline_asm_elementwise(
-            "{ .reg .b32 t, c; .reg .b16 l, h; prmt.b32 t, $1, 0, $2; mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 t, l; "
-            "mov.b32 c, 0x58005800; mul.rn.f16x2 $0, t, c; }",
-            "=r,r,r", [sword, sel], dtype=gl.int32, is_pure=True, pack=1)
-        if not EVEN_K:
-            s_pair = gl.where(i * (BLOCK_K // 16) + j < K // 16, s_pair, 0)
-        s_pair = gl.expand_dims(gl.expand_dims(s_pair, 1), 2)
-        b = (gl.expand_dims(words, 2) >> shift3) & 0xFF
-        r = ((b * 0x00200200) & 0x0E000E00) | ((b * 0x01001000) & -0x7FFF8000)
-        lo, hi = gl.inline_asm_elementwise("{ .reg .b32 t; mul.rn.f16x2 t, $2, $3; mov.b32 {$0, $1}, t; }",
-                                           "=h,=h,r,r", [r, s_pair], dtype=(gl.float16, gl.float16),
-                                           is_pure=True, pack=1)
-        a = gl.convert_layout(gl.reshape(gl.join(lo, hi), [BLOCK_N, 16]), a_layout)
-        acc = warpgroup_mma(a, x_smem.index(s).slice(16 * j, 16, 1).permute((1, 0)), acc, is_async=True)
-        # in flight: chunks j+1.. of step i - 1 and 0..j of step i; so chunk j of step i - 1 is done
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-    mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i >= 1)
-    return acc
-
-
-@gluon.jit
 def _mma_partition(x_smem, w_smem, s_smem, ready, empty, alpha_ptr, bias_ptr, out_ptr, M, N, K, stride_om, off_m,
                    off_n, k_steps, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                   STAGES: gl.constexpr, EVEN_K: gl.constexpr, NEW_REINTERPRET: gl.constexpr, HAS_BIAS: gl.constexpr,
-                   CHUNKED: gl.constexpr):
+                   STAGES: gl.constexpr, EVEN_K: gl.constexpr, NEW_REINTERPRET: gl.constexpr, HAS_BIAS: gl.constexpr):
     """The two MMA warpgroups (the default partition): the K loop, then alpha, the bias and the masked store."""
     WORDS: gl.constexpr = BLOCK_K // 8
     # acc [weight rows, tokens]; the decoded weight is the wgmma's register A operand.
@@ -209,37 +168,17 @@ def _mma_partition(x_smem, w_smem, s_smem, ready, empty, alpha_ptr, bias_ptr, ou
     shift3 = gl.expand_dims(gl.expand_dims(byte * 8, 0), 0)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
-    if CHUNKED:
-        # pair_layout without the register bases of K bits 4-5: one 16-wide chunk, [row, word of 2, byte]
-        chunk_layout: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[8, 0, 0], [0, 1, 0]],
-            lane_bases=[[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            warp_bases=[[16, 0, 0], [32, 0, 0], [64, 0, 0]], block_bases=[], shape=[BLOCK_N, 2, 4])
-        chunk_words: gl.constexpr = gl.SliceLayout(2, chunk_layout)
-        a16_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-        cbyte = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, chunk_layout)))
-        cshift3 = gl.expand_dims(gl.expand_dims(cbyte * 8, 0), 0)
-        for j in range(k_steps // 2):
-            acc = _mma_step_chunked(2 * j, acc, x_smem, w_smem, s_smem, ready, empty, K, cshift3, BLOCK_N, BLOCK_K,
-                                    STAGES, EVEN_K, NEW_REINTERPRET, a16_layout, chunk_words, s_rows_layout)
-            acc = _mma_step_chunked(2 * j + 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cshift3, BLOCK_N,
-                                    BLOCK_K, STAGES, EVEN_K, NEW_REINTERPRET, a16_layout, chunk_words, s_rows_layout)
-        if k_steps % 2 == 1:
-            acc = _mma_step_chunked(k_steps - 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cshift3, BLOCK_N,
-                                    BLOCK_K, STAGES, EVEN_K, NEW_REINTERPRET, a16_layout, chunk_words, s_rows_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    else:
-        # Two steps per iteration, each a separate inlined call: the wgmma of one step reads its A fragment from
-        # registers until the next step's wait retires it, so consecutive steps must decode into different registers.
-        for j in range(k_steps // 2):
-            acc = _mma_step(2 * j, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K,
-                            STAGES, EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
-            acc = _mma_step(2 * j + 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K,
-                            STAGES, EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
-        if k_steps % 2 == 1:
-            acc = _mma_step(k_steps - 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K,
-                            STAGES, EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    # Two steps per iteration, each a separate inlined call: the wgmma of one step reads its A fragment from registers
+    # until the next step's wait retires it, so consecutive steps must decode into different registers.
+    for j in range(k_steps // 2):
+        acc = _mma_step(2 * j, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K, STAGES,
+                        EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
+        acc = _mma_step(2 * j + 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K,
+                        STAGES, EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
+    if k_steps % 2 == 1:
+        acc = _mma_step(k_steps - 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K,
+                        STAGES, EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 
     # The decoded weight carries a factor 2^-7 (module docstring); undo it exactly, then apply alpha.
     out = gl.permute(acc * 128.0 * gl.load(alpha_ptr), (1, 0)).to(out_ptr.dtype.element_ty)  # [tokens, rows]
@@ -260,7 +199,6 @@ def _nvfp4_gemm_sm90_kernel(
     x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, M, N, K, stride_om, scale_rows_per_tile,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     GROUP_N: gl.constexpr, EVEN_K: gl.constexpr, NEW_REINTERPRET: gl.constexpr, HAS_BIAS: gl.constexpr,
-    CHUNKED: gl.constexpr = False,
 ):
     gl.static_assert(BLOCK_K == 64, "one scale word (4 blocks of 16) per row and k-step")
     gl.static_assert(BLOCK_N == 128, "one 128-row block of the 128x4 scale layout per tile")
@@ -286,7 +224,7 @@ def _nvfp4_gemm_sm90_kernel(
     gl.warp_specialize([
         (_mma_partition, (x_smem, w_smem, s_smem, ready, empty, alpha_ptr, bias_ptr, out_ptr, M, N, K, stride_om,
                           off_m, off_n, k_steps, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, EVEN_K, NEW_REINTERPRET,
-                          HAS_BIAS, CHUNKED)),
+                          HAS_BIAS)),
         (_load_partition, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty, off_m, off_n,
                            pid_n * scale_rows_per_tile, k_steps, STAGES, BLOCK_K, WORDS, STEP_BYTES)),
     ], [1], [24])  # the producer: one warp, 24 registers
@@ -388,8 +326,7 @@ def sm90_supported(k: int, w_packed: torch.Tensor, w_scales: torch.Tensor) -> bo
 
 def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
                     out: torch.Tensor, stages: int | None = None, group_n: int = SM90_GROUP_N,
-                    bias: torch.Tensor | None = None, block_m: int | None = None,
-                    chunked: bool | None = None) -> torch.Tensor:
+                    bias: torch.Tensor | None = None, block_m: int | None = None) -> torch.Tensor:
     """``out = out.dtype((x16 @ decode(w).T) * alpha)`` (+ bias) on an SM90 GPU (operands as ``sm90_supported``
     requires).
 
@@ -399,11 +336,10 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
         w_scales: uint8 (or E4M3) 128x4-swizzled scales ``[round_up(N, 128), round_up(K/16, 4)]``, contiguous.
         alpha: FP32 with one element (0-d or ``[1]``) on the same device, read in the kernel.
         out: ``[M, N]`` BF16/FP16/FP32 with unit column stride; written and returned.
-        stages: TMA pipeline depth (default ``SM90_STAGES`` of the tile height; 3 to ``sm90_max_stages``);
+        stages: TMA pipeline depth (default ``SM90_STAGES``; 3 to ``sm90_max_stages``);
             group_n: tile order (see ``SM90_GROUP_N``).
         bias: ``[N]`` in out's dtype, contiguous, or None: added as torch's ``out + bias`` would.
-        block_m: tokens per tile (64, 128 or 256); default ``sm90_block_m``; chunked: the K step's schedule
-            (``SM90_CHUNKED``). The bytes depend on none of these four.
+        block_m: tokens per tile (64, 128 or 256); default ``sm90_block_m``. The bytes depend on none of these three.
     """
     m, k = x16.shape
     n = w_packed.shape[0]
@@ -411,34 +347,33 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
         block_m = sm90_block_m(m, n, sm_count(x16.device))
     if block_m not in SM90_TILE_COST:
         raise ValueError(f"nvfp4_gemm_sm90: block_m={block_m}; it must be one of {sorted(SM90_TILE_COST)}")
-    stages = SM90_STAGES[block_m] if stages is None else stages
+    stages = SM90_STAGES if stages is None else stages
     max_stages = sm90_max_stages(block_m, out.element_size())
     if not 3 <= stages <= max_stages:
         raise ValueError(f"nvfp4_gemm_sm90: stages={stages} does not fit; with {block_m}-token tiles and {out.dtype} "
                          f"output it must be in 3..{max_stages}")
     scale_cols = w_scales.shape[1]
-    chunked = SM90_CHUNKED if chunked is None else chunked
-    site = _site(x16, out, alpha, bias, n, scale_cols, block_m, stages, group_n, chunked)
+    site = _site(x16, out, alpha, bias, n, scale_cols, block_m, stages, group_n)
     x_desc = _x_descriptor(x16, block_m, site)
     w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
     grid = (cdiv(m, block_m) * cdiv(n, BLOCK_N),)
     launch_by_site(_nvfp4_gemm_sm90_kernel, grid, site, x_desc, w_desc, s_desc, alpha,
                    alpha if bias is None else bias, out, m, n, k, out.stride(0), scale_cols // 4, BLOCK_M=block_m,
                    BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, GROUP_N=group_n, EVEN_K=k % BLOCK_K == 0,
-                   NEW_REINTERPRET=_NEW_REINTERPRET, HAS_BIAS=bias is not None, CHUNKED=chunked,
-                   num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS)
+                   NEW_REINTERPRET=_NEW_REINTERPRET, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
+                   maxnreg=MAX_REGISTERS)
     return out
 
 
 def _site(x16: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None, n: int,
-          scale_cols: int, block_m: int, stages: int, group_n: int, chunked: bool) -> tuple:
+          scale_cols: int, block_m: int, stages: int, group_n: int) -> tuple:
     """Everything Triton specializes a launch on (kernels.launch.launch_by_site): the integers, the dtypes and
     alignments of the pointers, the descriptors' shapes, strides and blocks (from m, n, k, the strides, block_m)."""
     m, k = x16.shape
     bias_key = None if bias is None else (bias.dtype, bias.data_ptr() % 16 == 0)
     return (m, n, k, x16.stride(0), x16.dtype, x16.data_ptr() % 16 == 0, out.dtype, out.stride(0),
             out.data_ptr() % 16 == 0, alpha.dtype, alpha.data_ptr() % 16 == 0, bias_key, scale_cols, block_m, stages,
-            group_n, chunked)
+            group_n)
 
 
 class Sm90Launch:
@@ -478,8 +413,7 @@ def sm90_launch(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tenso
     m, k = x16.shape
     n = w_packed.shape[0]
     block_m = sm90_block_m(m, n, sm_count(x16.device))
-    site = _site(x16, out, alpha, bias, n, w_scales.shape[1], block_m, SM90_STAGES[block_m], SM90_GROUP_N,
-                 SM90_CHUNKED)
+    site = _site(x16, out, alpha, bias, n, w_scales.shape[1], block_m, SM90_STAGES, SM90_GROUP_N)
     recorded = site_binary(_nvfp4_gemm_sm90_kernel, site)
     if recorded is None or recorded[0].descriptor_meta is None or len(recorded[0].descriptor_meta) != 3:
         return None
