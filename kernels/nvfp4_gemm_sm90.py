@@ -21,7 +21,7 @@ schedule explicitly:
   A operand until a later wait retires it, and nothing in the PTX Triton emits says so: a loop whose body decodes
   into the registers of the previous step let ptxas overwrite the fragment of the wgmma still running (wrong,
   run-dependent bytes on the H200). So the loop body is two steps, two inlined calls whose fragments are distinct
-  values; ``tests/test_kernels_cpu.py`` checks the SASS for any write to the registers of an in-flight wgmma.
+  values; ``tests/test_gemm.py`` checks the SASS for any write to the registers of an in-flight wgmma.
 
     producer warp:   for i: wait empty[i % S]; TMA x/w/scales of step i -> stage i % S, signalling ready[i % S]
     MMA warpgroups:  for i: wait ready[i % S]; decode W[i] (overlaps wgmma(i - 1)); wgmma(W[i], X[i]^T) async;
