@@ -86,6 +86,11 @@ def nvfp4_weights(n: int, k: int, count: int):
     return [(packed.clone(), scales.clone()) for _ in range(count)], (1.0 / gw).float().reshape(1)
 
 
+def streamed_weights(n: int, k: int):
+    """``nvfp4_weights`` with as many copies as ``STREAM_BYTES`` of packed weights and scales take (at least one)."""
+    return nvfp4_weights(n, k, max(1, math.ceil(STREAM_BYTES / (n * k * 9 // 16))))
+
+
 def cublas_us(x: torch.Tensor, n: int, k: int, bias: torch.Tensor | None = None) -> float:
     """GPU µs per ``F.linear(x, w, bias)`` with BF16 ``[n, k]`` weights streamed from memory (``graph_us``)."""
     dense = [(torch.randn(n, k, device="cuda") * 0.02).bfloat16()
@@ -99,8 +104,7 @@ def run_shape(model: str, m: int, n: int, k: int) -> list[dict]:
     from diffusers_nvfp4_fast.ops.linear import quantized_linear
 
     shape = {"model": model, "M": m, "N": n, "K": k}
-    reps4 = max(1, math.ceil(STREAM_BYTES / (n * k * 9 // 16)))
-    weights, alpha = nvfp4_weights(n, k, reps4)
+    weights, alpha = streamed_weights(n, k)
     x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
     g = (2688.0 / x.float().abs().amax()).reshape(1)
     bias = torch.randn(n, device="cuda").bfloat16()
@@ -143,7 +147,7 @@ def small_m_sweep(model: str, m: int, n: int, k: int, copy_gbps: float) -> list[
 
     shape = {"model": model, "M": m, "N": n, "K": k}
     weight_bytes = n * k // 2 + n * k // 16
-    weights, alpha = nvfp4_weights(n, k, max(1, math.ceil(STREAM_BYTES / weight_bytes)))
+    weights, alpha = streamed_weights(n, k)
     x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
     xp, xs = quantize_nvfp4_triton(x, (2688.0 / x.float().abs().amax()).reshape(1))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -194,7 +198,7 @@ def gemv_sweep(model: str, n: int, k: int, copy_gbps: float) -> list[dict]:
     gemv = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemv")
     shape = {"model": model, "M": 1, "N": n, "K": k}
     weight_bytes = n * k // 2 + n * k // 16
-    weights, alpha = nvfp4_weights(n, k, max(1, math.ceil(STREAM_BYTES / weight_bytes)))
+    weights, alpha = streamed_weights(n, k)
     x = (torch.randn(1, k, device="cuda") * 3).bfloat16()
     g = (2688.0 / x.float().abs().amax()).reshape(1)
     xp, xs = kernels.quantize_nvfp4_triton(x, g)
@@ -282,7 +286,7 @@ def stages_sweep(model: str, m: int, n: int, k: int) -> list[dict]:
     from diffusers_nvfp4_fast.kernels import quantize_nvfp4_decoded
 
     shape = {"model": model, "M": m, "N": n, "K": k}
-    weights, alpha = nvfp4_weights(n, k, max(1, math.ceil(STREAM_BYTES / (n * k * 9 // 16))))
+    weights, alpha = streamed_weights(n, k)
     x = (torch.randn(m, k, device="cuda") * 3).bfloat16()
     x16 = quantize_nvfp4_decoded(x, (2688.0 / x.float().abs().amax()).reshape(1), fast_math=True)
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
