@@ -138,7 +138,7 @@ def run_step(name: str, command: list[str], limit: int, out: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("suites", nargs="*", help=f"suites to run, in order: {', '.join(SUITES)}")
-    ap.add_argument("--step", nargs="*", default=[],
+    ap.add_argument("--step", nargs="*", action="extend", default=[],
                     help="single steps by name (after the suites); NAME:SECONDS sets another time limit")
     ap.add_argument("--list", action="store_true")
     args = ap.parse_args()
