@@ -228,6 +228,15 @@ def wgmma_register_hazards(sass: str) -> list[str]:
     return found
 
 
+def first_k_step(sass: str) -> list[str]:
+    """The instructions of the SM90 GEMM's first K step: from the last mbarrier wait before the first
+    ``WARPGROUP.ARRIVE`` (the stage's "ready") to that fence, i.e. the loads and the weight decode of one step."""
+    lines = [line for line in sass.splitlines() if _INSTRUCTION.match(line)]
+    fence = next(i for i, line in enumerate(lines) if "WARPGROUP.ARRIVE" in line)
+    start = max(i for i, line in enumerate(lines[:fence]) if "TRYWAIT" in line)
+    return lines[start:fence]
+
+
 def sass_histogram(compiled) -> collections.Counter:
     """Opcode counts of a compiled kernel's SASS."""
     ops = collections.Counter()

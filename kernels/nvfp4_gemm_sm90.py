@@ -27,14 +27,14 @@ schedule explicitly:
     MMA warpgroups:  for i: wait ready[i % S]; decode W[i] (overlaps wgmma(i - 1)); wgmma(W[i], X[i]^T) async;
                             wait until only wgmma(i) is in flight; arrive empty[(i - 1) % S]
 
-Decoding, per weight row and K step: the row's scale word (4 E4M3 bytes, one per 16 values) becomes FP16 pairs
-``scale * 2^7`` with the hardware conversion ``cvt.rn.f16x2.e4m3x2`` and one FP16 multiply (both exact: every E4M3
-value is an FP16 value, NaN stays NaN): 3 instructions per scale pair, where integer bit moves took about 11. The E2M1
-nibbles become FP16 bits ``value * 2^-14`` with the integer placement of ``nvfp4_gemm``, and one FP16 multiply per
-pair gives ``value * scale * 2^-7``: the very operand values of the Triton kernel. (A variant without the 2^7,
-whose operands are ``value * scale * 2^-14`` and far more often FP16 subnormals, gave other bytes than the Triton
-kernel on random codes and scales on the H200, so the operands stay identical.) The epilogue multiplies the FP32
-accumulator by 2^7 (exact) and then by alpha.
+Decoding, per weight row and K step: the row's scale word (4 E4M3 bytes, one per 16 values) becomes FP16 values
+``scale * 2^7``, two at a time, by the hardware conversion ``cvt.rn.f16x2.e4m3x2`` and one FP16 multiply (both exact:
+every E4M3 value is an FP16 value, NaN stays NaN), and a PRMT copies each into both halves of its pair. A lane's byte
+of a weight word is picked by one PRMT; its two E2M1 nibbles become FP16 bits ``value * 2^-14`` with the integer
+placement of ``nvfp4_gemm``, and one FP16 multiply per pair gives ``value * scale * 2^-7``: the very operand values
+of the Triton kernel. (A variant without the 2^7, whose operands are ``value * scale * 2^-14`` and far more often
+FP16 subnormals, gave other bytes than the Triton kernel on random codes and scales on the H200, so the operands stay
+identical.) The epilogue multiplies the FP32 accumulator by 2^7 (exact) and then by alpha.
 
 Same summation as ``nvfp4_gemm``: 16-wide K steps in order with FP32 accumulation in the same HGMMA instruction
 family on the same operand values, so the output bytes equal those of every ``nvfp4_gemm`` config (checked on the
@@ -102,7 +102,7 @@ def _load_partition(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, ready, empty
 
 
 @gluon.jit
-def _mma_step(i, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3,
+def _mma_step(i, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, byte_select3,
               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, EVEN_K: gl.constexpr,
               NEW_REINTERPRET: gl.constexpr, a_layout: gl.constexpr, word_layout: gl.constexpr,
               s_rows_layout: gl.constexpr):
@@ -118,17 +118,24 @@ def _mma_step(i, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3,
         s_view = s_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], s_rows_layout)
     sword = s_view.load(gl.SliceLayout(1, word_layout))
     kb = (i * WORDS + cols) // 2
-    # Byte kb % 4 of the row's scale word, twice, converted by the hardware to an exact FP16 pair and times 2^7
-    # (0x5800 = 128.0), which is the scale operand of the Triton kernel's decode.
-    sw2, sel2 = gl.broadcast(sword[:, None], ((kb % 4) * 0x11)[None, :])
-    s_pair = gl.inline_asm_elementwise(
-        "{ .reg .b32 t, c; .reg .b16 l, h; prmt.b32 t, $1, 0, $2; mov.b32 {l, h}, t; cvt.rn.f16x2.e4m3x2 t, l; "
-        "mov.b32 c, 0x58005800; mul.rn.f16x2 $0, t, c; }",
-        "=r,r,r", [sw2, sel2], dtype=gl.int32, is_pure=True, pack=1)
+    # The row's four scale bytes, converted two at a time by the hardware to exact FP16 pairs and times 2^7
+    # (0x5800 = 128.0), the scale operand of the Triton kernel's decode; then each scale duplicated into a pair.
+    s0, s1, s2, s3 = gl.inline_asm_elementwise(
+        "{ .reg .b16 l, h; .reg .b32 a, c, m; mov.b32 {l, h}, $4; cvt.rn.f16x2.e4m3x2 a, l; "
+        "cvt.rn.f16x2.e4m3x2 c, h; mov.b32 m, 0x58005800; mul.rn.f16x2 a, a, m; mul.rn.f16x2 c, c, m; "
+        "prmt.b32 $0, a, 0, 0x1010; prmt.b32 $1, a, 0, 0x3232; prmt.b32 $2, c, 0, 0x1010; prmt.b32 $3, c, 0, 0x3232; }",
+        "=r,=r,=r,=r,r", [sword], dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
+    q = gl.expand_dims((cols // 2) % 4, 0)  # = kb % 4 (a step is 8 words), known per register at compile time
+    s_pair = gl.where(q == 0, gl.expand_dims(s0, 1), gl.where(q == 1, gl.expand_dims(s1, 1),
+                                                              gl.where(q == 2, gl.expand_dims(s2, 1),
+                                                                       gl.expand_dims(s3, 1))))
     if not EVEN_K:
         s_pair = gl.where((kb < K // 16)[None, :], s_pair, 0)
     s_pair = gl.expand_dims(s_pair, 2)
-    b = (gl.expand_dims(words, 2) >> shift3) & 0xFF
+    # The lane's byte of each word, by one PRMT (selector 0x4440 + byte: that byte, then zero bytes).
+    w3, sel3 = gl.broadcast(gl.expand_dims(words, 2), byte_select3)
+    b = gl.inline_asm_elementwise("prmt.b32 $0, $1, 0, $2;", "=r,r,r", [w3, sel3], dtype=gl.int32, is_pure=True,
+                                  pack=1)
     r = ((b * 0x00200200) & 0x0E000E00) | ((b * 0x01001000) & -0x7FFF8000)
     lo, hi = gl.inline_asm_elementwise("{ .reg .b32 t; mul.rn.f16x2 t, $2, $3; mov.b32 {$0, $1}, t; }",
                                        "=h,=h,r,r", [r, s_pair], dtype=(gl.float16, gl.float16),
@@ -165,18 +172,18 @@ def _mma_partition(x_smem, w_smem, s_smem, ready, empty, alpha_ptr, bias_ptr, ou
 
     cols = gl.arange(0, WORDS, layout=gl.SliceLayout(0, word_layout))
     byte = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, pair_layout)))
-    shift3 = gl.expand_dims(gl.expand_dims(byte * 8, 0), 0)
+    byte_select3 = gl.expand_dims(gl.expand_dims(byte + 0x4440, 0), 0)
 
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, acc_layout)
     # Two steps per iteration, each a separate inlined call: the wgmma of one step reads its A fragment from registers
     # until the next step's wait retires it, so consecutive steps must decode into different registers.
     for j in range(k_steps // 2):
-        acc = _mma_step(2 * j, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K, STAGES,
-                        EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
-        acc = _mma_step(2 * j + 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K,
+        acc = _mma_step(2 * j, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, byte_select3, BLOCK_N, BLOCK_K,
+                        STAGES, EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
+        acc = _mma_step(2 * j + 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, byte_select3, BLOCK_N, BLOCK_K,
                         STAGES, EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
     if k_steps % 2 == 1:
-        acc = _mma_step(k_steps - 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, shift3, BLOCK_N, BLOCK_K,
+        acc = _mma_step(k_steps - 1, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, byte_select3, BLOCK_N, BLOCK_K,
                         STAGES, EVEN_K, NEW_REINTERPRET, a_layout, word_layout, s_rows_layout)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
 

@@ -228,6 +228,20 @@ def test_sm90_gemm_never_overwrites_registers_of_a_running_wgmma(even_k, block_m
     assert wgmma_register_hazards(sass) == []
 
 
+def test_sm90_gemm_decodes_a_k_step_in_few_instructions():
+    """The weight decode is the SM90 GEMM's critical path at 64-128 tokens per tile (docs/history.md, "the K step
+    probes"): one PRMT per lane byte and the scales converted two at a time keep a K step at 127 instructions with
+    Triton 3.8 (151 with shift-and-mask byte picks and one conversion per scale pair, 1.4-6.7 % slower on the H200)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
+                        reason="this Triton has no Gluon Hopper API, so the SM90 GEMM SASS check did not run; "
+                               "it runs with Triton >= 3.6, as CI installs")
+    from sass_count import compile_gemm_sm90, disassemble, first_k_step
+
+    step = first_k_step(disassemble(compile_gemm_sm90(block_m=128)))
+    assert len(step) <= 132, f"{len(step)} instructions per K step"
+    assert not [line for line in step if "SHF.R.S32.HI" in line], "bytes picked by shift and mask again"
+
+
 def test_wgmma_hazard_check_finds_a_write_to_an_in_flight_fragment():
     """The checker above flags the pattern that broke the GEMM: a loop writing the A registers of the wgmma it left
     in flight (``DEPBAR.LE gsb0, 0x1``), and accepts the same loop once the write targets other registers."""
