@@ -125,10 +125,8 @@ def _mma_step(i, acc, x_smem, w_smem, s_smem, ready, empty, K, cols, byte_select
         "cvt.rn.f16x2.e4m3x2 c, h; mov.b32 m, 0x58005800; mul.rn.f16x2 a, a, m; mul.rn.f16x2 c, c, m; "
         "prmt.b32 $0, a, 0, 0x1010; prmt.b32 $1, a, 0, 0x3232; prmt.b32 $2, c, 0, 0x1010; prmt.b32 $3, c, 0, 0x3232; }",
         "=r,=r,=r,=r,r", [sword], dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1)
-    q = gl.expand_dims((cols // 2) % 4, 0)  # = kb % 4 (a step is 8 words), known per register at compile time
-    s_pair = gl.where(q == 0, gl.expand_dims(s0, 1), gl.where(q == 1, gl.expand_dims(s1, 1),
-                                                              gl.where(q == 2, gl.expand_dims(s2, 1),
-                                                                       gl.expand_dims(s3, 1))))
+    q = ((cols // 2) % 4)[None, :]  # = kb % 4 (a step is 8 words), known per register at compile time
+    s_pair = gl.where(q == 0, s0[:, None], gl.where(q == 1, s1[:, None], gl.where(q == 2, s2[:, None], s3[:, None])))
     if not EVEN_K:
         s_pair = gl.where((kb < K // 16)[None, :], s_pair, 0)
     s_pair = gl.expand_dims(s_pair, 2)

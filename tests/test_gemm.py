@@ -196,6 +196,12 @@ def test_interpreted_kernel_choice_errors(interpreter_results):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _need_gluon_hopper(what: str, module: str = "triton.experimental.gluon.language.nvidia.hopper") -> None:
+    """Skip ``what`` (a CPU check of the SM90 kernel) where this Triton has no Gluon Hopper API."""
+    pytest.importorskip(module, reason=f"this Triton has no Gluon Hopper API, so the {what} did not run; it runs "
+                                       "with Triton >= 3.6, as CI installs")
+
+
 SM90_VARIANTS = [(True, 256, False), (False, 256, False), (True, 128, True), (False, 64, True)]  # even_k, tokens, bias
 
 
@@ -204,9 +210,7 @@ def test_sm90_gemm_overlaps_decode_and_mma(even_k, block_m, has_bias):
     """The Gluon SM90 GEMM compiles with this Triton for every tile height, with and without the bias epilogue, and
     its SASS keeps one wgmma in flight while the next weight tile is decoded (wait until <= 1 group is pending, not
     0), with the decoded tile as the register A operand."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
-                        reason="this Triton has no Gluon Hopper API, so the SM90 GEMM compile check did not run; "
-                               "it runs with Triton >= 3.6, as CI installs")
+    _need_gluon_hopper("SM90 GEMM compile check")
     from sass_count import compile_gemm_sm90, disassemble
 
     sass = disassemble(compile_gemm_sm90(even_k=even_k, block_m=block_m, has_bias=has_bias))
@@ -219,9 +223,7 @@ def test_sm90_gemm_overlaps_decode_and_mma(even_k, block_m, has_bias):
 def test_sm90_gemm_never_overwrites_registers_of_a_running_wgmma(even_k, block_m, has_bias):
     """The decode of K step i must not write the A fragment (or accumulator) of wgmma(i - 1), which is still running:
     the hardware does not check it, and a loop that did it gave wrong, run-dependent bytes on an H200."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
-                        reason="this Triton has no Gluon Hopper API, so the SM90 GEMM SASS check did not run; "
-                               "it runs with Triton >= 3.6, as CI installs")
+    _need_gluon_hopper("SM90 GEMM SASS check")
     from sass_count import compile_gemm_sm90, disassemble, wgmma_register_hazards
 
     sass = disassemble(compile_gemm_sm90(even_k=even_k, block_m=block_m, has_bias=has_bias))
@@ -232,9 +234,7 @@ def test_sm90_gemm_decodes_a_k_step_in_few_instructions():
     """The weight decode is the SM90 GEMM's critical path at 64-128 tokens per tile (docs/history.md, "the K step
     probes"): one PRMT per lane byte and the scales converted two at a time keep a K step at 127 instructions with
     Triton 3.8 (151 with shift-and-mask byte picks and one conversion per scale pair, 1.4-6.7 % slower on the H200)."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
-                        reason="this Triton has no Gluon Hopper API, so the SM90 GEMM SASS check did not run; "
-                               "it runs with Triton >= 3.6, as CI installs")
+    _need_gluon_hopper("SM90 GEMM SASS check")
     from sass_count import compile_gemm_sm90, disassemble, first_k_step
 
     step = first_k_step(disassemble(compile_gemm_sm90(block_m=128)))
@@ -265,9 +265,7 @@ def test_wgmma_hazard_check_finds_a_write_to_an_in_flight_fragment():
 def test_sm90_gemm_rejects_a_pipeline_depth_that_does_not_fit():
     """Too many stages for the output dtype is a clear ValueError before anything is launched (not a compiler
     out-of-resources error from deep inside Triton)."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
-                        reason="this Triton has no Gluon Hopper API, so the SM90 GEMM pipeline-depth check did not "
-                                "run; it runs with Triton >= 3.6, as CI installs")
+    _need_gluon_hopper("SM90 GEMM pipeline-depth check")
     from diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90 import nvfp4_gemm_sm90
 
     x16 = torch.zeros(4, 64, dtype=torch.float16)
@@ -290,9 +288,7 @@ def test_sm90_weight_descriptors_are_reused_rebuilt_and_freed():
     import importlib
     import weakref
 
-    pytest.importorskip("triton.experimental.gluon.nvidia.hopper",
-                        reason="this Triton has no Gluon Hopper API, so the SM90 weight-descriptor cache check did not "
-                               "run; it runs with Triton >= 3.6, as CI installs")
+    _need_gluon_hopper("SM90 weight-descriptor cache check", module="triton.experimental.gluon.nvidia.hopper")
     sm90 = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")
     w = torch.randint(0, 256, (256, 64), dtype=torch.uint8)
     s = torch.randint(0, 256, (256, 8), dtype=torch.uint8)
@@ -316,9 +312,7 @@ def test_sm90_layouts_keep_the_text_triton_specializes_on():
     same text and the same layout type as a plain ``NVMMASharedLayout``."""
     import importlib
 
-    pytest.importorskip("triton.experimental.gluon.nvidia.hopper",
-                        reason="this Triton has no Gluon Hopper API, so the SM90 layout-repr check did not run; "
-                               "it runs with Triton >= 3.6, as CI installs")
+    _need_gluon_hopper("SM90 layout-repr check", module="triton.experimental.gluon.nvidia.hopper")
     from triton.experimental.gluon import language as gl
 
     sm90 = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")
@@ -701,9 +695,7 @@ def test_gpu_sm90_tile_heights_give_the_same_bytes(m, n, k, random_bytes):
 def test_sm90_block_m_picks_the_fastest_measured_height():
     """``sm90_block_m`` picks the fastest tile height of every (M, N, K) in the committed H200 measurement (the cost
     table was fit to it; a change to the table must keep it right or come with a new measurement)."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
-                        reason="this Triton has no Gluon Hopper API, so the SM90 tile choice was not checked; "
-                               "it runs with Triton >= 3.6, as CI installs")
+    _need_gluon_hopper("SM90 tile-choice check")
     import json
     from pathlib import Path
 
