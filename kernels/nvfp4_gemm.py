@@ -419,7 +419,8 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, 
     if splits > 1:
         block = 1024
         launch(split_reduce_kernel, (cdiv(m * n, block),), target, alpha, bias_arg, out, m, n, SPLITS=splits,
-               BLOCK=block, HAS_BIAS=bias is not None, num_warps=4)
+               BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
+               enable_fp_fusion=False)  # FP32 output: no FMA of sum * alpha + bias
     return out
 
 

@@ -188,7 +188,8 @@ def nvfp4_gemv(
     if count > 1:
         block = 1024
         launch(split_reduce_kernel, (cdiv(n, block),), target, alpha, args[5], out, 1, n, SPLITS=count, BLOCK=block,
-               HAS_BIAS=bias is not None, num_warps=4)
+               HAS_BIAS=bias is not None, num_warps=4,
+               enable_fp_fusion=False)  # FP32 output: no FMA of sum * alpha + bias
     return out
 
 
