@@ -10,11 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETING
+from .launch import INTERPRETING, cdiv, launch
 from .rounding import SOFT_CONVERT, narrow_bf16, widen_bf16
 
 __all__ = ["decode_tile", "e4m3_to_f16_x128", "linear_epilogue", "load_decode", "scale_bytes", "scale_words",
-           "split_reduce_kernel", "swizzled_word_row", "to_out", "use_asm_split", "widen"]
+           "split_reduce", "split_reduce_kernel", "swizzled_word_row", "to_out", "use_asm_split", "widen"]
 
 
 def use_asm_split(t: torch.Tensor) -> bool:
@@ -145,3 +145,13 @@ def split_reduce_kernel(part_ptr, alpha_ptr, bias_ptr, out_ptr, M, N, SPLITS: tl
         acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0.0)
     out = linear_epilogue(acc[None, :], alpha_ptr, bias_ptr, offs % N, N, out_ptr.dtype.element_ty, HAS_BIAS)
     tl.store(out_ptr + offs[None, :], out, mask=mask[None, :])
+
+
+def split_reduce(part: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, m: int, n: int,
+                 splits: int, has_bias: bool) -> None:
+    """``out`` (``[m, n]``, contiguous) = ``split_reduce_kernel`` of the FP32 partial sums ``part``
+    (``[splits, m, n]``); ``bias`` is read only with ``has_bias``. Compiled without FMA contraction: with FP32
+    output and a bias, ``sum * alpha + bias`` would otherwise round once instead of twice."""
+    block = 1024
+    launch(split_reduce_kernel, (cdiv(m * n, block),), part, alpha, bias, out, m, n, SPLITS=splits, BLOCK=block,
+           HAS_BIAS=has_bias, num_warps=4, enable_fp_fusion=False)

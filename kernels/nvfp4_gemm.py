@@ -61,7 +61,7 @@ from .nvfp4_decode import (
     linear_epilogue,
     load_decode,
     scale_words,
-    split_reduce_kernel,
+    split_reduce,
     swizzled_word_row,
     use_asm_split,
 )
@@ -417,10 +417,7 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, 
         _nvfp4_gemm_kernel[grid](*args, **flags, EVEN_K=k % kw["BLOCK_K"] == 0, **kw,
                                  num_warps=config.num_warps, num_stages=config.num_stages)
     if splits > 1:
-        block = 1024
-        launch(split_reduce_kernel, (cdiv(m * n, block),), target, alpha, bias_arg, out, m, n, SPLITS=splits,
-               BLOCK=block, HAS_BIAS=bias is not None, num_warps=4,
-               enable_fp_fusion=False)  # FP32 output: no FMA of sum * alpha + bias
+        split_reduce(target, alpha, bias_arg, out, m, n, splits, bias is not None)
     return out
 
 

@@ -27,12 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import DirectLaunch, cdiv, launch, launch_by_site, site_binary, sm_count
+from .launch import DirectLaunch, cdiv, launch_by_site, site_binary, sm_count
 from .nvfp4_decode import (
     linear_epilogue,
     load_decode,
     scale_words,
-    split_reduce_kernel,
+    split_reduce,
     swizzled_word_row,
     use_asm_split,
 )
@@ -186,10 +186,7 @@ def nvfp4_gemv(
     args, site, meta = _launch_arguments(x, x_scales, w_packed, w_scales, alpha, bias, target, chunk, tile)
     launch_by_site(_nvfp4_gemv_kernel, (cdiv(n, meta["BLOCK_N"]), count), site, *args, **meta)
     if count > 1:
-        block = 1024
-        launch(split_reduce_kernel, (cdiv(n, block),), target, alpha, args[5], out, 1, n, SPLITS=count, BLOCK=block,
-               HAS_BIAS=bias is not None, num_warps=4,
-               enable_fp_fusion=False)  # FP32 output: no FMA of sum * alpha + bias
+        split_reduce(target, alpha, args[5], out, 1, n, count, bias is not None)
     return out
 
 
