@@ -71,13 +71,14 @@ def compile_rotary(arch: int, head_dim: int = 128, block_r: int = 16, num_warps:
 
 
 def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree: int = 1, block_r: int = 16,
-                           num_warps: int = 4):
+                           num_warps: int = 4, norm: bool = True):
     """Compile the Qwen-Image QK-norm + rotary kernel for ``arch`` (x10) without a GPU, as ``qk_norm_rotary_triton``
-    launches it there (``rsqrt.approx.f32``, hardware BF16 conversions, FMA contraction off)."""
+    launches it there (``rsqrt.approx.f32``, hardware BF16 conversions, FMA contraction off); ``norm=False``: the
+    rotary embedding alone, as ``qwen_rotary_triton`` launches it."""
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "freqs_ptr": "*fp32", "out_ptr": "*i16", "mean_ptr": "*bf16",
            "rows": "i32", "S": "i32", "H": "i32", "eps": "fp32"}
-    consts = {"BLOCK_R": block_r, "APPROX_RSQRT": True, "REAL_FMA": real_fma, "IMAG_FMA": imag_fma,
-              "SOFT_BF16": False, "WRITE_MEAN": False, "TREE": tree}
+    consts = {"BLOCK_R": block_r, "APPROX_RSQRT": norm, "REAL_FMA": real_fma, "IMAG_FMA": imag_fma,
+              "SOFT_BF16": False, "WRITE_MEAN": False, "TREE": tree, "NORM": norm}
     return triton.compile(ASTSource(_qk_norm_rotary_kernel, {**sig, **dict.fromkeys(consts, "constexpr")},
                                     constexprs=consts),
                           target=GPUTarget("cuda", arch, 32),

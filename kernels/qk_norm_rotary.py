@@ -80,17 +80,20 @@ def _complex_product(a, b, c, d, REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr)
 def _qk_norm_rotary_kernel(
     x_ptr, w_ptr, freqs_ptr, out_ptr, mean_ptr, rows, S, H, eps,
     BLOCK_R: tl.constexpr, APPROX_RSQRT: tl.constexpr, REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr,
-    SOFT_BF16: tl.constexpr, WRITE_MEAN: tl.constexpr, TREE: tl.constexpr,
+    SOFT_BF16: tl.constexpr, WRITE_MEAN: tl.constexpr, TREE: tl.constexpr, NORM: tl.constexpr = True,
 ):
     D: tl.constexpr = 128
     r, pos, cols, ok, offs, x = _load_rows(x_ptr, rows, S, H, BLOCK_R, SOFT_BF16)
-    mean = _sum_of_squares(x, BLOCK_R, TREE) * 0.0078125  # MeanOps: the sum times 1/128 (exact)
-    if WRITE_MEAN:  # tests: the reduction tree, seen directly
-        tl.store(mean_ptr + r, mean, mask=r < rows)
-    rstd = rsqrt_like_torch(mean + eps, APPROX_RSQRT)
-    n = widen_bf16(narrow_bf16(x * rstd[:, None], SOFT_BF16), SOFT_BF16)
-    w = widen_bf16(tl.load(w_ptr + cols), SOFT_BF16)
-    y = widen_bf16(narrow_bf16(n * w[None, :], SOFT_BF16), SOFT_BF16)
+    if NORM:
+        mean = _sum_of_squares(x, BLOCK_R, TREE) * 0.0078125  # MeanOps: the sum times 1/128 (exact)
+        if WRITE_MEAN:  # tests: the reduction tree, seen directly
+            tl.store(mean_ptr + r, mean, mask=r < rows)
+        rstd = rsqrt_like_torch(mean + eps, APPROX_RSQRT)
+        n = widen_bf16(narrow_bf16(x * rstd[:, None], SOFT_BF16), SOFT_BF16)
+        w = widen_bf16(tl.load(w_ptr + cols), SOFT_BF16)
+        y = widen_bf16(narrow_bf16(n * w[None, :], SOFT_BF16), SOFT_BF16)
+    else:  # the rotary embedding alone, of an already normed x (compiled models: inductor computes the norm)
+        y = x
     a, b = tl.split(tl.reshape(y, [BLOCK_R, D // 2, 2]))
     f_offs = pos[:, None].to(tl.int64) * D + cols[None, :]  # freqs as FP32 [S, D/2, 2] (cos, sin)
     f = tl.load(freqs_ptr + f_offs, mask=ok, other=0.0)
@@ -182,6 +185,28 @@ def qk_norm_rotary_triton(
         x, weight.contiguous(), table, out.view(torch.int16), out if mean_out is None else mean_out, rows, seq, heads,
         eps, BLOCK_R=block_r, APPROX_RSQRT=not INTERPRETING if approx_rsqrt is None else approx_rsqrt,
         REAL_FMA=real_fma, IMAG_FMA=imag_fma, SOFT_BF16=bool(SOFT_CONVERT), WRITE_MEAN=mean_out is not None, TREE=tree,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return out
+
+
+def qwen_rotary_triton(x: torch.Tensor, freqs: torch.Tensor, *, real_fma: int = 1, imag_fma: int = 1,
+                       block_r: int = 16, num_warps: int = 4) -> torch.Tensor:
+    """x ``[B, S, H, 128]`` BF16, freqs complex64 ``[S, 64]`` -> ``[B, S, H, 128]`` BF16:
+    ``apply_rotary_emb_qwen(x, freqs, use_real=False)`` (the last line of the module docstring's chain, alone)."""
+    if x.dim() != 4 or x.shape[-1] != HEAD_DIM or x.dtype != torch.bfloat16:
+        raise ValueError(f"qwen_rotary_triton: x must be [B, S, H, 128] bf16, got {tuple(x.shape)} {x.dtype}")
+    b, seq, heads, d = x.shape
+    if freqs.shape != (seq, d // 2) or freqs.dtype != torch.complex64:
+        raise ValueError(f"qwen_rotary_triton: freqs must be complex64 [{seq}, {d // 2}], got "
+                         f"{tuple(freqs.shape)} {freqs.dtype}")
+    x, table = x.contiguous(), torch.view_as_real(freqs.contiguous())
+    out = torch.empty_like(x)
+    rows = b * seq * heads
+    launch(
+        _qk_norm_rotary_kernel, (cdiv(rows, block_r),),
+        x, x, table, out.view(torch.int16), out, rows, seq, heads, 0.0, BLOCK_R=block_r, APPROX_RSQRT=False,
+        REAL_FMA=real_fma, IMAG_FMA=imag_fma, SOFT_BF16=bool(SOFT_CONVERT), WRITE_MEAN=False, TREE=1, NORM=False,
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return out

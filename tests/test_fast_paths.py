@@ -361,13 +361,14 @@ def test_torch_compile_fullgraph_keeps_fast_paths(which, modelopt_exports):
     pipe.transformer = model
     disable_fast_paths(model)
     assert on == off
-    # Under compile diffusers' SwiGLU, rotary embedding, GELU and LayerNorm are kept (inductor computes them its own
-    # way); the token-cat kernel and the NVFP4 GEMMs stay. Those sites count once per trace (one trace, three
-    # calls), so the graph has no guard on a counter (next test).
-    assert report["fused_calls"] == {"flux2": {"flux2_token_cat": 6}, "qwen": {}}[which]
+    # Under compile diffusers' SwiGLU, FLUX.2's rotary embedding, GELU, LayerNorm and the Qwen-Image query/key norm
+    # are kept (inductor computes them its own way); the token-cat kernel, Qwen-Image's rotary embedding alone (its
+    # complex product, which inductor leaves to an eager kernel) and the NVFP4 GEMMs stay. Fallbacks count once per
+    # trace (one trace, three calls), so the graph has no guard on a counter (next test).
+    assert report["fused_calls"] == {"flux2": {"flux2_token_cat": 6}, "qwen": {"qwen_qk_rotary": 24}}[which]
     kept = {"flux2": {"flux2_adaln": 4, "flux2_resnorm": 2, "flux2_rotary": 6, "flux2_swiglu": 2,
                       "flux2_token_cat_swiglu": 2},
-            "qwen": {"qwen_adaln": 4, "qwen_bias_deferral": 2, "qwen_gelu": 4, "qwen_qk_rotary": 2, "qwen_resnorm": 4}}
+            "qwen": {"qwen_adaln": 4, "qwen_bias_deferral": 2, "qwen_gelu": 4, "qwen_resnorm": 4}}
     assert report["fallbacks"] == {f"{kind}: compiled: kept diffusers' op": n for kind, n in kept[which].items()}
 
 
@@ -416,7 +417,8 @@ def test_regional_compile_keeps_fast_paths_one_graph_per_block_class(which, mode
     assert on == off
     # FLUX.2: double- and single-stream blocks; Qwen-Image: its one block class (NVFP4 blocks fused, the rest not)
     assert counters["stats"]["unique_graphs"] == {"flux2": 2, "qwen": 2}[which], dict(counters["stats"])
-    assert calls == {"flux2": {"flux2_token_cat": 2}, "qwen": {}}[which], calls  # norm sites keep diffusers' ops
+    # norm sites keep diffusers' ops; Qwen-Image's rotary embedding alone runs the kernel (query and key per stream)
+    assert calls == {"flux2": {"flux2_token_cat": 2}, "qwen": {"qwen_qk_rotary": 8}}[which], calls
 
 
 @pytest.mark.slow

@@ -19,6 +19,8 @@ from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
     matching_tree,
     qk_norm_rotary,
     qk_norm_rotary_reference,
+    qwen_rotary,
+    qwen_rotary_reference,
     rms_norm_reference,
 )
 from diffusers_nvfp4_fast.ops.qk_norm_rotary import probe_inputs as qk_inputs  # noqa: E402
@@ -58,7 +60,13 @@ def cuda_chain_emulation(x, weight, freqs, eps=EPS, real_fma=1, imag_fma=1, tree
     xf = x.float().numpy().reshape(-1, 128)
     rstd = (1.0 / np.sqrt((mean + np.float32(eps)).astype(np.float64))).astype(np.float32)
     y = _bf16(_bf16(xf * rstd[:, None]) * weight.float().numpy()[None, :])
-    b, s, h, _ = x.shape
+    return rotary_emulation(y, x.shape, freqs, real_fma, imag_fma)
+
+
+def rotary_emulation(y: np.ndarray, shape, freqs: torch.Tensor, real_fma: int = 1, imag_fma: int = 1) -> torch.Tensor:
+    """``apply_rotary_emb_qwen`` on FP32 rows ``y`` ``[rows, 128]`` of a ``[B, S, H, 128]`` tensor as torch's CUDA
+    complex product computes it (FMA forms as ``_complex_product``), rounded to BF16."""
+    b, s, h, _ = shape
     table = torch.view_as_real(freqs).numpy()  # [S, 64, 2]
     pos = (np.arange(b * s * h) // h) % s
     c, d = table[pos, :, 0], table[pos, :, 1]
@@ -92,7 +100,7 @@ def _agree(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 def interpreted_qk_norm_rotary() -> dict:
-    from diffusers_nvfp4_fast.kernels import flux2_qk_norm_rotary_triton, qk_norm_rotary_triton
+    from diffusers_nvfp4_fast.kernels import flux2_qk_norm_rotary_triton, qk_norm_rotary_triton, qwen_rotary_triton
 
     x, weight, freqs = qk_inputs(2, 9, 3)
     out: dict = {}
@@ -107,6 +115,10 @@ def interpreted_qk_norm_rotary() -> dict:
     for tree in (0, 1):
         out[f"flux2 tree {tree}"] = _agree(flux2_qk_norm_rotary_triton(x, weight, cos, sin, EPS, tree=tree),
                                            flux2_chain_emulation(x, weight, cos, sin, tree=tree))
+    for real_fma, imag_fma in FMA_FORMS:
+        out[f"rotary {real_fma}{imag_fma}"] = _agree(
+            qwen_rotary_triton(x, freqs, real_fma=real_fma, imag_fma=imag_fma),
+            rotary_emulation(x.float().numpy().reshape(-1, 128), x.shape, freqs, real_fma, imag_fma))
     mean = torch.empty(x.numel() // 128)
     for tree in (0, 1):
         qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean, tree=tree)
@@ -118,7 +130,8 @@ def interpreted_qk_norm_rotary() -> dict:
 def test_interpreted_kernel_matches_cuda_emulation_for_every_fma_form():
     result = run_interpreted(__name__, "interpreted_qk_norm_rotary")
     means = {f"mean {tree} == {other}": tree == other for tree in (0, 1) for other in (0, 1, "sequential")}
-    assert result == {**{f"{r}{i}": True for r, i in FMA_FORMS}, "block_r=16": True, "tree 0": True,
+    assert result == {**{f"{r}{i}": True for r, i in FMA_FORMS}, **{f"rotary {r}{i}": True for r, i in FMA_FORMS},
+                      "block_r=16": True, "tree 0": True,
                       "flux2 tree 0": True, "flux2 tree 1": True, **means}, result
 
 
@@ -174,6 +187,33 @@ def test_compiles_ahead_of_time(capability, forms):
     ptx = compile_qk_norm_rotary(capability, *forms).asm["ptx"]
     assert "rsqrt.approx.f32" in ptx and "cvt.rn.bf16.f32" in ptx
     assert ("fma.rn.f32" in ptx) == (forms[:2] != (0, 0))  # contraction off: only the FMA the form asks for
+
+
+@pytest.mark.parametrize("capability", [90, 100])
+def test_rotary_alone_compiles_ahead_of_time(capability):
+    """The kernel without its norm (``qwen_rotary_triton``): no rsqrt, and FMAs only where the form asks for them."""
+    from sass_count import compile_qk_norm_rotary
+
+    ptx = compile_qk_norm_rotary(capability, norm=False).asm["ptx"]
+    assert "rsqrt" not in ptx and "cvt.rn.bf16" in ptx and "fma.rn.f32" in ptx
+    assert "fma.rn.f32" not in compile_qk_norm_rotary(capability, 0, 0, norm=False).asm["ptx"]
+
+
+def test_rotary_alone_op_equals_diffusers_on_cpu():
+    """Off the GPU the op is diffusers' own ``apply_rotary_emb_qwen`` (the kernel's forms: the interpreted test)."""
+    x, _, freqs = qk_inputs(2, 24, 3)
+    assert torch.equal(qwen_rotary(x, freqs).view(torch.int16), qwen_rotary_reference(x, freqs).view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq", [1, 17, 512, 4096])
+def test_gpu_rotary_alone_equals_diffusers(seq):
+    """The rotary embedding alone (what compiled Qwen-Image models run) against diffusers' op on the GPU."""
+    x, weight, freqs = qk_inputs(2, seq, 24, device="cuda", seed=seq)
+    normed = qk_norm_rotary_reference(x, weight, torch.ones_like(freqs), EPS)  # a normed query, unrotated
+    for rows in (x, normed):
+        got = qwen_rotary(rows, freqs)
+        assert torch.equal(got.view(torch.int16), qwen_rotary_reference(rows, freqs).view(torch.int16))
 
 
 @pytest.mark.gpu

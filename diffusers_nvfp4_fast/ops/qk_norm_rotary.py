@@ -1,6 +1,7 @@
 """Query/key RMSNorm + rotary embedding in one kernel: Qwen-Image (diffusers' ``RMSNorm`` with a BF16 weight, then
 ``apply_rotary_emb_qwen(..., use_real=False)``: ten torch ops over FP32 copies; site ``qwen_qk_rotary``) and FLUX.2
-(torch's ``F.rms_norm``, then ``apply_rotary_emb``; site ``flux2_qk_rotary``).
+(torch's ``F.rms_norm``, then ``apply_rotary_emb``; site ``flux2_qk_rotary``). Compiled Qwen-Image models, where
+inductor computes the norm, take the rotary embedding alone (``qwen_rotary``, same site).
 
 Reference: ``qk_norm_rotary_reference`` (diffusers' chain on the same device). Kernel: ``kernels.qk_norm_rotary_triton``
 (docs/design.md §6, "Qwen-Image QK norm and rotary"). The kernel's arithmetic is what torch 2.11's CUDA build
@@ -127,3 +128,22 @@ def _qk_norm_rotary_impl(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Ten
 # Triton runs, diffusers' chain elsewhere.
 qk_norm_rotary = FusedOp("qk_norm_rotary", _qk_norm_rotary_impl, qk_norm_rotary_reference, _contiguous_like_x,
                          ("out",))
+
+
+def qwen_rotary_reference(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """diffusers 0.42.1 ``apply_rotary_emb_qwen(x, freqs, use_real=False)``: x ``[B, S, H, D]``, freqs complex64
+    ``[S, D/2]``."""
+    return cast(torch.Tensor, apply_rotary_emb_qwen(x, freqs, use_real=False))
+
+
+def _qwen_rotary_impl(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    if triton_runs_on(x):
+        return cast(ModuleType, kernels).qwen_rotary_triton(x, freqs)
+    return qwen_rotary_reference(x, freqs)
+
+
+# x [B, S, H, 128] BF16, freqs complex64 [S, 64] -> [B, S, H, 128] BF16: the kernel's complex product (torch 2.11's
+# FMA forms; the first call of each class is checked against diffusers' ops) where Triton runs, diffusers' op
+# elsewhere. Under torch.compile it replaces diffusers' complex multiply, which inductor leaves to an eager kernel
+# over FP32 copies, with one pass over the BF16 rows.
+qwen_rotary = FusedOp("qwen_rotary", _qwen_rotary_impl, qwen_rotary_reference, _contiguous_like_x, ("out",))

@@ -1,9 +1,11 @@
 """Qwen-Image attention: each query's and key's RMSNorm and rotary embedding in one kernel (site ``qwen_qk_rotary``).
 
 ``QwenFusedAttnProcessor`` stands in for diffusers' ``QwenDoubleStreamAttnProcessor2_0`` (inside the bias-deferral
-wrapper where that is installed). Under ``torch.compile`` diffusers' processor runs the call: inductor computes
-RMSNorm's reduction and the complex product its own way, and compiled on must equal compiled off. On a GPU the site
-first checks once which of the kernel's reduction trees is torch's there, if any (``ops.qk_norm_rotary.matching_tree``).
+wrapper where that is installed). Under ``torch.compile`` diffusers' norm runs (inductor computes RMSNorm's reduction
+its own way, and compiled on must equal compiled off) and only the rotary embedding is the kernel's
+(``ops.qk_norm_rotary.qwen_rotary``): inductor leaves diffusers' complex product to an eager kernel over FP32 copies.
+On a GPU the site first checks once which of the kernel's reduction trees is torch's there, if any
+(``ops.qk_norm_rotary.matching_tree``).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb
 
 from ..hooks import call_changed_reason
 from ..ops.dispatch import triton_runs_on
-from ..ops.qk_norm_rotary import matching_tree, qk_norm_rotary
+from ..ops.qk_norm_rotary import matching_tree, qk_norm_rotary, qwen_rotary
 from ..ops.site import Site, SiteKind
-from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
+from ..ops.verify import count_fallback, failed_kind_reason
 from .flux2_attention import on_original
 
 
@@ -58,6 +60,15 @@ def norm_and_rotate(norm: Any, x: torch.Tensor, freqs: Any, site: Site) -> torch
     return qk_norm_rotary.checked(site, x, norm.weight, freqs, norm.eps)
 
 
+def rotate_compiled(x: torch.Tensor, freqs: Any, site: Site) -> torch.Tensor:
+    """``apply_rotary_emb_qwen(x, freqs, use_real=False)`` in a compiled graph: the checked kernel for BF16 rows of
+    128 and complex64 ``[S, 64]`` factors, diffusers' op otherwise (tensor properties only: nothing to guard)."""
+    if (x.dim() == 4 and x.shape[-1] == 128 and x.dtype == torch.bfloat16 and isinstance(freqs, torch.Tensor)
+            and freqs.dtype == torch.complex64 and freqs.shape == (x.shape[1], 64)):
+        return qwen_rotary.checked(site, x, freqs)
+    return apply_rotary_emb_qwen(x, freqs, use_real=False)  # type: ignore[return-value]  # (one tensor)
+
+
 class QwenFusedAttnProcessor:
     """``QwenDoubleStreamAttnProcessor2_0`` with each query's and key's RMSNorm + rotary embedding in one kernel.
 
@@ -75,6 +86,8 @@ class QwenFusedAttnProcessor:
     def _qk(self, norm: Any, x: torch.Tensor, freqs: Any) -> torch.Tensor:
         if freqs is None:
             return x if norm is None else norm(x)
+        if torch.compiler.is_compiling():
+            return rotate_compiled(x if norm is None else norm(x), freqs, self._site)
         if norm is None:
             return apply_rotary_emb_qwen(x, freqs, use_real=False)  # type: ignore[return-value]  # (one tensor)
         return norm_and_rotate(norm, x, freqs, self._site)
@@ -88,10 +101,6 @@ class QwenFusedAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling():  # diffusers' processor, op for op: inductor then sees off's graph
-            count_fallback(self._site, COMPILED)
-            return self._original(attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
-                                  attention_mask, image_rotary_emb)
         if encoder_hidden_states is None:
             raise ValueError("QwenDoubleStreamAttnProcessor2_0 requires encoder_hidden_states (text stream)")
         if attention_mask is not None:
