@@ -36,6 +36,7 @@ SUITES: dict[str, list[tuple[str, list[str], int]]] = {
                 ("t_qwen_kernel", GPU_TESTS + ["tests/test_layer_norm_quantize.py"], 200),
                 ("t_gemm", GPU_TESTS + ["tests/test_gemm.py"], 330)],
     "sm90": [("t_sm90", GPU_TESTS + ["tests/test_gemm.py", "-k", "sm90"], 200)],
+    "rotary": [("t_rotary", GPU_TESTS + ["tests/test_qk_norm_rotary.py"], 120)],
     "gemv": [("t_gemv", GPU_TESTS + ["tests/test_gemv.py", "tests/test_gemm.py", "tests/test_launch.py", "-k",
                                       "gemv or bitwise_repeatable or all_codes or small_gemm_sites or layer_plans"],
               200)],
