@@ -7,7 +7,9 @@ through the kernel wrappers and Triton's launcher, as before plans existed), alt
 
 * plain layer calls ``layer(x)`` (activation quantize + GEMM) at the shapes of Qwen-Image and FLUX.2-dev;
 * fused-site calls: ``fc2(GeluOperand(y))`` (GELU + quantize kernel, then the GEMM on its FP16 decode) and one
-  full-size Qwen-Image block forward with every fused site (per block and per NVFP4 layer call in it).
+  full-size Qwen-Image block forward with every fused site (per block and per NVFP4 layer call in it);
+* the op call a compiled graph makes per NVFP4 layer, as registered (``dispatch.define_op``), against the same
+  implementation registered with ``torch.library.custom_op`` and called directly.
 
 Each figure is the best of 5 runs of ``--calls`` back-to-back calls (host clock from the first call to the return of
 the last; few enough calls that the GPU's launch queue never fills, synchronized between runs). The outputs of both
@@ -33,7 +35,7 @@ LAYERS = {  # name: (in, out, bias, rows)
     "qwen text to_out 512x3072x3072": (3072, 3072, True, 512),
     "qwen image FC1 4096x12288x3072": (3072, 12288, True, 4096),
     "flux2 single to_out 4608x6144x24576": (24576, 6144, False, 4608),
-    "qwen modulation 1x18432x3072 (no plan: 1 row)": (3072, 18432, True, 1),
+    "qwen modulation 1x18432x3072 (one row)": (3072, 18432, True, 1),
 }
 
 
@@ -130,18 +132,56 @@ def qwen_block_case(calls: int) -> dict:
     return case
 
 
+def op_call_cases(calls: int) -> list[dict]:
+    """The call a compiled graph makes for an NVFP4 layer (``torch.ops.nvfp4_fast.quantized_linear``, launch plan
+    built), against the same implementation registered with ``torch.library.custom_op`` (this package's registration
+    before ``dispatch.define_op``) and called directly, modes alternating per round; plus a BF16 ``aten.addmm``."""
+    from diffusers_nvfp4_fast.ops import linear
+
+    custom = torch.library.custom_op("bench_layer_host::quantized_linear", mutates_args=())(
+        linear._quantized_linear_impl)
+    custom.register_fake(lambda x, g, f, w, ws, a, b, dt, sw: x.new_empty((x.shape[0], w.shape[0]), dtype=dt))
+    modes = {"plain registration": torch.ops.nvfp4_fast.quantized_linear.default,
+             "custom_op": torch.ops.bench_layer_host.quantized_linear.default,
+             "implementation": linear._quantized_linear_impl}
+    cases = []
+    for rows in (512, 4096):
+        torch.manual_seed(0)
+        w = torch.randn(3072, 3072, device="cuda", dtype=torch.bfloat16) * 0.02
+        b = torch.randn(3072, device="cuda", dtype=torch.bfloat16)
+        layer = NVFP4Linear.from_weight(w, b, 8.0 / 2688)
+        x = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16)
+        args = (x, layer.input_scale_inv, False, layer.weight, layer.weight_scale, layer.alpha, layer.bias,
+                torch.bfloat16, True)
+        figures: dict[str, list[float]] = {mode: [] for mode in modes}
+        with torch.no_grad():
+            outs = [op(*args) for op in modes.values() for _ in range(4)]
+            for _ in range(3):
+                for mode, op in modes.items():
+                    figures[mode].append(host_us(lambda op=op: op(*args), calls))
+            addmm = host_us(lambda: torch.ops.aten.addmm.default(b, x, w.t()), calls)
+        case = {"case": f"compiled graph's call, qwen to_out {rows}x3072x3072", "kind": "torch.ops call",
+                **{f"{mode}_us": round(min(v), 2) for mode, v in figures.items()}, "bf16_addmm_us": addmm,
+                "same_bytes": all(_same(o, outs[0]) for o in outs)}
+        cases.append(case)
+        print(case, flush=True)
+    return cases
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=100, help="back-to-back calls per timed run")
     args = ap.parse_args()
     result = common.header("layer_host", common.copy_bandwidth_gbps())
     cases = layer_cases(args.calls) + [gelu_site_case(args.calls), qwen_block_case(max(args.calls // 20, 3))]
+    op_calls = op_call_cases(args.calls)
     result.update(cases=cases, timing="host microseconds per call: best of 5 runs of back-to-back calls, modes "
                                       "alternating over 3 rounds; 'before' = kernels.launch.DIRECT_LAUNCH False")
     print(f"{'case':58s} {'plans us':>9s} {'before us':>10s} {'ratio':>6s} same")
     for c in cases:
         print(f"{c['case'][:58]:58s} {c['plans_us']:9.1f} {c['before_us']:10.1f} {c['before_over_plans']:6.2f} "
               f"{c['same_bytes']}")
+    result["cases"] += op_calls
     print("wrote", common.write_result(result))
 
 

@@ -96,6 +96,27 @@ def kernel_time_in_ranges(events) -> Counter:
     return shapes
 
 
+def gpu_idle(events) -> dict:
+    """The GPU's own timeline: kernels launched, span from the first kernel's start to the last one's end, and the
+    idle time inside it (no kernel running) attributed to the class of the kernel that ends each idle stretch, so
+    that the wall time that is neither kernel time nor the host's can be located."""
+    cuda = torch.autograd.DeviceType.CUDA
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                   if e.device_type == cuda and not e.name.startswith("gemm M="))
+    idle: Counter = Counter()
+    stretches: Counter = Counter()
+    busy_until = spans[0][1] if spans else 0.0
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            idle[kernel_class(name)] += (start - busy_until) / 1e3
+            stretches[kernel_class(name)] += 1
+        busy_until = max(busy_until, end)
+    span_ms = (busy_until - spans[0][0]) / 1e3 if spans else 0.0
+    return {"kernels": len(spans), "span_ms": round(span_ms, 2), "idle_ms": round(sum(idle.values()), 2),
+            "idle_before_class_ms": {k: round(v, 2) for k, v in idle.most_common()},
+            "idle_stretches_before_class": dict(stretches.most_common())}
+
+
 def host_profile(model, inputs, device, top: int = 40) -> dict:
     """cProfile over one eager step (after two warm-ups): the Python functions by own time and by cumulative time.
     The eager step is bound by host time (docs/profile.md), so this says where it goes; cProfile slows Python
@@ -157,6 +178,7 @@ def profile(model, inputs, device, warmups: int = 2) -> dict:
         "top_kernels": [{"name": n[:120], "ms": round(ms, 3), "share": round(ms / max(kernel_ms, 1e-9), 4),
                          "class": kernel_class(n)} for n, ms in kernels.most_common(15)],
         "nvfp4_gemm_by_shape": {k: round(v, 3) for k, v in shapes.most_common()},
+        "gpu_timeline": gpu_idle(prof.events()),
     }
 
 
@@ -218,6 +240,7 @@ def main() -> None:
         return
     print(f"{args.model}: wall {result['wall_ms']} ms, kernels {result['kernel_ms']} ms, host gap "
           f"{result['host_gap_ms']} ms")
+    print("GPU timeline:", result.get("gpu_timeline"))
     for label, ms in result["classes"].items():
         print(f"  {label:<20} {ms:9.2f} ms")
     for label, ms in list(result["nvfp4_gemm_by_shape"].items())[:12]:

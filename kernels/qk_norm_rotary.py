@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import INTERPRETING, cdiv, launch
+from .launch import INTERPRETING, cdiv, launch, launch_by_site
 from .rounding import SOFT_CONVERT, narrow_bf16, negate, rsqrt_like_torch, sum_of_products, widen_bf16
 
 HEAD_DIM = 128
@@ -203,8 +203,11 @@ def qwen_rotary_triton(x: torch.Tensor, freqs: torch.Tensor, *, real_fma: int = 
     x, table = x.contiguous(), torch.view_as_real(freqs.contiguous())
     out = torch.empty_like(x)
     rows = b * seq * heads
-    launch(
-        _qk_norm_rotary_kernel, (cdiv(rows, block_r),),
+    # Keyed launch (a compiled Qwen-Image step makes 112 of these): the integers' values, the pointers' alignment.
+    site = ("qwen_rotary", rows, seq, heads, x.data_ptr() % 16 == 0, table.data_ptr() % 16 == 0,
+            out.data_ptr() % 16 == 0, real_fma, imag_fma, block_r, num_warps)
+    launch_by_site(
+        _qk_norm_rotary_kernel, (cdiv(rows, block_r),), site,
         x, x, table, out.view(torch.int16), out, rows, seq, heads, 0.0, BLOCK_R=block_r, APPROX_RSQRT=False,
         REAL_FMA=real_fma, IMAG_FMA=imag_fma, SOFT_BF16=bool(SOFT_CONVERT), WRITE_MEAN=False, TREE=1, NORM=False,
         num_warps=num_warps, enable_fp_fusion=False,

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DIFFUSERS_NVFP4_CHECK_OPS", "1")  # every op call through the dispatcher checks its outputs
 
 _DURATIONS: dict[str, float] = defaultdict(float)
 _GPU_TESTS: set[str] = set()

@@ -2,6 +2,7 @@
 diffusers hooks, ``torch.compile`` and CUDA graphs. CPU tests run the torch-reference ops; ``gpu`` tests run the
 kernels on full-size blocks and the tiny pipelines, eager, compiled and graphed."""
 
+import os
 import warnings
 
 import pytest
@@ -514,6 +515,27 @@ def test_custom_ops_are_opaque_in_compiled_graphs_and_skipped_in_eager(monkeypat
         monkeypatch.setattr(module, name, lambda *a, _op=op, _name=name: calls.append(_name) or _op(*a))
     assert torch.equal(layer(x).view(torch.int16), eager.view(torch.int16))
     assert calls == []
+
+
+def test_ops_that_return_an_input_are_refused_under_the_suite():
+    """The plain registration (``dispatch.define_op``) does not check aliasing itself; with the suite's
+    ``DIFFUSERS_NVFP4_CHECK_OPS=1`` an op whose output shares an input's storage raises, naming the op."""
+    from diffusers_nvfp4_fast.ops import dispatch
+
+    assert os.environ.get(dispatch.CHECK_OUTPUTS_VAR) == "1"
+
+    def fresh(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x * scale
+
+    def returns_view(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return x[1:]
+
+    fresh_op = dispatch.define_op("test_fresh_output", fresh, lambda x, scale: x.new_empty(x.shape))
+    view_op = dispatch.define_op("test_view_output", returns_view, lambda x, scale: x.new_empty(x[1:].shape))
+    x = torch.arange(4.0)
+    assert torch.equal(fresh_op(x, 2.0), x * 2)
+    with pytest.raises(RuntimeError, match="nvfp4_fast::test_view_output: output"):
+        view_op(x, 2.0)
 
 
 def test_qwen_attention_bias_moves_into_the_kernel(modelopt_exports, monkeypatch):

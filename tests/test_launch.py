@@ -233,6 +233,45 @@ def _built_plans() -> int:
     return sum(1 for plan in linear._PLANS.values() if plan is not None)
 
 
+def test_a_plan_that_cannot_be_built_yet_is_tried_again():
+    """A class whose kernels are not recorded yet (a kernel's first class in a process: its binary is recorded at its
+    third launch) builds no plan at its second call; it is tried again, and marked as having none only after
+    ``_PLAN_TRIES`` calls."""
+    from diffusers_nvfp4_fast.ops import linear
+
+    linear.forget_plans()
+    results = iter([None, "plan"])
+    late, never = ("quantize", 512, 1), ("quantize", 512, 2)
+    try:
+        for _ in range(3):
+            linear._learn(late, lambda: next(results))
+        assert linear._plan(late) == "plan"
+        tries = []
+        for _ in range(linear._PLAN_TRIES + 2):
+            linear._learn(never, lambda: tries.append(1))
+        assert len(tries) == linear._PLAN_TRIES - 1 and never in linear._PLANS and linear._plan(never) is None
+    finally:
+        linear.forget_plans()
+
+
+@pytest.mark.gpu
+def test_gpu_the_first_layer_call_class_of_a_process_gets_its_plan():
+    """In a fresh process, the first NVFP4 layer called (whose kernels are launched there for the first time) runs
+    through a launch plan from its third call on."""
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom diffusers_nvfp4_fast import NVFP4Linear\nfrom diffusers_nvfp4_fast.ops import linear\n"
+            "layer = NVFP4Linear.from_weight(torch.randn(3072, 3072, device='cuda', dtype=torch.bfloat16) * 0.02, "
+            "torch.randn(3072, device='cuda', dtype=torch.bfloat16), 8.0 / 2688)\n"
+            "x = torch.randn(512, 3072, device='cuda', dtype=torch.bfloat16)\n"
+            "for _ in range(4):\n    layer(x)\n"
+            "print(sorted(type(p).__name__ for p in linear._PLANS.values()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['LinearPlan']", out.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [65, 512, 4097])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -5,6 +5,8 @@ SM90 / SM100 / SM120, and on the GPU byte for byte against diffusers' chain (``g
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -207,13 +209,20 @@ def test_rotary_alone_op_equals_diffusers_on_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq", [1, 17, 512, 4096])
-def test_gpu_rotary_alone_equals_diffusers(seq):
-    """The rotary embedding alone (what compiled Qwen-Image models run) against diffusers' op on the GPU."""
+def test_gpu_rotary_alone_equals_diffusers(seq, monkeypatch):
+    """The rotary embedding alone (what compiled Qwen-Image models run) against diffusers' op on the GPU, over
+    repeated calls: Triton's path, then the keyed launch, which must run the binder's binary."""
+    from support.launch_sites import check_sites_against_binder
+
+    kernel_module = importlib.import_module("diffusers_nvfp4_fast.kernels.qk_norm_rotary")
+    checked = check_sites_against_binder(kernel_module, monkeypatch)
     x, weight, freqs = qk_inputs(2, seq, 24, device="cuda", seed=seq)
     normed = qk_norm_rotary_reference(x, weight, torch.ones_like(freqs), EPS)  # a normed query, unrotated
     for rows in (x, normed):
-        got = qwen_rotary(rows, freqs)
-        assert torch.equal(got.view(torch.int16), qwen_rotary_reference(rows, freqs).view(torch.int16))
+        want = qwen_rotary_reference(rows, freqs).view(torch.int16)
+        for _ in range(4):
+            assert torch.equal(qwen_rotary(rows, freqs).view(torch.int16), want)
+    assert checked, "no keyed launch ran"
 
 
 @pytest.mark.gpu

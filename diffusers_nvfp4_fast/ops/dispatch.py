@@ -1,8 +1,9 @@
 """The one place that decides which implementation of an op runs: Triton kernel, FlashInfer or torch reference.
 
-Every op in this package is a ``torch.library`` custom op with a fake implementation, so ``torch.compile(fullgraph=
-True)`` traces it as one opaque node and CUDA graphs capture it. ``call_op`` runs the implementation directly in
-eager mode (docs/design.md §8: the eager step is bound by host time) and the custom op under compilation.
+Every op in this package is a ``torch.library`` op with a fake implementation (``define_op``), so
+``torch.compile(fullgraph=True)`` traces it as one opaque node and CUDA graphs capture it. ``call_op`` runs the
+implementation directly in eager mode (docs/design.md §8: the eager step is bound by host time) and the op under
+compilation.
 """
 
 from __future__ import annotations
@@ -57,6 +58,46 @@ def _capability(index: int) -> tuple[int, int]:
 def cuda_capability(device: torch.device) -> tuple[int, int]:
     """(major, minor) of a CUDA device; cached because every NVFP4 call asks (docs/performance.md, host cost)."""
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# Every op of this package lives in this library fragment. ``torch.library.custom_op`` would wrap each call of a
+# compiled graph in a Python autograd layer and an aliasing check: 18 us of host time per call on an H200 host,
+# against 6 for this registration (docs/performance.md, "Host time in compiled graphs").
+_LIBRARY = torch.library.Library("nvfp4_fast", "FRAGMENT")
+# Set (to 1) when the package is imported, it makes every op call through the dispatcher check that no output
+# shares storage with an input, the one promise a plain registration does not check; the test suite sets it.
+CHECK_OUTPUTS_VAR = "DIFFUSERS_NVFP4_CHECK_OPS"
+
+
+def define_op(name: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """Register ``nvfp4_fast::<name>``: schema from ``impl``'s annotations (no argument mutated), ``impl`` for every
+    device, ``fake`` (output shapes) for tracing. Returns the op. ``impl`` must return fresh tensors, never an input or
+    a view of one: the graph treats the op as functional (``CHECK_OUTPUTS_VAR`` checks it)."""
+    _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=()))
+    kernel = _checking_outputs(name, impl) if env_value(CHECK_OUTPUTS_VAR) == "1" else impl
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"nvfp4_fast::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.nvfp4_fast, name).default
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for v in values if isinstance(values, (tuple, list)) else (values,):
+        found.extend(_tensors(v) if isinstance(v, (tuple, list)) else [v] if isinstance(v, torch.Tensor) else [])
+    return found
+
+
+def _checking_outputs(name: str, impl: Callable) -> Callable:
+    def checked(*args):
+        out = impl(*args)
+        inputs = {t.untyped_storage().data_ptr() for t in _tensors(args) if t.numel()}
+        shared = [i for i, t in enumerate(_tensors(out)) if t.numel() and t.untyped_storage().data_ptr() in inputs]
+        if shared:
+            raise RuntimeError(f"nvfp4_fast::{name}: output(s) {shared} share storage with an input; an op of this "
+                               "package must return fresh tensors")
+        return out
+
+    return checked
 
 
 def call_op(op: Callable, impl: Callable, *args):

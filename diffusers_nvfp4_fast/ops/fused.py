@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .dispatch import call_op
+from .dispatch import call_op, define_op
 from .site import Site
 from .verify import run_checked
 
@@ -71,10 +71,8 @@ class FusedOp:
         plain_impl.__signature__ = signature  # type: ignore[attr-defined]  # read by infer_schema
         checked_impl.__signature__ = signature.replace(  # type: ignore[attr-defined]  # (as above)
             parameters=[*signature.parameters.values(), *_CHECKED_PARAMETERS])
-        self._op = torch.library.custom_op(f"nvfp4_fast::{name}", mutates_args=())(plain_impl)
-        self._op.register_fake(lambda *args: self.fake(*args))
-        self._checked_op = torch.library.custom_op(f"nvfp4_fast::{name}_checked", mutates_args=())(checked_impl)
-        self._checked_op.register_fake(lambda *args: self.fake(*args[:-2]))
+        self._op = define_op(name, plain_impl, lambda *args: self.fake(*args))
+        self._checked_op = define_op(f"{name}_checked", checked_impl, lambda *args: self.fake(*args[:-2]))
         self._checked_impl = checked_impl
 
     def _run_checked(self, site: Site, args: tuple) -> Any:

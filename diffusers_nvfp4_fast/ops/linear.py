@@ -16,7 +16,7 @@ import torch
 
 from .. import format as nvfp4
 from .blackwell import TENSOR_CORE_BACKENDS, tensor_core_gemm
-from .dispatch import call_op, gemm_backend, kernels
+from .dispatch import call_op, define_op, gemm_backend, kernels
 from .quantize import quantize
 
 
@@ -78,12 +78,11 @@ def _kernel_takes_bias(bias: torch.Tensor | None, out_dtype: torch.dtype) -> boo
     return bias is None or (bias.dtype == out_dtype and bias.dim() == 1)
 
 
-_linear_op = torch.library.custom_op("nvfp4_fast::linear", mutates_args=())(_linear_impl)
-
-
-@_linear_op.register_fake
-def _(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled):
+def _linear_fake(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled):
     return x_packed.new_empty((x_packed.shape[0], w_packed.shape[0]), dtype=out_dtype)
+
+
+_linear_op = define_op("linear", _linear_impl, _linear_fake)
 
 
 def nvfp4_linear(
@@ -132,10 +131,13 @@ def _linear_fp16_x_impl(
 
 # Launch plans (kernels/linear_plan.py) by call class. A key holds the addresses of every tensor the call reads but
 # the activation, with the shapes and dtypes that fix the binaries: a plan is right for any call with its key. A
-# class gets its plan at its second call (a layer that offloading moves on every call never does); None marks a
-# class that cannot have one. Both tables are emptied when they grow past _PLAN_LIMIT.
+# class gets its plan from its second call on (a layer that offloading moves on every call never does); a kernel's
+# binary is recorded at its third launch in a process (kernels/launch.py), so the first class of a kernel builds at
+# its third call; None marks a class that still has none after _PLAN_TRIES calls. Both tables are emptied when they
+# grow past _PLAN_LIMIT.
 _PLANS: dict[tuple, object] = {}
-_SEEN: set[tuple] = set()
+_SEEN: dict[tuple, int] = {}
+_PLAN_TRIES = 4
 _PLAN_LIMIT = 8192
 
 
@@ -159,17 +161,21 @@ def _plan(key: tuple | None):
 
 
 def _learn(key: tuple | None, build) -> None:
-    """After a call of class ``key`` took the wrappers' path: its plan is built at the second such call."""
+    """After a call of class ``key`` took the wrappers' path: its plan is built from its second such call on."""
     if key is None or key in _PLANS:
         return
-    if key not in _SEEN:
-        if len(_SEEN) >= _PLAN_LIMIT:
-            _SEEN.clear()
-        _SEEN.add(key)
+    calls = _SEEN.get(key, 0) + 1
+    if calls == 1 and len(_SEEN) >= _PLAN_LIMIT:
+        _SEEN.clear()
+    _SEEN[key] = calls
+    if calls < 2:
+        return
+    plan = build()
+    if plan is None and calls < _PLAN_TRIES:
         return
     if len(_PLANS) >= _PLAN_LIMIT:
         _PLANS.clear()
-    _PLANS[key] = build()
+    _PLANS[key] = plan
 
 
 def forget_plans() -> None:
@@ -178,12 +184,11 @@ def forget_plans() -> None:
     _SEEN.clear()
 
 
-_linear_fp16_x_op = torch.library.custom_op("nvfp4_fast::linear_fp16_x", mutates_args=())(_linear_fp16_x_impl)
-
-
-@_linear_fp16_x_op.register_fake
-def _(x16, w_packed, w_scales, alpha, bias, out_dtype):
+def _linear_fp16_x_fake(x16, w_packed, w_scales, alpha, bias, out_dtype):
     return x16.new_empty((x16.shape[0], w_packed.shape[0]), dtype=out_dtype)
+
+
+_linear_fp16_x_op = define_op("linear_fp16_x", _linear_fp16_x_impl, _linear_fp16_x_fake)
 
 
 def linear_fp16_x(
@@ -218,13 +223,11 @@ def _quantized_linear_impl(
     return _linear_impl(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
 
 
-_quantized_linear_op = torch.library.custom_op("nvfp4_fast::quantized_linear", mutates_args=())(
-    _quantized_linear_impl)
-
-
-@_quantized_linear_op.register_fake
-def _(x, global_scale, fast_math, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled):
+def _quantized_linear_fake(x, global_scale, fast_math, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled):
     return x.new_empty((x.shape[0], w_packed.shape[0]), dtype=out_dtype)
+
+
+_quantized_linear_op = define_op("quantized_linear", _quantized_linear_impl, _quantized_linear_fake)
 
 
 def quantized_linear(

@@ -11,7 +11,7 @@ from typing import cast
 import torch
 
 from .. import format as nvfp4
-from .dispatch import call_op, kernels, triton_runs_on
+from .dispatch import call_op, define_op, kernels, triton_runs_on
 
 
 def quantize_reference(
@@ -27,18 +27,17 @@ def _quantize_impl(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool)
     return quantize_reference(x, global_scale, fast_math)
 
 
-_quantize_op = torch.library.custom_op("nvfp4_fast::quantize", mutates_args=())(_quantize_impl)
-
-
 def empty_quantized(like: torch.Tensor, rows: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Uninitialised (packed uint8 ``[rows, k/2]``, 128x4 scales) on ``like``'s device: the fake ops' outputs."""
     return (like.new_empty((rows, k // 2), dtype=torch.uint8),
             like.new_empty(nvfp4.padded_scale_shape(rows, k), dtype=torch.uint8))
 
 
-@_quantize_op.register_fake
-def _(x, global_scale, fast_math):
+def _quantize_fake(x, global_scale, fast_math):
     return empty_quantized(x, *x.shape)
+
+
+_quantize_op = define_op("quantize", _quantize_impl, _quantize_fake)
 
 
 def quantize(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:

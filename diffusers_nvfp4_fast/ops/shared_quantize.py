@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import call_op, kernels
+from .dispatch import call_op, define_op, kernels
 from .linear import _linear_fp16_x_impl, _linear_impl, _quantized_linear_impl, takes_decoded_activation
 from .quantize import quantize
 
@@ -71,13 +71,11 @@ def _quantized_linears_impl(
             zip(w_packed, w_scales, alphas, biases, w_swizzled)]
 
 
-_quantized_linears_op = torch.library.custom_op("nvfp4_fast::quantized_linears", mutates_args=())(
-    _quantized_linears_impl)
-
-
-@_quantized_linears_op.register_fake
-def _(x, global_scales, fast_math, w_packed, w_scales, alphas, biases, out_dtype, w_swizzled):
+def _quantized_linears_fake(x, global_scales, fast_math, w_packed, w_scales, alphas, biases, out_dtype, w_swizzled):
     return [x.new_empty((x.shape[0], w.shape[0]), dtype=out_dtype) for w in w_packed]
+
+
+_quantized_linears_op = define_op("quantized_linears", _quantized_linears_impl, _quantized_linears_fake)
 
 
 def quantized_linears(
