@@ -148,8 +148,9 @@ def _plan_key(kind: str, x: torch.Tensor, out_dtype: torch.dtype, *tensors_and_f
     if not (x.is_cuda and kernels is not None and kernels.launch.DIRECT_LAUNCH and x.is_contiguous()
             and x.data_ptr() % 16 == 0):
         return None
-    parts = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors_and_flags)
-    return (kind, x.shape[0], x.shape[1], x.dtype, x.device.index, out_dtype, *parts)
+    # One flat tuple built in one expression: every layer call builds one (docs/performance.md, host time per call).
+    return (kind, *x.shape, x.dtype, x.get_device(), out_dtype,
+            *[t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors_and_flags])
 
 
 def _plan(key: tuple | None):
