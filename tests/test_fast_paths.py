@@ -517,6 +517,27 @@ def test_custom_ops_are_opaque_in_compiled_graphs_and_skipped_in_eager(monkeypat
     assert calls == []
 
 
+def test_remembered_call_class_is_the_verification_key():
+    """``fused.call_class`` (the memo every checked call asks) gives ``verification_key``'s string for every argument
+    it depends on: dtype, rank, trailing width, layout, scalar tensors, device, and plain values that compare equal
+    but print differently (0.0 / -0.0, True / 1); an unhashable plain value falls back to the string itself."""
+    from diffusers_nvfp4_fast.ops import fused
+
+    x = torch.zeros(2, 8, 16, dtype=torch.bfloat16)
+    variants = [
+        (x, 1e-6, True), (x, 1e-6, 1), (x, 0.0, True), (x, -0.0, True), (x.float(), 1e-6, True),
+        (x[..., :8], 1e-6, True), (x.transpose(0, 1), 1e-6, True), (x.reshape(16, 16), 1e-6, True),
+        (torch.tensor(1.0), x, None), (x, torch.tensor(1.0), None), (x, torch.zeros(1), "a"), (x, [1, 2], None),
+        (x, x.to("meta"), None), (None, 3, x),
+    ]
+    fused._KEYS.clear()
+    for _ in range(2):  # computed, then remembered
+        for args in variants:
+            assert fused.call_class("op", args) == fused.verification_key("op", args), args
+    keys = [fused.verification_key("op", a) for a in variants]
+    assert len(set(keys)) == len(keys)
+
+
 def test_ops_that_return_an_input_are_refused_under_the_suite():
     """The plain registration (``dispatch.define_op``) does not check aliasing itself; with the suite's
     ``DIFFUSERS_NVFP4_CHECK_OPS=1`` an op whose output shares an input's storage raises, naming the op."""
