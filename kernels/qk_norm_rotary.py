@@ -127,11 +127,21 @@ def _flux2_qk_norm_rotary_kernel(
     tl.store(out_ptr + offs, out.to(tl.int16, bitcast=True), mask=ok)
 
 
-def _check_rows(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check_rows(name: str, x: torch.Tensor, weight: torch.Tensor | None) -> None:
     if x.dim() != 4 or x.shape[-1] != HEAD_DIM or x.dtype != torch.bfloat16:
         raise ValueError(f"{name}: x must be [B, S, H, 128] bf16, got {tuple(x.shape)} {x.dtype}")
-    if weight.shape != (HEAD_DIM,) or weight.dtype != torch.bfloat16:
+    if weight is not None and (weight.shape != (HEAD_DIM,) or weight.dtype != torch.bfloat16):
         raise ValueError(f"{name}: weight must be bf16 [128], got {tuple(weight.shape)} {weight.dtype}")
+
+
+def _qwen_operands(name: str, x: torch.Tensor, freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(contiguous x, freqs as an FP32 ``[S, 64, 2]`` table, the fresh output) of a Qwen-Image kernel call, after
+    checking that freqs is complex64 ``[S, 64]`` for x ``[B, S, H, 128]`` (checked by ``_check_rows``)."""
+    seq, d = x.shape[1], x.shape[-1]
+    if freqs.shape != (seq, d // 2) or freqs.dtype != torch.complex64:
+        raise ValueError(f"{name}: freqs must be complex64 [{seq}, {d // 2}], got {tuple(freqs.shape)} {freqs.dtype}")
+    x = x.contiguous()
+    return x, torch.view_as_real(freqs.contiguous()), torch.empty_like(x)
 
 
 def flux2_qk_norm_rotary_triton(
@@ -173,12 +183,8 @@ def qk_norm_rotary_triton(
     ``[B * S * H]`` that receives each row's mean of squares (tests).
     """
     _check_rows("qk_norm_rotary_triton", x, weight)
-    b, seq, heads, d = x.shape
-    if freqs.shape != (seq, d // 2) or freqs.dtype != torch.complex64:
-        raise ValueError(f"qk_norm_rotary_triton: freqs must be complex64 [{seq}, {d // 2}], got "
-                         f"{tuple(freqs.shape)} {freqs.dtype}")
-    x, table = x.contiguous(), torch.view_as_real(freqs.contiguous())
-    out = torch.empty_like(x)
+    x, table, out = _qwen_operands("qk_norm_rotary_triton", x, freqs)
+    b, seq, heads, _ = x.shape
     rows = b * seq * heads
     launch(
         _qk_norm_rotary_kernel, (cdiv(rows, block_r),),
@@ -194,14 +200,9 @@ def qwen_rotary_triton(x: torch.Tensor, freqs: torch.Tensor, *, real_fma: int = 
                        block_r: int = 16, num_warps: int = 4) -> torch.Tensor:
     """x ``[B, S, H, 128]`` BF16, freqs complex64 ``[S, 64]`` -> ``[B, S, H, 128]`` BF16:
     ``apply_rotary_emb_qwen(x, freqs, use_real=False)`` (the last line of the module docstring's chain, alone)."""
-    if x.dim() != 4 or x.shape[-1] != HEAD_DIM or x.dtype != torch.bfloat16:
-        raise ValueError(f"qwen_rotary_triton: x must be [B, S, H, 128] bf16, got {tuple(x.shape)} {x.dtype}")
-    b, seq, heads, d = x.shape
-    if freqs.shape != (seq, d // 2) or freqs.dtype != torch.complex64:
-        raise ValueError(f"qwen_rotary_triton: freqs must be complex64 [{seq}, {d // 2}], got "
-                         f"{tuple(freqs.shape)} {freqs.dtype}")
-    x, table = x.contiguous(), torch.view_as_real(freqs.contiguous())
-    out = torch.empty_like(x)
+    _check_rows("qwen_rotary_triton", x, None)
+    x, table, out = _qwen_operands("qwen_rotary_triton", x, freqs)
+    b, seq, heads, _ = x.shape
     rows = b * seq * heads
     # Keyed launch (a compiled Qwen-Image step makes 112 of these): the integers' values, the pointers' alignment.
     site = ("qwen_rotary", rows, seq, heads, x.data_ptr() % 16 == 0, table.data_ptr() % 16 == 0,

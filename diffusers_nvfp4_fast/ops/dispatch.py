@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
+import torch.utils._pytree as pytree
 
 from ..format import env_value
 
@@ -81,10 +82,7 @@ def define_op(name: str, impl: Callable, fake: Callable) -> torch._ops.OpOverloa
 
 
 def _tensors(values) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for v in values if isinstance(values, (tuple, list)) else (values,):
-        found.extend(_tensors(v) if isinstance(v, (tuple, list)) else [v] if isinstance(v, torch.Tensor) else [])
-    return found
+    return [t for t in pytree.tree_leaves(values) if isinstance(t, torch.Tensor)]
 
 
 def _checking_outputs(name: str, impl: Callable) -> Callable:
