@@ -308,6 +308,31 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+def gpu_bound_ms(fn, host_ms: float, rounds: int = 5) -> float | None:
+    """Median CUDA-event ms of ``fn`` queued behind a sleep kernel that outlasts its host time: the step as if the
+    host were never late (the GPU's own work and launch gaps only). Set against ``ms_per_step`` it tells how much of
+    a step is spent waiting for the host (docs/performance.md, "Host time in compiled graphs")."""
+    if not torch.cuda.is_available():
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    torch.cuda.synchronize()
+    cycles_per_ms = 10_000_000 / start.elapsed_time(end)
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(cycles_per_ms * (2.0 * host_ms + 20.0)))
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return _median(times)
+
+
 def host_speed(device) -> dict:
     """Two fixed host-CPU probes, so that eager step times from different machines can be compared: the median
     time of a pure-Python loop, and of one ``torch.empty`` on the device (what each kernel wrapper pays)."""
@@ -433,7 +458,8 @@ def time_off_then_on(runner, inputs: dict, warmup: int, timed: int, device, enab
     for mode, switch in (("off", disable), ("on", enable)):
         report = switch(runner)
         ms, host_ms, peak, out = time_steps(runner, inputs, warmup, timed, device)
-        runs[mode] = {"ms": ms, "host_ms": host_ms, "peak": peak, "out": out, "times": [ms]}
+        runs[mode] = {"ms": ms, "host_ms": host_ms, "peak": peak, "out": out, "times": [ms],
+                      "gpu_bound_ms": gpu_bound_ms(lambda: forward(runner, inputs), host_ms)}
         if mode == "off":  # is inductor itself repeatable? A second compile of the same model must give these bytes
             torch._dynamo.reset()
             runs["off"]["recompiled_identical"] = same_bytes(forward(runner, inputs), out)
@@ -578,6 +604,10 @@ def run(args) -> dict:
                 case["cuda_graphs"] = _jsonable(runs[mode]["graphs"])
                 log(f"fast paths {mode} through the runner: replay == eager bytes: {case['replay_equals_eager']}, "
                     f"{case['cuda_graphs']}")
+        for case, mode in ((cases[0], "off"), (cases[1], "on")):
+            if runs[mode].get("gpu_bound_ms") is not None:
+                case["gpu_bound_ms"] = round(runs[mode]["gpu_bound_ms"], 2)
+                log(f"fast paths {mode}, the host given a head start: {case['gpu_bound_ms']:.1f} ms/step")
         if "recompiled_identical" in runs["off"]:
             cases[0]["recompiled_identical"] = runs["off"]["recompiled_identical"]
             log(f"fast paths off, compiled a second time: byte-identical to the first: "
@@ -609,6 +639,10 @@ def run(args) -> dict:
                           "weight_bytes": bf16_weight, "exact": None})
             if graph:
                 cases[-1]["replay_equals_eager"] = same_bytes(out_bf16, forward(runner, inputs))
+            elif args.compile and device.type == "cuda":
+                bound = gpu_bound_ms(lambda: forward(runner, inputs), host_bf16)
+                cases[-1]["gpu_bound_ms"] = round(bound, 2) if bound is not None else None
+                log(f"{variant}, the host given a head start: {bound:.1f} ms/step")
         _free(model, runner, inputs, out_bf16)
     else:
         log(f"BF16 model skipped ({'--skip-bf16' if args.skip_bf16 else f'needs {bf16_bytes / 1e9:.1f} GB'})")

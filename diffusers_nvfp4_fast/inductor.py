@@ -17,6 +17,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .ops import shared_quantize  # noqa: F401 - registers nvfp4_fast::quantized_linears, which compiled code calls
+from .ops.gelu_quantize import check_compiled_gelu
 
 
 @contextlib.contextmanager
@@ -26,7 +27,9 @@ def exact_inductor() -> Iterator[None]:
     and runs under ``torch.use_deterministic_algorithms(True, warn_only=True)`` without filling fresh memory (a mode
     the user set stays as set).
     NVFP4 layers that read one activation quantize it once (``SHARE_ACTIVATION_QUANTIZE``, the same bytes), unless
-    another ``post_grad_custom_pre_pass`` is set.
+    another ``post_grad_custom_pre_pass`` is set. On a GPU, the first entry per device compiles GELU (tanh) once and
+    compares it with torch's on every BF16/FP16 value (``check_compiled_gelu``, about a second): where they agree,
+    Qwen-Image's GELU site also runs in compiled graphs.
 
     Example::
 
@@ -54,6 +57,8 @@ def exact_inductor() -> Iterator[None]:
         if inductor_config.post_grad_custom_pre_pass is None:
             settings["post_grad_custom_pre_pass"] = SHARE_ACTIVATION_QUANTIZE
         with inductor_config.patch(settings):
+            if torch.cuda.is_available():  # the Qwen-Image GELU site runs compiled where this finds the bytes equal
+                check_compiled_gelu(torch.device("cuda", torch.cuda.current_device()))
             yield
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -50,7 +50,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_gpu_compiled_twice_and_on_equal_off(name):
     import torch._inductor.config as inductor_config
 
-    from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, exact_inductor
+    from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, exact_inductor, fast_path_report
     from diffusers_nvfp4_fast.graphs import capture_cuda_graphs, graph_report, release_cuda_graphs
 
     model, inputs = _model(name)
@@ -66,6 +66,7 @@ def test_gpu_compiled_twice_and_on_equal_off(name):
         with torch.inference_mode():
             replays = [model(**inputs)[0] for _ in range(3)]
         report = graph_report(model)
+        fused = fast_path_report(model)[type(model).__name__]["fused_calls"]
         release_cuda_graphs(model)
         disable_fast_paths(model)
     assert all(_same(r, on) for r in replays) and report["replays"] == 2 and not report["eager_calls"], report
@@ -73,3 +74,5 @@ def test_gpu_compiled_twice_and_on_equal_off(name):
     assert _same(off, off_again), "inductor gave other bytes when compiling the same model again"
     assert _same(on, off), f"compiled fast paths on != off (dynamo counters: {counters})"
     assert _same(on, on_unshared), "sharing one activation quantize among layers changed the bytes"
+    if name == "qwen-image":  # GELU and FC2's quantize run as one kernel in the compiled graph too
+        assert fused.get("qwen_gelu", 0) > 0, fused

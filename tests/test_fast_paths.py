@@ -373,6 +373,66 @@ def test_torch_compile_fullgraph_keeps_fast_paths(which, modelopt_exports):
     assert report["fallbacks"] == {f"{kind}: compiled: kept diffusers' op": n for kind, n in kept[which].items()}
 
 
+@pytest.mark.parametrize("checked", [True, False])
+def test_compiled_qwen_gelu_site_runs_where_inductors_gelu_was_checked(checked, modelopt_exports, monkeypatch):
+    """Under compile the Qwen-Image GELU site fuses only where ``exact_inductor`` found inductor's GELU equal to
+    torch's on this device (``check_compiled_gelu``, GPU-tested); here the check's verdict is set by hand and the
+    kernel gate opened on CPU, where the fused op runs its reference. One trace, three calls, four sites."""
+    from diffusers_nvfp4_fast.ops import gelu_quantize as gelu_op
+    from diffusers_nvfp4_fast.patches import qwenimage
+
+    pipe, kwargs = _pipeline("qwen", modelopt_exports)
+    model = pipe.transformer
+    off = _sha(pipe, kwargs)
+    monkeypatch.setattr(qwenimage, "triton_runs_on", lambda _: True)
+    verdicts = {(str(p.device), dtype): "" for p in model.parameters() for dtype in (torch.bfloat16, torch.float16)}
+    monkeypatch.setattr(gelu_op, "_COMPILED", verdicts if checked else {})
+    enable_fast_paths(model)
+    torch._dynamo.reset()
+    pipe.transformer = torch.compile(model, fullgraph=True, backend="aot_eager")
+    try:
+        on = _sha(pipe, kwargs)
+        report = fast_path_report(model)[type(model).__name__]
+    finally:
+        pipe.transformer = model
+        disable_fast_paths(model)
+        torch._dynamo.reset()
+    assert on == off
+    if checked:
+        assert report["fused_calls"]["qwen_gelu"] == 12
+        assert not [r for r in report["fallbacks"] if r.startswith("qwen_gelu")]
+    else:
+        assert "qwen_gelu" not in report["fused_calls"]
+        assert report["fallbacks"]["qwen_gelu: compiled: kept diffusers' op (inductor's GELU not checked here: "
+                                   "compile inside exact_inductor())"] == 4
+
+
+def test_compiled_gelu_check_names_what_differs(monkeypatch):
+    from diffusers_nvfp4_fast.ops import gelu_quantize as gelu_op
+
+    def compile_off_by_one(fn, **_):  # an inductor whose GELU differs from torch's in one value's last bit
+        def compiled(x):
+            y = fn(x).clone()
+            y.view(torch.int16)[1000] += 1
+            return y
+        return compiled
+
+    monkeypatch.setattr(gelu_op, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", compile_off_by_one)
+    gelu_op.check_compiled_gelu(torch.device("cpu"))
+    assert gelu_op.compiled_gelu_reason("cpu", True) == "inductor's GELU differs from torch's on 1 of 65536 " \
+        "torch.bfloat16 values"
+
+    def compile_fails(fn, **_):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(gelu_op, "_COMPILED", {})
+    monkeypatch.setattr(torch, "compile", compile_fails)
+    gelu_op.check_compiled_gelu(torch.device("cpu"))
+    assert gelu_op.compiled_gelu_reason("cpu", False) == "inductor's GELU could not be checked: RuntimeError: " \
+        "no compiler"
+
+
 @pytest.mark.parametrize("which", ["flux2", "qwen"])
 def test_compiled_transformer_is_traced_once(which, modelopt_exports):
     """Gates run while torch.compile traces; nothing they do may change what the graph's guards check (counting a

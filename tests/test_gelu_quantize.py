@@ -121,6 +121,21 @@ def test_gpu_gelu_equals_torch_on_every_value(dtype):
     assert differ.numel() == 0, f"{differ.numel()} values differ, e.g. inputs {x[differ[:8]].float().tolist()}"
 
 
+@pytest.mark.gpu
+def test_gpu_inductors_gelu_equals_torchs_on_every_value(monkeypatch):
+    """What lets compiled graphs run the GELU site: inside ``exact_inductor`` inductor's GELU (tanh) gives torch's
+    bytes on all 65,536 BF16 and FP16 values (``check_compiled_gelu``, run by entering the block)."""
+    from diffusers_nvfp4_fast import exact_inductor
+    from diffusers_nvfp4_fast.ops import gelu_quantize
+
+    monkeypatch.setattr(gelu_quantize, "_COMPILED", {})
+    with exact_inductor():
+        pass
+    device = f"cuda:{torch.cuda.current_device()}"
+    assert gelu_quantize.compiled_gelu_reason(device, True) == ""
+    assert gelu_quantize.compiled_gelu_reason(device, False) == ""
+
+
 def interpreted_mismatch() -> dict:
     """``gelu_mismatch`` on the CPU under the interpreter, where the kernel's tanh is a stand-in: it must notice."""
     from diffusers_nvfp4_fast.ops import gelu_quantize

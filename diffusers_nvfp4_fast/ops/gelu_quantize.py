@@ -5,7 +5,9 @@
 ``kernels.gelu_quantize_triton``; ``gelu_quantize_decoded`` gives the exact FP16 values of that result
 instead, for an FC2 whose GEMM multiplies those (SM80-SM90, more than 64 rows). Besides the first-use verification of
 each call shape, ``gelu_mismatch`` checks the kernel's GELU against torch's on all 65,536 values of the dtype, once
-per process and device: GELU is elementwise, so that check covers every input the fused op can see.
+per process and device: GELU is elementwise, so that check covers every input the fused op can see. Under
+``torch.compile`` the site runs only where ``check_compiled_gelu`` (run by ``exact_inductor``) found inductor's GELU
+equal to torch's on every value too, so that compiled on equals compiled off (docs/design.md §1).
 """
 
 from __future__ import annotations
@@ -44,6 +46,48 @@ def gelu_mismatch(device: torch.device, dtype: torch.dtype) -> str | None:
         with _lock:
             _MISMATCH[key] = f"{n} of 65536 {dtype} values differ from torch's GELU, e.g. {examples}" if n else None
     return _MISMATCH[key]
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+_COMPILED: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> "" where inductor's GELU agrees, else why not
+
+
+def check_compiled_gelu(device: torch.device) -> None:
+    """Compile ``F.gelu(x, approximate="tanh")`` with the inductor settings in force and compare it, on all 65,536
+    BF16 and FP16 values on ``device``, with torch's eager GELU; with ``gelu_mismatch`` (the kernel against torch)
+    this is what lets the GELU site run inside compiled graphs. Once per process, device and dtype."""
+    compiled = None
+    for dtype in (torch.bfloat16, torch.float16):
+        key = (str(device), dtype)
+        if key in _COMPILED:
+            continue
+        try:
+            compiled = compiled or torch.compile(_gelu_tanh, fullgraph=True, dynamic=False)
+            with torch.no_grad():
+                values = torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
+                got, want = compiled(values), _gelu_tanh(values)
+            differ = (got.view(torch.int16) != want.view(torch.int16)) & ~(got.isnan() & want.isnan())
+            n = int(differ.sum())
+            reason = (f"inductor's GELU differs from torch's on {n} of 65536 {dtype} values" if n
+                      else gelu_mismatch(device, dtype) or "")
+        except Exception as error:  # noqa: BLE001 - any failure keeps diffusers' GELU, which is always right
+            reason = f"inductor's GELU could not be checked: {type(error).__name__}: {error}"
+        with _lock:
+            _COMPILED[key] = reason
+
+
+@torch.compiler.assume_constant_result
+def compiled_gelu_reason(device: str, bf16: bool) -> str:
+    """Why a compiled graph must keep diffusers' GELU on ``device`` ("" where ``check_compiled_gelu`` passed there).
+    Read while tracing; torch.compile keeps the answer as a constant of the graph."""
+    key = (device, torch.bfloat16 if bf16 else torch.float16)
+    reason = _COMPILED.get(key)
+    if reason is None:
+        return "compiled: kept diffusers' op (inductor's GELU not checked here: compile inside exact_inductor())"
+    return reason
 
 
 def gelu_quantize_reference(

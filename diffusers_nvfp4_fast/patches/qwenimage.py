@@ -4,8 +4,8 @@
 replaced by ``_mlp_stream``: the kernel returns the new residual and FC1's quantized input, and FC1 runs
 ``forward_prequantized``; then GELU and FC2's quantize run as one kernel (``qwen_gelu``) where FC2 is NVFP4, and the
 gate2 residual stays diffusers' code. It is installed per block instance with ``swap_forward`` so cache hooks keep
-wrapping it. Under ``torch.compile`` GELU stays diffusers' op: inductor computes it in its own way, and compiled on
-must equal compiled off.
+wrapping it. Under ``torch.compile`` the block runs diffusers' forward (compiled on must equal compiled off), and
+only GELU stays fused, in the feed-forward's own forward, where inductor's GELU was found equal to torch's.
 
 Where both attention output projections are ``NVFP4Linear`` with a bias, their bias add moves into the kernel
 (one pass over ``[B, L, D]`` less per stream): the block's attention processor is wrapped so that it sees the
@@ -26,7 +26,7 @@ from torch import nn
 from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
 from ..ops.dispatch import triton_runs_on
-from ..ops.gelu_quantize import gelu_mismatch
+from ..ops.gelu_quantize import compiled_gelu_reason, gelu_mismatch
 from ..ops.layer_norm_quantize import ResNormInputs
 from ..ops.site import Site, SiteKind, sites_for
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
@@ -35,7 +35,7 @@ from .operands import AdaLNOperand, GeluOperand
 from .qwen_attention import QwenFusedAttnProcessor
 from .resnorm import fused_residual_norm, resnorm_reason
 from .state import BlockState, block_state, install_state, remove_state
-from .swap import swap_forward, swap_processor
+from .swap import current_inner_forward, swap_forward, swap_processor
 
 
 def _fc1(ff: nn.Module) -> nn.Module | None:
@@ -183,10 +183,11 @@ def gelu_fc2_reason(ff: nn.Module, y: torch.Tensor) -> str | None:
     reason = call_changed_reason("feed-forward dropout", net[1]) or consumer_reason(net[2], "FC2")
     if reason is not None:
         return reason
-    if torch.compiler.is_compiling():
-        return COMPILED  # inductor computes GELU its own way
     if y.dtype not in (torch.bfloat16, torch.float16) or y.shape[-1] % 16:
         return f"FC1 output {y.dtype} width {y.shape[-1]} (bf16/fp16, a multiple of 16)"
+    if torch.compiler.is_compiling():  # compiled off computes inductor's GELU: fused only where it is torch's
+        return (compiled_gelu_reason(str(y.device), y.dtype == torch.bfloat16) or None) if triton_runs_on(y) \
+            else COMPILED
     if failed_kind_reason("qwen_gelu") is not None:
         return "verification failed earlier in this process"
     return gelu_mismatch(y.device, y.dtype) if triton_runs_on(y) else None
@@ -207,6 +208,26 @@ def _gelu_fc2(ff: nn.Module, y: torch.Tensor, site: Site) -> torch.Tensor:
     for module in net[3:]:
         y = module(y)
     return y
+
+
+def compiled_feed_forward(ff: nn.Module, site: Site):
+    """The feed-forward's own forward, except under ``torch.compile`` (where the block runs diffusers' forward): there
+    GELU and FC2's quantize run as one kernel (``_gelu_fc2``) where the gate allows. Eager calls of the fused block
+    forward fuse them in ``_mlp_stream`` and do not call this."""
+    original = current_inner_forward(ff)
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if not torch.compiler.is_compiling() or args or kwargs:
+            return original(hidden_states, *args, **kwargs)
+        gelu = cast(nn.ModuleList, ff.net)[0]
+        reason = ("feed-forward is not GELU, Dropout, FC2" if type(gelu) is not GELU
+                  else call_changed_reason("feed-forward GELU", gelu))
+        if reason is not None:
+            count_fallback(site, reason)
+            return original(hidden_states)
+        return _gelu_fc2(ff, cast(nn.Module, gelu.proj)(hidden_states), site)
+
+    return forward
 
 
 def _processor_reason(attn: nn.Module) -> str | None:
@@ -249,14 +270,11 @@ def _decide_bias_deferral(block: nn.Module, state: BlockState) -> bool:
 
 def _count_compiled_sites(block: nn.Module) -> None:
     """Under torch.compile the block runs diffusers' forward: each of its sites keeps diffusers' ops (counted once
-    per trace)."""
+    per trace), except GELU, which the feed-forward's own forward decides (``compiled_feed_forward``)."""
     state = block_state(block)
     for ff in (cast(nn.Module, block.img_mlp), cast(nn.Module, block.txt_mlp)):
-        net = list(cast(nn.ModuleList, ff.net))
         if nvfp4_layer(_fc1(ff)) is not None:
             count_fallback(state.sites["qwen_resnorm"], COMPILED)
-            if len(net) > 2 and nvfp4_layer(net[2]) is not None:
-                count_fallback(state.sites["qwen_gelu"], COMPILED)
     for _ in state.adaln:
         count_fallback(state.sites["qwen_adaln"], COMPILED)
     if state.bias_site:
@@ -366,4 +384,6 @@ def patch_qwenimage(model: nn.Module, stats_id: int, restore: list) -> dict[Site
             net = getattr(block, ff_name).net
             if fc1 is not None and len(net) > 2 and nvfp4_layer(net[2]) is not None:
                 add("qwen_gelu", f"{name}.{ff_name}")
+                restore.append(swap_forward(getattr(block, ff_name), compiled_feed_forward(
+                    getattr(block, ff_name), sites["qwen_gelu"])))
     return {kind: n for kind, n in count.items() if n or kind == "qwen_resnorm"}
