@@ -139,11 +139,11 @@ def op_call_cases(calls: int) -> list[dict]:
     from diffusers_nvfp4_fast.ops import linear
 
     custom = torch.library.custom_op("bench_layer_host::quantized_linear", mutates_args=())(
-        linear._quantized_linear_impl)
+        linear.quantized_linear_impl)
     custom.register_fake(lambda x, g, f, w, ws, a, b, dt, sw: x.new_empty((x.shape[0], w.shape[0]), dtype=dt))
     modes = {"plain registration": torch.ops.nvfp4_fast.quantized_linear.default,
              "custom_op": torch.ops.bench_layer_host.quantized_linear.default,
-             "implementation": linear._quantized_linear_impl}
+             "implementation": linear.quantized_linear_impl}
     cases = []
     for rows in (512, 4096):
         torch.manual_seed(0)

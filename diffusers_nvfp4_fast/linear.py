@@ -54,6 +54,11 @@ class FusedInput(Protocol):
         """The call's result from the layer's output ``y`` ``[rows, N]``."""
         ...
 
+    def linear(self, layer: NVFP4Linear, fast_math: bool) -> torch.Tensor | None:
+        """The layer's output ``[rows, N]`` from one op that runs the producer and the layer's GEMM (one launch plan
+        for both), or None where the producer has no such op and the layer asks for ``quantize`` or ``decode``."""
+        ...
+
 
 class NVFP4Linear(nn.Module):
     """``y = bf16(fp4_gemm(quantize(x, 1/input_scale), W) * alpha) (+ bias)``, docs/design.md §3.
@@ -228,6 +233,9 @@ class NVFP4Linear(nn.Module):
         return self._forward_fused(x, fast_math)
 
     def _forward_fused(self, x: FusedInput, fast_math: bool) -> Any:
+        y = None if self.dynamic_input_scale else x.linear(self, fast_math)
+        if y is not None:
+            return x.output(y)
         if x.decodes and self.takes_decoded_rows(x.rows, x.device, x.dtype):  # the GEMM multiplies FP16 values
             y = self.forward_decoded(x.decode(self.input_scale_inv, fast_math), x.dtype)
         else:

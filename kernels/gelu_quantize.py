@@ -16,7 +16,13 @@ import triton.language as tl
 
 from .launch import INTERPRETING, launch
 from .nvfp4_epilogue import block_tile, decoded_blocks, load_blocks, quantize_blocks, store_blocks, unpack4
-from .quantize_nvfp4 import launch_block_quantize, launch_decoded_quantize, store_words
+from .quantize_nvfp4 import (
+    DecodedQuantizeLaunch,
+    decoded_quantize_launch,
+    launch_block_quantize,
+    launch_decoded_quantize,
+    store_words,
+)
 from .rounding import round_to_half
 
 try:
@@ -95,15 +101,26 @@ def _gelu_quantize_decoded_kernel(
     store_words(w0, w1, w2, w3, rows, kbs, out_ptr, K, mask)
 
 
+GELU_DECODED_TILES = (8, 16, 4)  # rows, 16-blocks per program, warps
+
+
 def gelu_quantize_decoded_triton(
-    hidden: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True, block_r: int = 8, block_c: int = 16,
-    num_warps: int = 4,
+    hidden: torch.Tensor, global_scale: torch.Tensor, *, fast_math: bool = True, block_r: int = GELU_DECODED_TILES[0],
+    block_c: int = GELU_DECODED_TILES[1], num_warps: int = GELU_DECODED_TILES[2],
 ) -> torch.Tensor:
     """``gelu_quantize_triton`` straight to the exact FP16 values the large-M GEMM multiplies (``decode_nvfp4_rows``
     of its result, without the packed bytes in between): hidden ``[..., K]`` -> FP16 ``[R, K]``."""
     h = hidden.reshape(-1, hidden.shape[-1])
     return launch_decoded_quantize(_gelu_quantize_decoded_kernel, h, global_scale, fast_math, block_r, block_c,
                                    num_warps)
+
+
+def gelu_decoded_launch(hidden: torch.Tensor, global_scale: torch.Tensor, out: torch.Tensor,
+                        fast_math: bool) -> DecodedQuantizeLaunch | None:
+    """The direct launch of a ``gelu_quantize_decoded_triton`` call (default tiles) made once with contiguous 2-D
+    ``hidden`` whose result is ``out`` (for a launch plan), or None where it cannot be launched directly."""
+    return decoded_quantize_launch(hidden, global_scale, out, fast_math, _gelu_quantize_decoded_kernel,
+                                   GELU_DECODED_TILES)
 
 
 @triton.jit

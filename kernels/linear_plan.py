@@ -48,11 +48,12 @@ class LinearPlan:
 
 def linear_plan(x: torch.Tensor | None, x16: torch.Tensor, global_scale: torch.Tensor | None, fast_math: bool,
                 w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
-                out: torch.Tensor) -> LinearPlan | None:
+                out: torch.Tensor, producer=decoded_quantize_launch) -> LinearPlan | None:
     """The plan of a call that just ran the normal way on SM90 (decoded quantize, then ``nvfp4_gemm_sm90``): ``x``
     its contiguous BF16/FP16 activation (None when a fused producer wrote the decode), ``x16`` the FP16 decode
-    ``[M, K]`` its GEMM read, ``out`` its result. None where the GEMM is not the SM90 kernel or a kernel cannot be
-    launched directly."""
+    ``[M, K]`` its GEMM read, ``out`` its result. ``producer`` gives the launch that wrote ``x16`` from ``x``
+    (``decoded_quantize_launch``'s arguments; ``gelu_decoded_launch`` for FC2 after GELU). None where the GEMM is not
+    the SM90 kernel or a kernel cannot be launched directly."""
     k = x16.shape[1]
     sm90 = sm90_kernel_module()
     if sm90 is None or not sm90.sm90_supported(k, w_packed, w_scales):
@@ -65,7 +66,7 @@ def linear_plan(x: torch.Tensor | None, x16: torch.Tensor, global_scale: torch.T
     if x is None:
         return LinearPlan(None, gemm, k, out.device)
     assert global_scale is not None  # a quantizing plan quantizes with the layer's input scale
-    quantize = decoded_quantize_launch(x, global_scale, x16, fast_math)
+    quantize = producer(x, global_scale, x16, fast_math)
     return None if quantize is None else LinearPlan(quantize, gemm, k, out.device)
 
 

@@ -196,15 +196,16 @@ class DecodedQuantizeLaunch:
         self.direct.run(self.grid, stream, x_address, self.scale_address, out_address, *self.after_out)
 
 
-def decoded_quantize_launch(x: torch.Tensor, global_scale: torch.Tensor, out: torch.Tensor,
-                            fast_math: bool) -> DecodedQuantizeLaunch | None:
+def decoded_quantize_launch(x: torch.Tensor, global_scale: torch.Tensor, out: torch.Tensor, fast_math: bool,
+                            kernel=None, tiles: tuple[int, int, int] = DECODED_TILES) -> DecodedQuantizeLaunch | None:
     """The ``DecodedQuantizeLaunch`` of a call ``quantize_nvfp4_decoded(x, global_scale)`` (default tiles) made once
-    with contiguous ``x`` whose result is ``out``, or None where it cannot be launched directly."""
-    block_r, block_c, num_warps = DECODED_TILES
+    with contiguous ``x`` whose result is ``out``, or None where it cannot be launched directly. ``kernel`` and
+    ``tiles``: another kernel with its arguments, launched by ``launch_decoded_quantize`` with those tiles."""
+    block_r, block_c, num_warps = tiles
     blocks, row_stride = as_block_rows(x)
     site = _decoded_site(x.dtype, blocks, global_scale, out.view(torch.int64), row_stride, fast_math, block_r, block_c,
                          num_warps)
-    recorded = site_binary(_quantize_nvfp4_decoded_kernel, site)
+    recorded = site_binary(_quantize_nvfp4_decoded_kernel if kernel is None else kernel, site)
     if recorded is None or recorded[0].descriptor_meta is not None:
         return None
     return DecodedQuantizeLaunch(recorded[0], recorded[1], x.shape[0], x.shape[1], global_scale, block_r, block_c)

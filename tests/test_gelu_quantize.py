@@ -175,3 +175,38 @@ def test_gpu_decoded_variant_equals_decode_of_the_packed_result(rows):
         want = decode_nvfp4_rows(*gelu_quantize_triton(h, g, fast_math=fast), torch.float16)
         got = gelu_quantize_decoded_triton(h, g, fast_math=fast)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [64, 512, 4096])
+@pytest.mark.parametrize("verify", ["first", "always"])
+def test_gpu_fc2_on_gelu_gives_the_unfused_bytes_through_its_plan(rows, verify):
+    """FC2 called on a ``GeluOperand`` (one op: the GELU quantize, then the GEMM) equals FC2 on torch's GELU output
+    at every call; with verification "first", the class gets a launch plan (the GELU kernel and the GEMM launched
+    directly) after its verified call, and every call counts as fused; with "always" no plan skips the check."""
+    from diffusers_nvfp4_fast import NVFP4Linear
+    from diffusers_nvfp4_fast.ops import gelu_quantize, linear
+    from diffusers_nvfp4_fast.ops.site import Site
+    from diffusers_nvfp4_fast.ops.verify import drop_stats, new_stats, reset_verification
+    from diffusers_nvfp4_fast.patches.operands import GeluOperand
+
+    linear.forget_plans()
+    reset_verification()  # a verdict is per call class, and rows are not part of the class
+    stats_id, stats = new_stats(verify)
+    torch.manual_seed(rows)
+    fc2 = NVFP4Linear.from_weight(torch.randn(3072, 12288, device="cuda", dtype=torch.bfloat16) * 0.02,
+                                  torch.randn(3072, device="cuda", dtype=torch.bfloat16), 6.0 / 2688)
+    y = torch.randn(1, rows, 12288, device="cuda", dtype=torch.bfloat16) * 3
+    want = fc2(torch.nn.functional.gelu(y, approximate="tanh"))
+    try:
+        for call in range(5):
+            got = fc2(GeluOperand(y, Site(stats_id, "qwen_gelu")))
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), call
+        planned = [key for key, plan in linear._PLANS.items() if key[0] == "gelu" and plan is not None]
+    finally:
+        drop_stats(stats_id)
+        linear.forget_plans()
+    assert stats.fused_calls["qwen_gelu"] == 5 and not stats.fallbacks and not stats.verify_failed
+    assert stats.verified["qwen_gelu"] == (1 if verify == "first" else 5)
+    assert len(planned) == (1 if rows > 64 else 0), planned  # 64 rows: packed activation, no plan
+    assert gelu_quantize._PLAN_CLASSES or rows <= 64

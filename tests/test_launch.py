@@ -196,22 +196,22 @@ def test_launch_plans_are_built_at_the_second_call_of_a_class():
 
     here, there = ("quantize", 128, 1), ("quantize", 128, 2)
     try:
-        linear._learn(here, build)
-        linear._learn(there, build)
-        assert linear._plan(here) is None and built == []
-        linear._learn(here, build)
-        assert built == [1] and linear._plan(here) == "plan" and linear._plan(there) is None
-        linear._learn(here, build)  # decided already
+        linear.learn_plan(here, build)
+        linear.learn_plan(there, build)
+        assert linear.plan_for(here) is None and built == []
+        linear.learn_plan(here, build)
+        assert built == [1] and linear.plan_for(here) == "plan" and linear.plan_for(there) is None
+        linear.learn_plan(here, build)  # decided already
         assert built == [1]
         original = launch_mod.hooks_installed
         launch_mod.hooks_installed = lambda: True
         try:
-            assert linear._plan(here) is None
+            assert linear.plan_for(here) is None
         finally:
             launch_mod.hooks_installed = original
         launch_mod.DIRECT_LAUNCH = False
         try:
-            assert linear._plan_key("decoded", torch.zeros(4, 4), torch.float16) is None
+            assert linear.plan_key("decoded", torch.zeros(4, 4), torch.float16) is None
         finally:
             launch_mod.DIRECT_LAUNCH = True
     finally:
@@ -244,12 +244,12 @@ def test_a_plan_that_cannot_be_built_yet_is_tried_again():
     late, never = ("quantize", 512, 1), ("quantize", 512, 2)
     try:
         for _ in range(3):
-            linear._learn(late, lambda: next(results))
-        assert linear._plan(late) == "plan"
+            linear.learn_plan(late, lambda: next(results))
+        assert linear.plan_for(late) == "plan"
         tries = []
         for _ in range(linear._PLAN_TRIES + 2):
-            linear._learn(never, lambda: tries.append(1))
-        assert len(tries) == linear._PLAN_TRIES - 1 and never in linear._PLANS and linear._plan(never) is None
+            linear.learn_plan(never, lambda: tries.append(1))
+        assert len(tries) == linear._PLAN_TRIES - 1 and never in linear._PLANS and linear.plan_for(never) is None
     finally:
         linear.forget_plans()
 

@@ -20,9 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from .. import format as nvfp4
-from .dispatch import kernels, triton_runs_on
-from .fused import FusedOp
+from .dispatch import call_op, define_op, kernels, triton_runs_on
+from .fused import FusedOp, call_class
+from .linear import learn_plan, linear_fp16_x_impl, linear_impl, plan_for, plan_key, takes_decoded_activation
 from .quantize import empty_quantized, quantize
+from .site import Site, SiteKind
+from .verify import counted_without_check, failed_kind_reason
 
 _MISMATCH: dict[tuple[str, torch.dtype], str | None] = {}  # (device, dtype) -> what differs, None if nothing
 _lock = threading.Lock()
@@ -132,3 +135,52 @@ def _gelu_decoded_fake(hidden, global_scale, fast_math):
 # hidden [..., K] -> FP16 [R, K]: the decoded values of gelu_quantize's result, for an FC2 whose GEMM multiplies those.
 gelu_quantize_decoded = FusedOp("gelu_quantize_decoded", _gelu_decoded_impl, gelu_quantize_decoded_reference,
                                 _gelu_decoded_fake, ("decoded",))
+
+
+# launch-plan key -> the verification key of its GELU quantize (a plan runs only for a verified class)
+_PLAN_CLASSES: dict[tuple, str] = {}
+
+
+def _gelu_linear_impl(
+    hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, w_packed: torch.Tensor, w_scales: torch.Tensor,
+    alpha: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool, stats_id: int, kind: str,
+) -> torch.Tensor:
+    site = Site(stats_id, cast(SiteKind, kind))
+    if not takes_decoded_activation(hidden.shape[0], hidden.device, bias, out_dtype, w_swizzled):
+        packed, scales = gelu_quantize.checked(site, hidden, global_scale, fast_math)
+        return linear_impl(packed, scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
+    key = plan_key("gelu", hidden, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha, bias, global_scale,
+                   fast_math)
+    plan = plan_for(key)
+    if plan is not None and counted_without_check(stats_id, site.kind, _PLAN_CLASSES[cast(tuple, key)]):
+        return plan(hidden)  # the GELU quantize kernel and the GEMM, launched directly (ops/linear.py)
+    x16 = gelu_quantize_decoded.checked(site, hidden, global_scale, fast_math)
+    out = linear_fp16_x_impl(x16, w_packed, w_scales, alpha, bias, out_dtype)
+    if key is not None and failed_kind_reason(site.kind) is None:
+        if len(_PLAN_CLASSES) >= 8192:
+            _PLAN_CLASSES.clear()
+        _PLAN_CLASSES[key] = call_class(gelu_quantize_decoded.name, (hidden, global_scale, fast_math))
+        k = cast(ModuleType, kernels)
+        learn_plan(key, lambda: k.linear_plan(hidden, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias,
+                                              out, k.gelu_decoded_launch))
+    return out
+
+
+def _gelu_linear_fake(hidden, global_scale, fast_math, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled,
+                      stats_id, kind):
+    return hidden.new_empty((hidden.shape[0], w_packed.shape[0]), dtype=out_dtype)
+
+
+_gelu_linear_op = define_op("gelu_linear", _gelu_linear_impl, _gelu_linear_fake)
+
+
+def gelu_linear(
+    site: Site, hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, w_packed: torch.Tensor,
+    w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool,
+) -> torch.Tensor:
+    """An NVFP4 layer (FC2) on ``gelu(hidden, approximate="tanh")``: hidden ``[R, K]`` BF16/FP16 -> ``[R, N]`` in
+    ``out_dtype``, the bytes of ``nvfp4_linear`` on ``gelu_quantize``'s result. The GELU quantize is verified at first
+    use per call class, counted under ``site``; from a verified class's second call on, one launch plan runs the GELU
+    quantize and the GEMM (one op call, as an unfused layer's)."""
+    return call_op(_gelu_linear_op, _gelu_linear_impl, hidden, global_scale, fast_math, w_packed, w_scales, alpha, bias,
+                   out_dtype, w_swizzled, site.stats_id, site.kind)

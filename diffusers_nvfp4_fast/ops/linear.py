@@ -40,7 +40,7 @@ def linear_reference(
     return out if bias is None else out + bias
 
 
-def _linear_impl(
+def linear_impl(
     x_packed: torch.Tensor, x_scales: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
     bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool,
 ) -> torch.Tensor:
@@ -82,7 +82,7 @@ def _linear_fake(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype,
     return x_packed.new_empty((x_packed.shape[0], w_packed.shape[0]), dtype=out_dtype)
 
 
-_linear_op = define_op("linear", _linear_impl, _linear_fake)
+_linear_op = define_op("linear", linear_impl, _linear_fake)
 
 
 def nvfp4_linear(
@@ -91,7 +91,7 @@ def nvfp4_linear(
 ) -> torch.Tensor:
     """x_packed uint8 ``[M, K/2]`` + 128x4 scales, w_packed uint8 ``[N, K/2]`` + scales, alpha FP32 one-element ->
     ``[M, N]`` in ``out_dtype``: ``bf16(gemm * alpha)`` then ``+ bias``."""
-    return call_op(_linear_op, _linear_impl, x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
+    return call_op(_linear_op, linear_impl, x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
 
 
 def takes_decoded_activation(
@@ -100,7 +100,7 @@ def takes_decoded_activation(
     """Whether the GEMM for ``rows`` activation rows on ``device`` multiplies the activation's decoded FP16 values
     (SM80-SM90 with more than 64 rows), so that a producer may hand it those (``linear_fp16_x``) instead of packed
     bytes."""
-    # The cheap tests first: small-M calls then go on to _linear_impl without asking for the backend twice.
+    # The cheap tests first: small-M calls then go on to linear_impl without asking for the backend twice.
     return (device.type == "cuda" and w_swizzled and kernels is not None and rows > kernels.PREDECODE_MAX_M
             and _kernel_takes_bias(bias, out_dtype) and gemm_backend(device) == "triton")
 
@@ -115,17 +115,17 @@ def takes_one_row(
             and _kernel_takes_bias(bias, out_dtype) and gemm_backend(device) == "triton")
 
 
-def _linear_fp16_x_impl(
+def linear_fp16_x_impl(
     x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    key = _plan_key("decoded", x16, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha, bias)
-    plan = _plan(key)
+    key = plan_key("decoded", x16, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha, bias)
+    plan = plan_for(key)
     if plan is not None:
         return plan(x16)
     k = cast(ModuleType, kernels)
     out = k.nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
-    _learn(key, lambda: k.linear_plan(None, x16, None, False, w_packed, w_scales, alpha, bias, out))
+    learn_plan(key, lambda: k.linear_plan(None, x16, None, False, w_packed, w_scales, alpha, bias, out))
     return out
 
 
@@ -141,7 +141,7 @@ _PLAN_TRIES = 4
 _PLAN_LIMIT = 8192
 
 
-def _plan_key(kind: str, x: torch.Tensor, out_dtype: torch.dtype, *tensors_and_flags) -> tuple | None:
+def plan_key(kind: str, x: torch.Tensor, out_dtype: torch.dtype, *tensors_and_flags) -> tuple | None:
     """The plan key of a large-M call on SM90 (contiguous 16-byte aligned ``x`` ``[M, K]``; ``tensors_and_flags``:
     N, the layer's tensors, whose addresses are taken, and plain flags), or None where the call cannot have a plan
     (another device, plans switched off)."""
@@ -153,7 +153,7 @@ def _plan_key(kind: str, x: torch.Tensor, out_dtype: torch.dtype, *tensors_and_f
             *[t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors_and_flags])
 
 
-def _plan(key: tuple | None):
+def plan_for(key: tuple | None):
     """The plan for ``key``, or None where the call must take the wrappers' path (no plan, a launch hook)."""
     if key is None:
         return None
@@ -161,7 +161,7 @@ def _plan(key: tuple | None):
     return None if plan is None or cast(ModuleType, kernels).launch.hooks_installed() else plan
 
 
-def _learn(key: tuple | None, build) -> None:
+def learn_plan(key: tuple | None, build) -> None:
     """After a call of class ``key`` took the wrappers' path: its plan is built from its second such call on."""
     if key is None or key in _PLANS:
         return
@@ -189,7 +189,7 @@ def _linear_fp16_x_fake(x16, w_packed, w_scales, alpha, bias, out_dtype):
     return x16.new_empty((x16.shape[0], w_packed.shape[0]), dtype=out_dtype)
 
 
-_linear_fp16_x_op = define_op("linear_fp16_x", _linear_fp16_x_impl, _linear_fp16_x_fake)
+_linear_fp16_x_op = define_op("linear_fp16_x", linear_fp16_x_impl, _linear_fp16_x_fake)
 
 
 def linear_fp16_x(
@@ -198,18 +198,18 @@ def linear_fp16_x(
 ) -> torch.Tensor:
     """``nvfp4_linear`` on an activation already decoded to its exact FP16 values ``[M, K]`` (where
     ``takes_decoded_activation`` holds): the same bytes as passing its packed form."""
-    return call_op(_linear_fp16_x_op, _linear_fp16_x_impl, x16, w_packed, w_scales, alpha, bias, out_dtype)
+    return call_op(_linear_fp16_x_op, linear_fp16_x_impl, x16, w_packed, w_scales, alpha, bias, out_dtype)
 
 
-def _quantized_linear_impl(
+def quantized_linear_impl(
     x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, w_packed: torch.Tensor, w_scales: torch.Tensor,
     alpha: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, w_swizzled: bool,
 ) -> torch.Tensor:
     decoded = takes_decoded_activation(x.shape[0], x.device, bias, out_dtype, w_swizzled)
     if decoded or takes_one_row(x.shape[0], x.device, bias, out_dtype, w_swizzled):
-        key = _plan_key("quantize" if decoded else "row", x, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha,
+        key = plan_key("quantize" if decoded else "row", x, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha,
                         bias, global_scale, fast_math)
-        plan = _plan(key)
+        plan = plan_for(key)
         if plan is not None:
             return plan(x)
         # The large-M GEMM and the one-row product multiply the activation's exact FP16 values: quantize straight to
@@ -218,17 +218,17 @@ def _quantized_linear_impl(
         x16 = k.quantize_nvfp4_decoded(x, global_scale, fast_math=fast_math)
         gemm, build = (k.nvfp4_gemm_fp16_x, k.linear_plan) if decoded else (k.nvfp4_gemv, k.row_plan)
         out = gemm(x16, w_packed, w_scales, alpha, out_dtype, bias=bias)
-        _learn(key, lambda: build(x, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out))
+        learn_plan(key, lambda: build(x, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out))
         return out
     x_packed, x_scales = quantize(x, global_scale, fast_math)
-    return _linear_impl(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
+    return linear_impl(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
 
 
 def _quantized_linear_fake(x, global_scale, fast_math, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled):
     return x.new_empty((x.shape[0], w_packed.shape[0]), dtype=out_dtype)
 
 
-_quantized_linear_op = define_op("quantized_linear", _quantized_linear_impl, _quantized_linear_fake)
+_quantized_linear_op = define_op("quantized_linear", quantized_linear_impl, _quantized_linear_fake)
 
 
 def quantized_linear(
@@ -238,5 +238,5 @@ def quantized_linear(
     """``nvfp4_linear(*quantize(x, global_scale, fast_math), ...)``: x ``[M, K]`` BF16/FP16 -> ``[M, N]`` in
     ``out_dtype``, the same bytes; on SM80-SM90 with M > 64 the activation goes straight to its decoded FP16 values.
     """
-    return call_op(_quantized_linear_op, _quantized_linear_impl, x.contiguous(), global_scale, fast_math, w_packed,
+    return call_op(_quantized_linear_op, quantized_linear_impl, x.contiguous(), global_scale, fast_math, w_packed,
                    w_scales, alpha, bias, out_dtype, w_swizzled)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from .dispatch import call_op, define_op, kernels
-from .linear import _linear_fp16_x_impl, _linear_impl, _quantized_linear_impl, takes_decoded_activation
+from .linear import linear_fp16_x_impl, linear_impl, quantized_linear_impl, takes_decoded_activation
 from .quantize import quantize
 
 # Whether the global scales at these (address, version) pairs hold one value: asked once per key (a device sync),
@@ -48,7 +48,7 @@ def quantized_linears_reference(
     out_dtype: torch.dtype, w_swizzled: list[bool],
 ) -> list[torch.Tensor]:
     """One ``quantized_linear`` per layer: what the op must equal byte for byte."""
-    return [_quantized_linear_impl(x, s, fast_math, w, ws, a, b, out_dtype, sw) for s, w, ws, a, b, sw in
+    return [quantized_linear_impl(x, s, fast_math, w, ws, a, b, out_dtype, sw) for s, w, ws, a, b, sw in
             zip(global_scales, w_packed, w_scales, alphas, biases, w_swizzled)]
 
 
@@ -64,10 +64,10 @@ def _quantized_linears_impl(
     if forms == {True}:  # the SM90 GEMM multiplies the activation's FP16 values: quantize straight to them, once
         assert kernels is not None  # takes_decoded_activation holds only where the kernels imported
         x16 = kernels.quantize_nvfp4_decoded(x, global_scales[0], fast_math=fast_math)
-        return [_linear_fp16_x_impl(x16, w, ws, a, b, out_dtype) for w, ws, a, b in
+        return [linear_fp16_x_impl(x16, w, ws, a, b, out_dtype) for w, ws, a, b in
                 zip(w_packed, w_scales, alphas, biases)]
     x_packed, x_scales = quantize(x, global_scales[0], fast_math)
-    return [_linear_impl(x_packed, x_scales, w, ws, a, b, out_dtype, s) for w, ws, a, b, s in
+    return [linear_impl(x_packed, x_scales, w, ws, a, b, out_dtype, s) for w, ws, a, b, s in
             zip(w_packed, w_scales, alphas, biases, w_swizzled)]
 
 

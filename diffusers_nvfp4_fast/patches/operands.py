@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.gelu_quantize import gelu_quantize, gelu_quantize_decoded
+from ..linear import NVFP4Linear
+from ..ops.gelu_quantize import gelu_linear, gelu_quantize, gelu_quantize_decoded
 from ..ops.layer_norm_quantize import (
     AdaLNInputs,
     ResNormInputs,
@@ -53,6 +54,9 @@ class _Operand:
 
     def output(self, y: torch.Tensor) -> torch.Tensor:
         return y.reshape(*self.lead.shape[:-1], y.shape[-1])
+
+    def linear(self, layer: NVFP4Linear, fast_math: bool) -> torch.Tensor | None:
+        return None  # the layer quantizes through quantize or decode
 
 
 class TokenCatOperand(_Operand):
@@ -114,6 +118,10 @@ class GeluOperand(_Operand):
 
     def decode(self, input_scale_inv: torch.Tensor, fast_math: bool) -> torch.Tensor:
         return gelu_quantize_decoded.checked(self.site, self._rows2d(), input_scale_inv, fast_math)
+
+    def linear(self, layer: NVFP4Linear, fast_math: bool) -> torch.Tensor:
+        return gelu_linear(self.site, self._rows2d(), layer.input_scale_inv, fast_math, layer.weight,
+                           layer.weight_scale, layer.alpha, layer.bias, self.dtype, layer.scale_layout == "128x4")
 
 
 class ResNormOperand(_Operand):
