@@ -13,8 +13,9 @@ equal to torch's on every value too, so that compiled on equals compiled off (do
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from types import ModuleType
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +26,24 @@ from .fused import FusedOp, call_class
 from .linear import learn_plan, linear_fp16_x_impl, linear_impl, plan_for, plan_key, takes_decoded_activation
 from .quantize import empty_quantized, quantize
 from .site import Site, SiteKind
-from .verify import counted_without_check, failed_kind_reason
+from .verify import counted_without_check
 
 _MISMATCH: dict[tuple[str, torch.dtype], str | None] = {}  # (device, dtype) -> what differs, None if nothing
 _lock = threading.Lock()
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _every_value(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """All 65,536 bit patterns of a 16-bit ``dtype`` on ``device``."""
+    return torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
+
+
+def _differ(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Where two GELU outputs differ in their bits, NaNs of any payload counting as equal."""
+    return (got.view(torch.int16) != want.view(torch.int16)) & ~(got.isnan() & want.isnan())
 
 
 def gelu_mismatch(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -40,19 +55,13 @@ def gelu_mismatch(device: torch.device, dtype: torch.dtype) -> str | None:
     if key not in _MISMATCH:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return "GELU not yet checked against torch's when captured into a CUDA graph"
-        values = torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
-        got = cast(ModuleType, kernels).gelu_triton(values)
-        want = F.gelu(values, approximate="tanh")
-        differ = (got.view(torch.int16) != want.view(torch.int16)) & ~(got.isnan() & want.isnan())
+        values = _every_value(device, dtype)
+        differ = _differ(cast(ModuleType, kernels).gelu_triton(values), _gelu_tanh(values))
         n = int(differ.sum())
         examples = values[differ][:4].float().tolist() if n else []
         with _lock:
             _MISMATCH[key] = f"{n} of 65536 {dtype} values differ from torch's GELU, e.g. {examples}" if n else None
     return _MISMATCH[key]
-
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
 
 
 _COMPILED: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> "" where inductor's GELU agrees, else why not
@@ -70,10 +79,8 @@ def check_compiled_gelu(device: torch.device) -> None:
         try:
             compiled = compiled or torch.compile(_gelu_tanh, fullgraph=True, dynamic=False)
             with torch.no_grad():
-                values = torch.arange(1 << 16, dtype=torch.int32, device=device).to(torch.int16).view(dtype)
-                got, want = compiled(values), _gelu_tanh(values)
-            differ = (got.view(torch.int16) != want.view(torch.int16)) & ~(got.isnan() & want.isnan())
-            n = int(differ.sum())
+                values = _every_value(device, dtype)
+                n = int(_differ(compiled(values), _gelu_tanh(values)).sum())
             reason = (f"inductor's GELU differs from torch's on {n} of 65536 {dtype} values" if n
                       else gelu_mismatch(device, dtype) or "")
         except Exception as error:  # noqa: BLE001 - any failure keeps diffusers' GELU, which is always right
@@ -137,8 +144,11 @@ gelu_quantize_decoded = FusedOp("gelu_quantize_decoded", _gelu_decoded_impl, gel
                                 _gelu_decoded_fake, ("decoded",))
 
 
-# launch-plan key -> the verification key of its GELU quantize (a plan runs only for a verified class)
-_PLAN_CLASSES: dict[tuple, str] = {}
+class _VerifiedPlan(NamedTuple):
+    """A launch plan of FC2 on GELU and the verification key of its GELU quantize: it runs only for a verified class."""
+
+    plan: Callable[[torch.Tensor], torch.Tensor]
+    call_class: str
 
 
 def _gelu_linear_impl(
@@ -151,18 +161,20 @@ def _gelu_linear_impl(
         return linear_impl(packed, scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
     key = plan_key("gelu", hidden, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha, bias, global_scale,
                    fast_math)
-    plan = plan_for(key)
-    if plan is not None and counted_without_check(stats_id, site.kind, _PLAN_CLASSES[cast(tuple, key)]):
-        return plan(hidden)  # the GELU quantize kernel and the GEMM, launched directly (ops/linear.py)
+    verified = plan_for(key)
+    if verified is not None and counted_without_check(stats_id, site.kind, verified.call_class):
+        return verified.plan(hidden)  # the GELU quantize kernel and the GEMM, launched directly (ops/linear.py)
     x16 = gelu_quantize_decoded.checked(site, hidden, global_scale, fast_math)
     out = linear_fp16_x_impl(x16, w_packed, w_scales, alpha, bias, out_dtype)
-    if key is not None and failed_kind_reason(site.kind) is None:
-        if len(_PLAN_CLASSES) >= 8192:
-            _PLAN_CLASSES.clear()
-        _PLAN_CLASSES[key] = call_class(gelu_quantize_decoded.name, (hidden, global_scale, fast_math))
+
+    def build() -> _VerifiedPlan | None:
         k = cast(ModuleType, kernels)
-        learn_plan(key, lambda: k.linear_plan(hidden, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias,
-                                              out, k.gelu_decoded_launch))
+        plan = k.linear_plan(hidden, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out,
+                             k.gelu_decoded_launch)
+        return None if plan is None else _VerifiedPlan(
+            plan, call_class(gelu_quantize_decoded.name, (hidden, global_scale, fast_math)))
+
+    learn_plan(key, build)
     return out
 
 

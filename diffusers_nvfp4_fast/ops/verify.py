@@ -157,9 +157,10 @@ def counted_without_check(stats_id: int, kind: SiteKind, call_key: str) -> bool:
     """True, with the call counted as fused, where ``run_checked`` would run the fused implementation of this call
     class without checking it (verified before in mode "first", or mode "off"); False where the call must go
     through ``run_checked``. Launch plans of fused calls ask this before they skip it."""
-    stats = _STATS.get(stats_id) or FastPathStats()
-    if kind in _FAILED_KINDS:
-        return False
+    return kind not in _FAILED_KINDS and _counted(_STATS.get(stats_id) or FastPathStats(), kind, call_key)
+
+
+def _counted(stats: FastPathStats, kind: SiteKind, call_key: str) -> bool:
     mode = stats.verify_mode
     if mode == "off" or (mode == "first" and _VERDICTS.get(f"{kind}|{call_key}")):
         stats.fused_calls[kind] += 1
@@ -184,7 +185,7 @@ def run_checked(
     if kind in _FAILED_KINDS:
         stats.fallbacks[f"{kind}: verification failed earlier in this process"] += 1
         return reference()
-    if counted_without_check(site.stats_id, kind, call_key):
+    if _counted(stats, kind, call_key):
         return fused()
     key = f"{kind}|{call_key}"
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -170,12 +170,15 @@ def _mlp_stream(
     return hidden + gate2 * _gelu_fc2(ff, y, sites["qwen_gelu"])
 
 
+_NOT_GELU_FEED_FORWARD = "feed-forward is not GELU, Dropout, FC2"
+
+
 def gelu_fc2_reason(ff: nn.Module, y: torch.Tensor) -> str | None:
     """None when GELU and FC2's quantize can run as one kernel on FC1's output ``y``, else the reason they cannot.
     (``resnorm_reason`` already checked the feed-forward and its GELU module for hooks.)"""
     net = list(cast(nn.ModuleList, ff.net))  # not ff.net[...] slices (see _DeferredBiasView.to_out)
     if len(net) < 3 or type(net[0]) is not GELU or not isinstance(net[1], nn.Dropout):
-        return "feed-forward is not GELU, Dropout, FC2"
+        return _NOT_GELU_FEED_FORWARD
     if net[0].approximate != "tanh":
         return f"GELU approximate={net[0].approximate!r} (tanh only)"
     if net[1].training and net[1].p > 0:
@@ -186,8 +189,9 @@ def gelu_fc2_reason(ff: nn.Module, y: torch.Tensor) -> str | None:
     if y.dtype not in (torch.bfloat16, torch.float16) or y.shape[-1] % 16:
         return f"FC1 output {y.dtype} width {y.shape[-1]} (bf16/fp16, a multiple of 16)"
     if torch.compiler.is_compiling():  # compiled off computes inductor's GELU: fused only where it is torch's
-        return (compiled_gelu_reason(str(y.device), y.dtype == torch.bfloat16) or None) if triton_runs_on(y) \
-            else COMPILED
+        if not triton_runs_on(y):
+            return COMPILED
+        return compiled_gelu_reason(str(y.device), y.dtype == torch.bfloat16) or None
     if failed_kind_reason("qwen_gelu") is not None:
         return "verification failed earlier in this process"
     return gelu_mismatch(y.device, y.dtype) if triton_runs_on(y) else None
@@ -220,7 +224,7 @@ def compiled_feed_forward(ff: nn.Module, site: Site):
         if not torch.compiler.is_compiling() or args or kwargs:
             return original(hidden_states, *args, **kwargs)
         gelu = cast(nn.ModuleList, ff.net)[0]
-        reason = ("feed-forward is not GELU, Dropout, FC2" if type(gelu) is not GELU
+        reason = (_NOT_GELU_FEED_FORWARD if type(gelu) is not GELU
                   else call_changed_reason("feed-forward GELU", gelu))
         if reason is not None:
             count_fallback(site, reason)
