@@ -226,7 +226,8 @@ class DescriptorEncoding:
     ``CUtensorMap`` encoded for the base address, then the shape and strides. Everything but the address is fixed
     by the call site (shape, strides, block, layout), so ``arguments(ptr)`` encodes only the map."""
 
-    __slots__ = ("fill", "swizzle", "elem_size", "elem_type", "block", "shape", "strides", "padding")
+    __slots__ = ("fill", "swizzle", "elem_size", "elem_type", "block", "shape", "strides", "padding", "_by_address")
+    _ADDRESSES = 16  # the caching allocator hands a call class the same few blocks again and again
 
     def __init__(self, descriptor, meta: dict) -> None:
         from triton.runtime import driver as runtime_driver
@@ -241,12 +242,19 @@ class DescriptorEncoding:
         self.elem_type = nvidia.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]]
         self.shape, self.strides = shape, list(descriptor.strides)
         self.padding = 1 if descriptor.padding == "nan" else 0
+        self._by_address: dict[int, tuple] = {}
 
     def arguments(self, address: int) -> tuple:
-        """The C launcher's arguments for a descriptor with this encoding over ``address``."""
-        tensor_map = self.fill(address, self.swizzle, self.elem_size, self.elem_type, self.block, self.shape,
-                               self.strides, self.padding)
-        return (tensor_map, *self.shape, *self.strides)
+        """The C launcher's arguments for a descriptor with this encoding over ``address``: encoded once per address
+        (the map depends on nothing else, and the launcher copies it into the kernel's parameters)."""
+        known = self._by_address.get(address)
+        if known is None:
+            if len(self._by_address) >= self._ADDRESSES:
+                self._by_address.clear()
+            tensor_map = self.fill(address, self.swizzle, self.elem_size, self.elem_type, self.block, self.shape,
+                                   self.strides, self.padding)
+            known = self._by_address[address] = (tensor_map, *self.shape, *self.strides)
+        return known
 
 
 _BY_SITE: dict = {}

@@ -438,5 +438,9 @@ def test_descriptor_encoding_gives_the_c_launchers_descriptor_arguments(monkeypa
     encoding = launch_mod.DescriptorEncoding(desc, meta)
     assert encoding.arguments(0x1000) == ("map", 4096, 3072, 1536, 1)
     assert encoding.arguments(0x2000) == ("map", 4096, 3072, 1536, 1)
+    assert encoding.arguments(0x1000) == ("map", 4096, 3072, 1536, 1)  # an address seen before: no new encoding
     assert calls == [(0x1000, 128, 1, 10, [128, 64], [4096, 3072], [1536, 1], 0),
                      (0x2000, 128, 1, 10, [128, 64], [4096, 3072], [1536, 1], 0)]
+    for address in range(encoding._ADDRESSES + 1):  # bounded: past the limit the table starts again
+        encoding.arguments(0x10000 + address)
+    assert 0x1000 not in encoding._by_address and len(encoding._by_address) < encoding._ADDRESSES
