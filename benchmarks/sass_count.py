@@ -24,9 +24,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from diffusers_nvfp4_fast.kernels.gelu_quantize import _gelu_quantize_kernel
+from diffusers_nvfp4_fast.kernels.gelu_quantize import _gelu_quantize_decoded_kernel, _gelu_quantize_kernel
 from diffusers_nvfp4_fast.kernels.qk_norm_rotary import _flux2_qk_norm_rotary_kernel, _qk_norm_rotary_kernel
-from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_kernel
+from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_decoded_kernel, _quantize_nvfp4_kernel
 from diffusers_nvfp4_fast.kernels.rotary import _rotary_kernel
 from diffusers_nvfp4_fast.kernels.swiglu_quantize import _swiglu_quantize_kernel
 from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
@@ -47,16 +47,23 @@ SIGNATURES = {
                                          "stride_a": "i32", "stride_h": "i32", "stride_u": "i32", "up_block": "i32",
                                          "padded_cols": "i32", "col_tiles": "i32"}),
 }
+_DECODED = {"x_ptr": "*i64", "g_ptr": "*fp32", "out_ptr": "*i64", "M": "i32", "K": "i32", "row_stride": "i32",
+            "col_tiles": "i32"}
+SIGNATURES["decoded"] = (_quantize_nvfp4_decoded_kernel, _DECODED)
+SIGNATURES["gelu_decoded"] = (_gelu_quantize_decoded_kernel, {"h_ptr": "*i64", **dict(list(_DECODED.items())[1:])})
 
 
 def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, block_c: int = 32, num_warps: int = 4):
-    """Compile ``kernel`` ("quantize", "token_cat", "gelu" or "swiglu") for compute capability ``arch`` (x10) without
-    a GPU; the hardware E2M1 conversion is selected from SM100 on, as at run time."""
+    """Compile ``kernel`` (a key of ``SIGNATURES``) for compute capability ``arch`` (x10) without a GPU; the hardware
+    E2M1 conversion is selected from SM100 on, and the grid dependency wait (kernels that take ``PDL``) from SM90 on,
+    as at run time."""
     fn, sig = SIGNATURES[kernel]
     consts = {"BLOCK_R": block_r, "BLOCK_C": block_c, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": arch >= 100}
+    options = {"enable_fp_fusion": False, "num_warps": num_warps}
+    if "PDL" in inspect.signature(fn.fn).parameters:
+        consts["PDL"] = options["launch_pdl"] = arch >= 90
     return triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
-                          target=GPUTarget("cuda", arch, 32),
-                          options={"enable_fp_fusion": False, "num_warps": num_warps})
+                          target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def compile_rotary(arch: int, head_dim: int = 128, block_r: int = 16, num_warps: int = 4):
@@ -96,8 +103,10 @@ def compile_flux2_qk_norm_rotary(arch: int, tree: int = 1, block_r: int = 16, nu
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
 
 
-def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, has_bias: bool = False):
-    """Compile the Gluon SM90 GEMM (``kernels/nvfp4_gemm_sm90.py``) for sm_90a without a GPU."""
+def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, has_bias: bool = False,
+                      pdl: bool = True):
+    """Compile the Gluon SM90 GEMM (``kernels/nvfp4_gemm_sm90.py``) for sm_90a without a GPU (``pdl``: with its grid
+    dependency wait, as it launches on SM90 unless DIFFUSERS_NVFP4_PDL=0)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -110,11 +119,11 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, 
            "s_desc": f"tensordesc<i32[1, 128],{flat!r}>", "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
            "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "scale_rows_per_tile": "i32"}
     consts = {"BLOCK_M": block_m, "BLOCK_N": mod.BLOCK_N, "BLOCK_K": mod.BLOCK_K, "STAGES": stages, "GROUP_N": 8,
-              "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET, "HAS_BIAS": has_bias}
+              "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET, "HAS_BIAS": has_bias, "PDL": pdl}
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 11)}  # as Triton specializes them at run time
     src = GluonASTSource(mod._nvfp4_gemm_sm90_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": mod.NUM_WARPS, "maxnreg": mod.MAX_REGISTERS})
+                          options={"num_warps": mod.NUM_WARPS, "maxnreg": mod.MAX_REGISTERS, "launch_pdl": pdl})
 
 
 def compile_gemv(x_packed: bool, arch: int = 90, has_bias: bool = True):
@@ -122,7 +131,8 @@ def compile_gemv(x_packed: bool, arch: int = 90, has_bias: bool = True):
     contraction), without a GPU."""
     mod = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemv")
     consts = {"X_PACKED": x_packed, "SPLIT": False, "HAS_BIAS": has_bias, "EVEN_K": True, "USE_ASM": True,
-              "BLOCK_N": mod.GEMV_BLOCK_N, "BLOCK_K": mod.GEMV_BLOCK_K, "HALVINGS": mod.GEMV_BLOCK_K.bit_length() - 1}
+              "BLOCK_N": mod.GEMV_BLOCK_N, "BLOCK_K": mod.GEMV_BLOCK_K, "HALVINGS": mod.GEMV_BLOCK_K.bit_length() - 1,
+              "PDL": arch >= 90}
     names = list(inspect.signature(mod._nvfp4_gemv_kernel.fn).parameters)
     pointers = {"x_ptr": "*u8" if x_packed else "*fp16", "xs_ptr": "*i32", "w_ptr": "*u8",
                 "ws_ptr": "*i32", "alpha_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16"}
@@ -133,7 +143,7 @@ def compile_gemv(x_packed: bool, arch: int = 90, has_bias: bool = True):
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"enable_fp_fusion": False, "num_warps": mod.GEMV_WARPS,
-                                   "num_stages": mod.GEMV_STAGES})
+                                   "num_stages": mod.GEMV_STAGES, "launch_pdl": arch >= 90})
 
 
 def compile_qwen_resnorm(d: int = 3072, arch: int = 90, has_residual: bool = True, decoded: bool = False,

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid_dependency import wait_for_prior_grids
 from .launch import INTERPRETING, launch
 from .nvfp4_epilogue import block_tile, decoded_blocks, load_blocks, quantize_blocks, store_blocks, unpack4
 from .quantize_nvfp4 import (
@@ -92,8 +93,9 @@ def gelu_quantize_triton(
 def _gelu_quantize_decoded_kernel(
     h_ptr, g_ptr, out_ptr, M, K, row_stride, col_tiles,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
-    HW_E2M1: tl.constexpr,
+    HW_E2M1: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_grids(PDL)
     rows, kbs, mask = block_tile(tl.program_id(0), col_tiles, M, K, BLOCK_R, BLOCK_C)
     q0, q1, q2, q3 = load_blocks(h_ptr, rows, kbs, row_stride, mask)
     w0, w1, w2, w3 = decoded_blocks(gelu_word(q0, IS_BF16), gelu_word(q1, IS_BF16), gelu_word(q2, IS_BF16),

@@ -79,6 +79,21 @@ def hardware_e2m1(device: torch.device) -> bool:
     return cuda_capability(device)[0] >= 10
 
 
+# Programmatic dependent launch (docs/performance.md, "Kernel boundaries"): DIFFUSERS_NVFP4_PDL=0 turns it off. Read
+# once, at import, like TRITON_INTERPRET: the binaries compiled with it carry the launch attribute.
+PDL = os.environ.get("DIFFUSERS_NVFP4_PDL", "1").strip() not in ("0", "")
+
+
+def pdl_options(device: torch.device) -> dict:
+    """The launch keywords of a kernel that starts with ``grid_dependency.wait_for_prior_grids(PDL)``: on SM90 and
+    newer it is launched with the programmatic-serialization attribute, so that its CTAs are placed while the kernel
+    before it finishes, and waits for that kernel's memory before touching any (the same bytes as a plain launch)."""
+    if INTERPRETING:
+        return {"PDL": False}
+    on = PDL and device.type == "cuda" and cuda_capability(device)[0] >= 9
+    return {"PDL": on, "launch_pdl": on}
+
+
 def launch_options(device: torch.device, fast_math: bool, num_warps: int = 4) -> dict:
     # No FMA contraction: every rounding step must happen exactly where the spec puts it.
     return {"FAST_MATH": bool(fast_math), "HW_E2M1": hardware_e2m1(device), "enable_fp_fusion": False,

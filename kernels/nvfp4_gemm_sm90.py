@@ -62,7 +62,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .launch import DescriptorEncoding, DirectLaunch, cdiv, cuda_capability, launch_by_site, site_binary, sm_count
+from .launch import (
+    DescriptorEncoding,
+    DirectLaunch,
+    cdiv,
+    cuda_capability,
+    launch_by_site,
+    pdl_options,
+    site_binary,
+    sm_count,
+)
 from .tiling import grouped_tile
 
 __all__ = ["nvfp4_gemm_sm90", "sm90_supported", "sm90_block_m", "sm90_launch", "Sm90Launch", "SM90_STAGES",
@@ -200,10 +209,20 @@ def _mma_partition(x_smem, w_smem, s_smem, ready, empty, alpha_ptr, bias_ptr, ou
 
 
 @gluon.jit
+def _wait_for_prior_grids(PDL: gl.constexpr):
+    """``grid_dependency.wait_for_prior_grids`` in Gluon: before the first global memory access of every warp."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
 def _nvfp4_gemm_sm90_kernel(
     x_desc, w_desc, s_desc, alpha_ptr, bias_ptr, out_ptr, M, N, K, stride_om, scale_rows_per_tile,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
     GROUP_N: gl.constexpr, EVEN_K: gl.constexpr, NEW_REINTERPRET: gl.constexpr, HAS_BIAS: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     gl.static_assert(BLOCK_K == 64, "one scale word (4 blocks of 16) per row and k-step")
     gl.static_assert(BLOCK_N == 128, "one 128-row block of the 128x4 scale layout per tile")
@@ -223,6 +242,7 @@ def _nvfp4_gemm_sm90_kernel(
     for st in gl.static_range(STAGES):
         mbarrier.init(ready.index(st), count=1)
         mbarrier.init(empty.index(st), count=1)
+    _wait_for_prior_grids(PDL)  # the prologue above touches shared memory only
 
     k_steps = gl.cdiv(K, BLOCK_K)
     STEP_BYTES: gl.constexpr = BLOCK_M * BLOCK_K * 2 + BLOCK_N * WORDS * 4 + BLOCK_N * 4
@@ -366,7 +386,7 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
                    alpha if bias is None else bias, out, m, n, k, out.stride(0), scale_cols // 4, BLOCK_M=block_m,
                    BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, GROUP_N=group_n, EVEN_K=k % BLOCK_K == 0,
                    NEW_REINTERPRET=_NEW_REINTERPRET, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
-                   maxnreg=MAX_REGISTERS)
+                   maxnreg=MAX_REGISTERS, **pdl_options(x16.device))
     return out
 
 

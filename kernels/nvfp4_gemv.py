@@ -27,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import DirectLaunch, cdiv, launch_by_site, site_binary, sm_count
+from .grid_dependency import wait_for_prior_grids
+from .launch import DirectLaunch, cdiv, launch_by_site, pdl_options, site_binary, sm_count
 from .nvfp4_decode import (
     linear_epilogue,
     load_decode,
@@ -85,7 +86,7 @@ def _pairwise_columns(acc, BLOCK_N: tl.constexpr, HALVINGS: tl.constexpr):
 def _nvfp4_gemv_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, alpha_ptr, bias_ptr, out_ptr, N, K, stride_wn, Cp, k_chunk,
     X_PACKED: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, USE_ASM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVINGS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HALVINGS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Outputs ``[pid0 * BLOCK_N, +BLOCK_N)`` over K range ``[pid1 * k_chunk, +k_chunk)``.
 
@@ -94,6 +95,7 @@ def _nvfp4_gemv_kernel(
     FP32 ``[1]``; bias_ptr: ``[N]`` in the output dtype (HAS_BIAS); out_ptr: ``[1, N]``, or with SPLIT the FP32
     workspace ``[splits, 1, N]``. Cp = round_up(K/16, 4); k_chunk is a multiple of BLOCK_K = 2^HALVINGS.
     """
+    wait_for_prior_grids(PDL)
     NB: tl.constexpr = BLOCK_K // 16
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = tl.minimum(offs_n, N - 1)  # clamped, not masked: those rows feed only outputs that are not stored
@@ -202,7 +204,8 @@ def _launch_arguments(x, x_scales, w_packed, w_scales, alpha, bias, target, chun
     block_n, block_k, warps, stages = tile or (GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS, GEMV_STAGES)
     meta = dict(X_PACKED=packed, SPLIT=target.dim() == 3, HAS_BIAS=bias is not None and target.dim() == 2,
                 EVEN_K=k % block_k == 0, USE_ASM=use_asm_split(w_packed), BLOCK_N=block_n, BLOCK_K=block_k,
-                HALVINGS=block_k.bit_length() - 1, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+                HALVINGS=block_k.bit_length() - 1, num_warps=warps, num_stages=stages, enable_fp_fusion=False,
+                **pdl_options(w_packed.device))
     # What Triton specializes the launch on: every integer, every pointer's alignment and dtype, the keywords.
     site = (n, k, w_packed.stride(0), w_scales.shape[1], chunk, *(a.data_ptr() % 16 == 0 for a in args[:7]),
             *(a.dtype for a in args[:7]), *meta.values())

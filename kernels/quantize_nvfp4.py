@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid_dependency import wait_for_prior_grids
 from .launch import (
     DirectLaunch,
     as_block_rows,
@@ -12,6 +13,7 @@ from .launch import (
     launch_by_site,
     launch_options,
     padded_scale_shape,
+    pdl_options,
     site_binary,
     tile_grid,
 )
@@ -112,8 +114,9 @@ def store_words(w0, w1, w2, w3, rows, kbs, out_ptr, K, mask):
 def _quantize_nvfp4_decoded_kernel(
     x_ptr, g_ptr, out_ptr, M, K, row_stride, col_tiles,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,
-    HW_E2M1: tl.constexpr,
+    HW_E2M1: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_prior_grids(PDL)
     rows, kbs, mask = block_tile(tl.program_id(0), col_tiles, M, K, BLOCK_R, BLOCK_C)
     q0, q1, q2, q3 = load_blocks(x_ptr, rows, kbs, row_stride, mask)
     w0, w1, w2, w3 = decoded_blocks(q0, q1, q2, q3, tl.load(g_ptr), IS_BF16, FAST_MATH)
@@ -150,7 +153,8 @@ def launch_decoded_quantize(
     kernel, x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool, block_r: int, block_c: int, num_warps: int,
 ) -> torch.Tensor:
     """Allocate the FP16 output of a 2-D ``x`` and launch ``kernel``, which takes the arguments of
-    ``_quantize_nvfp4_decoded_kernel`` (x as int64 words, g, out as int64 words, M, K, row stride, column tiles)."""
+    ``_quantize_nvfp4_decoded_kernel`` (x as int64 words, g, out as int64 words, M, K, row stride, column tiles) and
+    starts with ``wait_for_prior_grids`` (``pdl_options``)."""
     m, k = x.shape
     if k % 16:
         raise ValueError(f"K={k} must be a multiple of 16")
@@ -163,7 +167,7 @@ def launch_decoded_quantize(
         launch_by_site(
             kernel, (cdiv(m, block_r) * col_tiles,), site, blocks, global_scale, words, m, k, row_stride,
             col_tiles, BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
-            **launch_options(x.device, fast_math, num_warps),
+            **launch_options(x.device, fast_math, num_warps), **pdl_options(x.device),
         )
     return out
 
