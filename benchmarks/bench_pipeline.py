@@ -12,7 +12,7 @@ then BF16, one pipeline at a time): a warm-up image of 2 steps (Triton compile, 
 then per mode one timed image (``runner``: ``capture_cuda_graphs(pipe)``; its first image captures, so it is timed
 twice: ``s_first_image`` with the captures, ``s_per_image`` after; ``compiled``: ``compile_repeated_blocks`` inside
 ``exact_inductor``, also timed twice). ``png_equal_eager``: the mode's PNG has the bytes of the same dtype's eager PNG.
-Writes benchmarks/results/pipeline-<device>.json (other models' cases are kept).
+Writes benchmarks/results/pipeline-<device>.json (the cases of other models, dtypes and modes are kept, each dated).
 """
 
 from __future__ import annotations
@@ -155,9 +155,13 @@ def main() -> None:
     import common
 
     path = Path(__file__).parent / "results" / f"pipeline-{common.device_slug()}.json"
-    old = json.loads(path.read_text())["cases"] if path.exists() else []
+    before = json.loads(path.read_text()) if path.exists() else {"cases": []}
     result = common.header("pipeline", common.copy_bandwidth_gbps())
-    result["cases"] = [c for c in old if c["model"] != args.model] + cases
+    # Cases of other models, dtypes or modes stay, each with the date of the run that measured it.
+    fresh = {(c["model"], c["dtype"], c["mode"]) for c in cases}
+    kept = [{"date": before.get("date"), **c} for c in before["cases"]
+            if (c["model"], c["dtype"], c["mode"]) not in fresh]
+    result["cases"] = kept + [{**c, "date": result["date"]} for c in cases]
     result["wall_s"] = round(time.time() - t_start, 1)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", path)
