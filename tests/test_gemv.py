@@ -12,8 +12,6 @@ SM80 and SM90 without spilling. GPU (``gpu``): the model shapes against the refe
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -151,7 +149,6 @@ def test_reference_order_is_not_the_plain_sum():
 def test_gemv_compiles_without_spills(arch):
     """Both activation forms compile for SM80 and SM90 ahead of time (no GPU needed) and keeps its accumulator in
     registers: no local-memory loads or stores in the SASS."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     from sass_count import compile_gemv, disassemble
 
     for packed in (True, False):

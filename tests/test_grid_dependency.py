@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import importlib
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +14,6 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed, so the grid dependency tests did not run; "
                                                "they run wherever Triton is installed, as in CI (pip install -e "
                                                "'.[test]')")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 launch_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.launch")
 
