@@ -50,7 +50,8 @@ SIGNATURES = {
 _DECODED = {"x_ptr": "*i64", "g_ptr": "*fp32", "out_ptr": "*i64", "M": "i32", "K": "i32", "row_stride": "i32",
             "col_tiles": "i32"}
 SIGNATURES["decoded"] = (_quantize_nvfp4_decoded_kernel, _DECODED)
-SIGNATURES["gelu_decoded"] = (_gelu_quantize_decoded_kernel, {"h_ptr": "*i64", **dict(list(_DECODED.items())[1:])})
+SIGNATURES["gelu_decoded"] = (_gelu_quantize_decoded_kernel,
+                              {("h_ptr" if name == "x_ptr" else name): t for name, t in _DECODED.items()})
 
 
 def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, block_c: int = 32, num_warps: int = 4):

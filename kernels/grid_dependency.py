@@ -11,12 +11,15 @@ PTX has both instructions from SM90 on; ``PDL`` is False for older targets, wher
 import triton
 import triton.language as tl
 
+# The two instructions, each as inline PTX with a dummy output; the Gluon GEMM emits the same strings.
+WAIT_ASM = tl.constexpr("griddepcontrol.wait; // $0")
+RELEASE_ASM = tl.constexpr("griddepcontrol.launch_dependents; // $0")
+
 
 @triton.jit
 def wait_for_prior_grids(PDL: tl.constexpr):
     """First statement of a kernel launched with ``launch.pdl_options``: nothing of the kernel may touch global memory
     before it."""
     if PDL:
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
-        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False,
-                                  pack=1)
+        tl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(RELEASE_ASM, "=r", [], dtype=tl.int32, is_pure=False, pack=1)

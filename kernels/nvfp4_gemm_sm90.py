@@ -62,6 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .grid_dependency import RELEASE_ASM, WAIT_ASM
 from .launch import (
     DescriptorEncoding,
     DirectLaunch,
@@ -212,9 +213,8 @@ def _mma_partition(x_smem, w_smem, s_smem, ready, empty, alpha_ptr, bias_ptr, ou
 def _wait_for_prior_grids(PDL: gl.constexpr):
     """``grid_dependency.wait_for_prior_grids`` in Gluon: before the first global memory access of every warp."""
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        gl.inline_asm_elementwise(WAIT_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise(RELEASE_ASM, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

@@ -27,7 +27,8 @@ def _compile(kernel: str, arch: int):
 
     if kernel == "sm90_gemm":
         pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
-                            reason="this Triton has no Gluon Hopper API, so the SM90 GEMM check did not run")
+                            reason="this Triton has no Gluon Hopper API, so the SM90 GEMM's grid dependency check did "
+                                   "not run; it runs with Triton >= 3.6, as CI installs")
         return sass_count.compile_gemm_sm90(pdl=arch >= 90)
     if kernel == "gemv":
         return sass_count.compile_gemv(False, arch=arch)
@@ -86,6 +87,11 @@ def _chain(x_src: torch.Tensor, h_src: torch.Tensor, weights: list, scale: torch
 
     sm90 = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")
     step = torch.cuda.synchronize if sync else (lambda: None)
+
+    def gemm(a16: torch.Tensor, w: torch.Tensor, s: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        return sm90.nvfp4_gemm_sm90(a16, w, s, alpha, torch.empty(a16.shape[0], w.shape[0], dtype=torch.bfloat16,
+                                                                     device="cuda"))
+
     x = torch.empty_like(x_src[0])
     h = torch.empty_like(h_src[0])
     (w1, s1, a1), (w2, s2, a2), (w3, s3, a3), (w4, s4, a4) = weights
@@ -96,17 +102,14 @@ def _chain(x_src: torch.Tensor, h_src: torch.Tensor, weights: list, scale: torch
         step()
         x16 = kernels.quantize_nvfp4_decoded(x, scale, fast_math=True)
         step()
-        q = sm90.nvfp4_gemm_sm90(x16, w1, s1, a1, torch.empty(x.shape[0], w1.shape[0], dtype=torch.bfloat16,
-                                                                  device="cuda"))
+        q = gemm(x16, w1, s1, a1)
         step()
-        k = sm90.nvfp4_gemm_sm90(x16, w2, s2, a2, torch.empty(x.shape[0], w2.shape[0], dtype=torch.bfloat16,
-                                                                  device="cuda"))
+        k = gemm(x16, w2, s2, a2)
         step()
         del x16  # its memory goes to the next allocation while the GEMMs may still read it
         h16 = kernels.gelu_quantize_decoded_triton(h, scale, fast_math=True)
         step()
-        f = sm90.nvfp4_gemm_sm90(h16, w3, s3, a3, torch.empty(h.shape[0], w3.shape[0], dtype=torch.bfloat16,
-                                                                  device="cuda"))
+        f = gemm(h16, w3, s3, a3)
         step()
         row16 = kernels.quantize_nvfp4_decoded(x[:1], scale, fast_math=True)
         step()
@@ -123,7 +126,8 @@ def test_gpu_back_to_back_pdl_chain_equals_synchronized_chain():
     again every round, so a read before the writer finished would see the previous round's values). Launched back to
     back with PDL, every output has the bytes of the chain run with the device synchronized between launches."""
     if torch.cuda.get_device_capability()[0] != 9 or not launch_mod.PDL:
-        pytest.skip("PDL chain test not run: it needs an SM90 GPU (the SM90 GEMM) and DIFFUSERS_NVFP4_PDL not 0")
+        pytest.skip("PDL chain test not run: this GPU is not SM90 or DIFFUSERS_NVFP4_PDL=0; it runs on a Hopper GPU "
+                    "(H100/H200, the SM90 GEMM) with DIFFUSERS_NVFP4_PDL unset or 1")
     m, k, hidden, rounds = 1024, 3072, 12288, 8
     gen = torch.Generator(device="cuda").manual_seed(3)
     x_src = (torch.randn(rounds, m, k, device="cuda", generator=gen) * 2).to(torch.bfloat16)
