@@ -3,7 +3,7 @@
     python benchmarks/bench_pipeline.py --model qwen-image            # 30 steps, true CFG 4.0
     python benchmarks/bench_pipeline.py --model flux2-dev             # 28 steps, guidance 4.0
     python benchmarks/bench_pipeline.py --model flux2-klein-4b        # 4 steps, CFG
-    python benchmarks/bench_pipeline.py --model qwen-image --modes eager runner compiled
+    python benchmarks/bench_pipeline.py --model qwen-image --modes eager runner   # without compiled
     python benchmarks/bench_pipeline.py --model qwen-image --tiny     # CPU dry run of the logic
 
 Pipelines: real-size components with random weights made on the GPU (``bench_pipeline_budget.full_pipeline``; klein:
@@ -127,7 +127,8 @@ def run_dtype(model: str, dtype: str, modes: list[str], steps: int, size: int, t
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=list(STEPS), required=True)
-    ap.add_argument("--modes", nargs="+", default=["eager", "runner"], choices=("eager", "runner", "compiled"))
+    modes = ["eager", "runner", "compiled"]
+    ap.add_argument("--modes", nargs="+", default=modes, choices=modes)
     ap.add_argument("--dtypes", nargs="+", default=["nvfp4", "bf16"], choices=("nvfp4", "bf16"))
     ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's usual count)")
     ap.add_argument("--size", type=int, default=1024)
@@ -143,15 +144,28 @@ def main() -> None:
     def log(msg) -> None:
         print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
 
-    cases = [c for dtype in args.dtypes
-             for c in run_dtype(args.model, dtype, args.modes, steps, args.size, args.tiny, log)]
+    cases: list[dict] = []
+    for dtype in args.dtypes:  # written after each dtype, so that a run cut short keeps what it measured
+        cases += run_dtype(args.model, dtype, args.modes, steps, args.size, args.tiny, log)
+        add_speedups(cases)
+        if not args.tiny:
+            save(cases, time.time() - t_start)
+    if args.tiny:
+        print(json.dumps(cases, indent=1))
+        return
+    for c in cases:
+        print(f"{c['dtype']:6s} {c['mode']:9s} {c['s_per_image']:7.2f} s/image  png_equal_eager={c['png_equal_eager']}"
+              f"  {c['speedup_vs']}")
+
+
+def add_speedups(cases: list[dict]) -> None:
     by = {(c["dtype"], c["mode"]): c["s_per_image"] for c in cases}
     for c in cases:
         c["speedup_vs"] = {f"{d}_{m}": round(t / c["s_per_image"], 3) for (d, m), t in by.items()
                            if (d, m) != (c["dtype"], c["mode"])}
-    if args.tiny:
-        print(json.dumps(cases, indent=1))
-        return
+
+
+def save(cases: list[dict], wall_s: float) -> None:
     import common
 
     path = Path(__file__).parent / "results" / f"pipeline-{common.device_slug()}.json"
@@ -162,13 +176,9 @@ def main() -> None:
     kept = [{"date": before.get("date"), **c} for c in before["cases"]
             if (c["model"], c["dtype"], c["mode"]) not in fresh]
     result["cases"] = kept + [{**c, "date": result["date"]} for c in cases]
-    result["wall_s"] = round(time.time() - t_start, 1)
+    result["wall_s"] = round(wall_s, 1)
     path.write_text(json.dumps(result, indent=1) + "\n")
-    print("wrote", path)
-    for c in cases:
-        print(f"{c['dtype']:6s} {c['mode']:9s} {c['s_per_image']:7.2f} s/image  png_equal_eager={c['png_equal_eager']}"
-              f"  {c['speedup_vs']}")
-
+    print("wrote", path, flush=True)
 
 if __name__ == "__main__":
     main()
