@@ -180,3 +180,20 @@ def test_an_installed_package_uses_its_own_kernels(tmp_path):
     assert Path(kernels) == target / "diffusers_nvfp4_fast" / "kernels" / "__init__.py" and same == "True"
     installed = target / "diffusers_nvfp4_fast" / "kernels" / "tiling.py"
     assert installed.read_bytes() == (KERNELS / "tiling.py").read_bytes()
+
+
+def test_a_checkout_root_on_sys_path_leaves_the_name_kernels_to_the_installed_package(tmp_path):
+    """transformers (5.2x requires the hub package ``kernels``) imports ``kernels``; run from this checkout's root
+    (``python -m pytest``, ``python -c``) the root comes first on sys.path and ``kernels/`` would answer instead."""
+    pytest.importorskip("triton", reason="the kernels import Triton")
+    hub = tmp_path / "kernels"
+    hub.mkdir()
+    (hub / "__init__.py").write_text("WHICH = 'hub'\n")
+    (hub / "layer.py").write_text("NAME = 'hub layer'\n")
+    code = ("import kernels, kernels.layer, diffusers_nvfp4_fast.kernels as k\n"
+            "print(kernels.WHICH, kernels.layer.NAME == 'hub layer', callable(k.nvfp4_gemm), k.__file__)")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    which, layer, gemm, path = out.stdout.split()
+    assert (which, layer, gemm) == ("hub", "True", "True") and Path(path) == KERNELS / "__init__.py"
