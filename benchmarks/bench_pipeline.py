@@ -180,5 +180,6 @@ def save(cases: list[dict], wall_s: float) -> None:
     path.write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", path, flush=True)
 
+
 if __name__ == "__main__":
     main()
