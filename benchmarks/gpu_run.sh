@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's specifics, then benchmarks/gpu_suites.py with the same arguments (suites, --step NAME ...).
-# Run from the repository root on the GPU machine. Before it, on the CPU machine: ../shared/tools/gpu_wheels.sh
-# (diffusers, ModelOpt and their needs as wheels in .whl/), and carry .whl and .triton_cache with the call.
+# Run from the repository root on the GPU machine. For a machine without an index, put diffusers, ModelOpt and
+# their needs as wheels in .whl/ first (pip download on a connected machine) and bring .whl and .triton_cache along.
 # Triton's kernel cache comes back as $OUT/triton_cache.tgz (under 15 MiB); put it at .triton_cache/cache.tgz.
 set -o pipefail
 export OUT=${OUT:-/tmp/gpu_out} TRITON_CACHE_DIR=/tmp/triton_cache PYTHONUNBUFFERED=1
