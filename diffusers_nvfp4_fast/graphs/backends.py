@@ -8,12 +8,15 @@ by every replay) by re-running the captured call, so the CPU suite can test keyi
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..torch_compat import clear_cublas_workspaces
 
 
 class _Replay:
@@ -47,6 +50,14 @@ class SimulatedBackend:
     def pool_bytes(self) -> int | None:
         return None
 
+    def release(self) -> None:
+        """Nothing to give back: the simulation holds no device resources of its own."""
+
+
+# CUDA backends whose side stream has run work: torch gave that stream its own cuBLAS workspace, which their graphs
+# read in place. The workspaces are freed (all at once: torch has no per-stream call) when the last one releases.
+_WORKSPACE_USERS: weakref.WeakSet = weakref.WeakSet()
+
 
 class CudaBackend:
     """``torch.cuda.CUDAGraph`` capture (thread-local error mode: other threads' CUDA work is not disturbed)."""
@@ -67,6 +78,7 @@ class CudaBackend:
         return self._stream
 
     def warm_up(self, fn: Callable[[], Any]) -> Any:
+        _WORKSPACE_USERS.add(self)
         side, current = self._side_stream(), torch.cuda.current_stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):
@@ -90,6 +102,18 @@ class CudaBackend:
         if segments and "segment_pool_id" not in segments[0]:
             return None
         return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
+
+    def release(self) -> None:
+        """Give back the side stream, the pool handle and, once no other backend's graphs may read it, the cuBLAS
+        workspace torch made for the side stream (32 MiB on Hopper, held by torch for the life of the process:
+        without this, every enable/disable cycle stranded one; docs/design.md §8). Call after the graphs are freed."""
+        if self._stream is None:
+            return
+        torch.cuda.synchronize()  # replays on any stream may still read the workspace
+        self._stream = self._pool = None
+        _WORKSPACE_USERS.discard(self)
+        if not _WORKSPACE_USERS:
+            clear_cublas_workspaces()
 
 
 class _ExternalTensors(TorchDispatchMode):

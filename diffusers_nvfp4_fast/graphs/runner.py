@@ -156,10 +156,12 @@ class GraphRunner:
             self.stats.evictions += 1
 
     def release(self) -> None:
-        """Free every graph (their shared pool goes back to the allocator once no graph holds it)."""
+        """Free every graph (their shared pool goes back to the allocator once no graph holds it), then what the
+        backend holds for them (``CudaBackend.release``: the side stream's cuBLAS workspace)."""
         with self._lock:
             self._graphs.clear()
             self._refused.clear()
+            self.backend.release()
 
     def report(self) -> dict:
         return {
