@@ -18,17 +18,20 @@ _PUBLIC = {
     "quantize_nvfp4": "format", "dequantize_nvfp4": "format", "swizzle_scales": "format", "unswizzle_scales": "format",
     "swap_nibbles": "format", "exact_inductor": "inductor",
     "quantize_transformer": "quantize", "QuantizedCheckpoint": "quantize",
+    "capture_cuda_graphs": "graphs", "release_cuda_graphs": "graphs",
 }
 __all__ = [
-    "NVFP4CheckpointError", "NVFP4Linear", "QuantizedCheckpoint", "dequantize_nvfp4", "disable_fast_paths",
-    "enable_fast_paths", "exact_inductor", "fast_path_report", "fast_paths", "fit_to_budget", "load_nvfp4_transformer",
-    "load_summary", "quantize_nvfp4", "quantize_transformer", "swap_nibbles", "swizzle_scales", "unswizzle_scales",
+    "NVFP4CheckpointError", "NVFP4Linear", "QuantizedCheckpoint", "capture_cuda_graphs", "dequantize_nvfp4",
+    "disable_fast_paths", "enable_fast_paths", "exact_inductor", "fast_path_report", "fast_paths", "fit_to_budget",
+    "load_nvfp4_transformer", "load_summary", "quantize_nvfp4", "quantize_transformer", "release_cuda_graphs",
+    "swap_nibbles", "swizzle_scales", "unswizzle_scales",
 ]
 
 if TYPE_CHECKING:
     from .api import disable_fast_paths, enable_fast_paths, fast_path_report, fast_paths
     from .budget import fit_to_budget
     from .format import dequantize_nvfp4, quantize_nvfp4, swap_nibbles, swizzle_scales, unswizzle_scales
+    from .graphs import capture_cuda_graphs, release_cuda_graphs
     from .inductor import exact_inductor
     from .linear import NVFP4Linear
     from .loaders import NVFP4CheckpointError, load_nvfp4_transformer, load_summary

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .graphs import capture_cuda_graphs, denoisers, graph_report, release_cuda_graphs
+from .hooks import offload_device
 from .linear import NVFP4Linear
 from .loaders.common import record_checkpoint_config
 from .loaders.diffusers_native import SOURCE as BFL_SOURCE
@@ -34,11 +35,13 @@ _STATE_ATTR = "_nvfp4_fast_paths"
 @dataclass
 class ModelState:
     """What ``enable_fast_paths`` leaves on a model: its counters, the undo callables (run in reverse), the layers
-    it converted (source -> count), the GEMM warm-up it did, and whether it installed the fused sites."""
+    it converted (source -> count), the GEMM warm-up it did, whether fused sites were asked for (``fused``) and
+    whether the model's class has any (``fused_paths``: False for a class this package has no patches for)."""
 
     stats: FastPathStats
     stats_id: int
     fused: bool
+    fused_paths: bool = True
     restore: list[Callable[[], None]] = field(default_factory=list)
     converted: dict[str, int] = field(default_factory=dict)
     gemm_warm_up: dict = field(default_factory=dict)
@@ -73,14 +76,14 @@ def _transformers(pipe_or_model) -> list[nn.Module]:
     return [getattr(m, "_orig_mod", m) for m in denoisers(pipe_or_model)]
 
 
-def _convert(model: nn.Module, restore: list) -> dict[str, int]:
+def _convert(model: nn.Module, restore: list, dynamic_input_scale: bool) -> dict[str, int]:
     """Convert NVFP4 layers that diffusers or ModelOpt built to ``NVFP4Linear``; returns {source: count}."""
     from .loaders.modelopt_memory import convert_modelopt_model, has_modelopt_modules
 
     converted = convert_diffusers_native(model, restore)
     if has_modelopt_modules(model):
         before = sum(isinstance(m, NVFP4Linear) for m in model.modules())
-        convert_modelopt_model(model, restore=restore)
+        convert_modelopt_model(model, dynamic_input_scale=dynamic_input_scale, restore=restore)
         converted[MODELOPT_SOURCE] = sum(isinstance(m, NVFP4Linear) for m in model.modules()) - before
     return converted
 
@@ -92,7 +95,7 @@ def _restore_config(model: nn.Module, restore: list) -> None:
 
 
 def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fused: bool = True,
-                      cuda_graphs: bool = False) -> dict:
+                      cuda_graphs: bool = False, dynamic_input_scale: bool = False) -> dict:
     """Make an NVFP4 FLUX.2 / Qwen-Image pipeline (or transformer) faster without changing any output byte.
 
     Converts NVFP4 layers that diffusers' ``BFLQuantizationConfig`` or an in-memory ModelOpt quantization built to
@@ -108,6 +111,8 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
         fused: False converts and swizzles the NVFP4 layers but installs no fused site: the reference that fused
             paths on must equal on every route (below SM100, disabling puts diffusers' W4A16 layers back). Enabling
             again with the other value re-enables from scratch.
+        dynamic_input_scale: in-memory ModelOpt layers whose input quantizer has no amax (disabled or never
+            calibrated) convert with a per-call activation scale instead of raising (not the calibrated recipe).
 
     Returns:
         ``fast_path_report`` of the pipeline.
@@ -121,7 +126,7 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
             continue
         restore: list = []
         _restore_config(model, restore)
-        converted = _convert(model, restore)
+        converted = _convert(model, restore, dynamic_input_scale)
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
         if not linears:
             warnings.warn(
@@ -138,7 +143,8 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
         patcher = _PATCHERS.get(type(model).__name__)
         if patcher is not None and fused:
             stats.sites.update(patcher(model, stats_id, restore))
-        model.__dict__[_STATE_ATTR] = ModelState(stats, stats_id, fused, restore, converted, warmed)
+        model.__dict__[_STATE_ATTR] = ModelState(stats, stats_id, fused, patcher is not None, restore, converted,
+                                                 warmed)
         logger.info(
             "fast paths on for %s: %d NVFP4 linears (converted now: %s; %d scale tensors swizzled now), fused sites "
             "%s, GEMM backend %s", type(model).__name__, len(linears), converted or "none", swizzled,
@@ -190,23 +196,9 @@ def fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> Iterator
             disable_fast_paths(pipe_or_transformer)
 
 
-def _hook_device(module: nn.Module) -> torch.device | None:
-    """Where an offloading hook on ``module`` runs it: accelerate's execution device, diffusers' onload device."""
-    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
-    if device is not None:
-        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    registry = getattr(module, "_diffusers_hook", None)
-    hook = registry.hooks.get("group_offloading") if registry is not None else None
-    return torch.device(hook.group.onload_device) if hook is not None else None
-
-
 def execution_device(model: nn.Module, layer: nn.Module) -> torch.device:
     """The device ``layer`` computes on: where offloading hooks bring it, else where its weight is."""
-    for module in (layer, model, *model.modules()):
-        device = _hook_device(module)
-        if device is not None:
-            return device
-    return cast(torch.Tensor, layer.weight).device
+    return offload_device(model, layer) or cast(torch.Tensor, layer.weight).device
 
 
 def fast_path_report(pipe_or_transformer) -> FastPathReport:
@@ -232,6 +224,7 @@ def fast_path_report(pipe_or_transformer) -> FastPathReport:
                 entry["gemm_padded_layers"] = padded
         if state is not None:
             entry["fused"] = state.fused
+            entry["fused_paths"] = state.fused_paths
             entry["converted"] = dict(state.converted)
             if state.gemm_warm_up:
                 entry["gemm_warm_up"] = dict(state.gemm_warm_up)

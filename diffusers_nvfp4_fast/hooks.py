@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import cast
 
+import torch
 from torch import nn
 
 from .linear import NVFP4Linear
@@ -29,6 +30,27 @@ def hooks_on(module: nn.Module) -> list[str]:
     if attrs["_forward_hooks"] or attrs["_forward_pre_hooks"]:
         names.append(TORCH_FORWARD_HOOK)
     return names
+
+
+def hook_device(module: nn.Module) -> torch.device | None:
+    """Where an offloading hook on ``module`` runs it (accelerate's execution device, diffusers' group-offload onload
+    device), or None where no such hook sits on it."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    registry = getattr(module, "_diffusers_hook", None)
+    hook = registry.hooks.get("group_offloading") if registry is not None else None
+    return torch.device(hook.group.onload_device) if hook is not None else None
+
+
+def offload_device(model: nn.Module, layer: nn.Module | None = None) -> torch.device | None:
+    """The device an offloading hook on ``layer``, on ``model`` or on any of its submodules brings them to, or None
+    where no such hook is installed (then they compute where their tensors are)."""
+    for module in (*((layer,) if layer is not None else ()), model, *model.modules()):
+        device = hook_device(module)
+        if device is not None:
+            return device
+    return None
 
 
 def is_lora_layer(module: nn.Module) -> bool:

@@ -67,7 +67,12 @@ def format_entry(name: str, entry: dict) -> str:
     """One transformer's report as lines of text."""
     if not entry.get("enabled"):
         return f"{name}: fast paths off ({entry.get('nvfp4_linears', 0)} NVFP4 linears)"
-    fused = "fused paths on" if entry.get("fused", True) else "fused paths off (fused=False)"
+    if not entry.get("fused", True):
+        fused = "fused paths off (fused=False)"
+    elif not entry.get("fused_paths", True):
+        fused = f"no fused paths for {name}: NVFP4 GEMMs only"
+    else:
+        fused = "fused paths on"
     lines = [f"{name}: fast paths on, {fused}, {entry['nvfp4_linears']} NVFP4 linears, GEMM backend "
              f"{entry.get('gemm_backend')}, verify {entry.get('verify')!r}"]
     if entry.get("converted"):

@@ -9,6 +9,8 @@ capture errors) is in the ``gpu`` cases, which use real CUDA graphs.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -59,12 +61,15 @@ def test_replays_give_the_eager_image(which, modelopt_exports):
 def test_enable_with_cuda_graphs_on_cpu_runs_eagerly_and_says_why(modelopt_exports):
     pipe, kwargs = _pipe("flux2", modelopt_exports)
     plain = _sha(pipe, kwargs)
-    report = enable_fast_paths(pipe, cuda_graphs=True)["Flux2Transformer2DModel"]["cuda_graphs"]
+    with pytest.warns(UserWarning, match=r"Flux2Transformer2DModel computes on cpu, so its calls run eagerly"):
+        report = enable_fast_paths(pipe, cuda_graphs=True)["Flux2Transformer2DModel"]["cuda_graphs"]
     assert report["backend"] == "cuda" and report["graphs"] == 0
     assert _sha(pipe, kwargs) == plain
     eager = _graphs(pipe)["eager_calls"]
     assert eager == {"tensor arguments on ['cpu'] (CUDA graphs need every tensor on one CUDA device)": 3}
-    enable_fast_paths(pipe, cuda_graphs=True)  # again: still one runner
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once: enabling again installs nothing and warns no more
+        enable_fast_paths(pipe, cuda_graphs=True)  # again: still one runner
     assert _sha(pipe, kwargs) == plain and sum(_graphs(pipe)["eager_calls"].values()) == 6
 
 
@@ -303,3 +308,78 @@ def test_gpu_lora_scale_and_weight_moves(modelopt_exports):
     pipe.transformer.to("cuda")  # every weight at a new address: the old graphs would read freed memory
     assert _sha(pipe, kwargs) == shas[1.0]
     assert _graphs(pipe)["eager_calls"] == {}
+
+
+def _allocated() -> int:
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+MIB = 2**20
+
+
+@pytest.mark.gpu
+def test_gpu_disable_and_release_give_back_every_byte_over_ten_cycles(modelopt_exports):
+    """Ten sizes per round (8 graphs kept, 2 evicted), then disable_fast_paths or release_cuda_graphs: allocated
+    memory is at most the eager baseline right after, and the baseline again after the next eager round. Before the
+    fix each cycle kept the cuBLAS workspace torch made for the runner's side stream (32 MiB on Hopper)."""
+    from diffusers_nvfp4_fast import capture_cuda_graphs, release_cuda_graphs
+    from diffusers_nvfp4_fast.torch_compat import clear_cublas_workspaces
+
+    pipe, kwargs = _pipe("flux2", modelopt_exports, device="cuda")
+    enable_fast_paths(pipe)
+    clear_cublas_workspaces()  # the baseline holds only what this eager run makes (no earlier test's workspaces)
+
+    def generate():
+        for size in range(64, 224, 16):
+            run_pipeline(pipe, kwargs, size=size, steps=2)
+
+    generate()
+    baseline = _allocated()
+    for cycle in range(10):
+        if cycle % 2:
+            capture_cuda_graphs(pipe)
+        else:
+            enable_fast_paths(pipe, cuda_graphs=True)
+        generate()
+        report = _graphs(pipe)
+        assert report["graphs"] == 8 and report["evictions"] >= 2 and report["pool_bytes"] > 0, report
+        held = _allocated()
+        if cycle % 2:
+            release_cuda_graphs(pipe)
+        else:
+            disable_fast_paths(pipe)
+        released = _allocated()
+        assert released <= baseline + MIB, (cycle, baseline, held, released)
+        enable_fast_paths(pipe)
+        generate()
+        assert abs(_allocated() - baseline) <= MIB, (cycle, baseline, held, released, _allocated())
+
+
+@pytest.mark.gpu
+def test_gpu_full_size_klein_release_gives_back_the_pool(modelopt_exports):
+    """FLUX.2-klein-4B at its real size (random NVFP4 weights, 1024x1024, 512 text tokens): the runner's pool (about
+    1.4 GB on the H100) and every other byte it held return at release."""
+    import bench_transformer_step as step
+
+    from diffusers_nvfp4_fast import release_cuda_graphs
+
+    model = step.empty_model("flux2-klein-4b", tiny=False)
+    step.materialize(model, "flux2-klein-4b", torch.device("cuda"), nvfp4=True)
+    enable_fast_paths(model)
+    inputs = step.make_inputs("flux2-klein-4b", model, 1024, 1024, 512, "cuda")
+    with torch.no_grad():
+        eager = model(**inputs)[0]
+        baseline = _allocated()
+        enable_fast_paths(model, cuda_graphs=True)
+        outs = [model(**inputs)[0] for _ in range(3)]  # capture, then replays
+    report = graph_report(model)
+    assert report["replays"] == 2 and report["pool_bytes"] > 2**28, report
+    assert all(torch.equal(o.view(torch.int16), eager.view(torch.int16)) for o in outs)
+    del outs
+    release_cuda_graphs(model)
+    assert _allocated() <= baseline + MIB

@@ -7,11 +7,13 @@ runs. docs/design.md §8 ("CUDA graphs") says what is keyed and what falls back 
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
+from ..hooks import offload_device
 from ..patches.swap import swap_forward
 from .runner import GraphRunner
 
@@ -79,6 +81,18 @@ def capture_cuda_graphs(pipe_or_transformer, *, max_graphs: int = 8, backend: st
     for target in denoisers(pipe_or_transformer):
         if target.__dict__.get(_ATTR) is None:
             target.__dict__[_ATTR] = _install(target, max_graphs, backend)
+            if backend == "cuda":
+                _warn_off_cuda(getattr(target, "_orig_mod", target))
+
+
+def _warn_off_cuda(model: nn.Module) -> None:
+    """Say once, at install, that a model outside CUDA memory will run every call eagerly (the report counts them)."""
+    param = next(model.parameters(), None)
+    device = offload_device(model) or (param.device if param is not None else None)
+    if device is not None and device.type != "cuda":
+        warnings.warn(f"CUDA graphs: {type(model).__name__} computes on {device}, so its calls run eagerly (counted "
+                      "in fast_path_report(pipe)[...]['cuda_graphs']['eager_calls']) until it is moved to a CUDA "
+                      "device, e.g. pipe.to('cuda')", stacklevel=3)
 
 
 def release_cuda_graphs(pipe_or_transformer) -> None:

@@ -59,6 +59,10 @@ class _Layer:
     compressed: bool
 
 
+DYNAMIC_ADVICE = ("to accept that, pass dynamic_input_scale=True to enable_fast_paths(...) or "
+                  "convert_modelopt_model(...): each call then quantizes with its own amax")
+
+
 def _quantizer_problem(name: str, module: nn.Module, dynamic_input_scale: bool) -> str | None:
     from modelopt.torch.export.model_config import QUANTIZATION_NVFP4, QUANTIZATION_W4A16_NVFP4
     from modelopt.torch.export.quant_utils import get_quantization_format
@@ -70,8 +74,7 @@ def _quantizer_problem(name: str, module: nn.Module, dynamic_input_scale: bool) 
     wq, iq = module.weight_quantizer, module.input_quantizer
     # Weight-only NVFP4 (input quantizer off) has the same weight tensors; it only lacks the activation scale.
     if fmt == QUANTIZATION_W4A16_NVFP4 and not iq.is_enabled and not dynamic_input_scale:
-        return (f"{name}: weight-only NVFP4 (input quantizer disabled), so there is no input_scale "
-                "(pass dynamic_input_scale=True to accept that)")
+        return f"{name}: weight-only NVFP4 (input quantizer disabled), so there is no input_scale ({DYNAMIC_ADVICE})"
     if fmt not in (QUANTIZATION_NVFP4, QUANTIZATION_W4A16_NVFP4):
         return (f"{name}: ModelOpt format {fmt!r}; only NVFP4 W4A4 (the diffusers 'nvfp4' preset) "
                 "converts to NVFP4Linear")
@@ -87,7 +90,7 @@ def _quantizer_problem(name: str, module: nn.Module, dynamic_input_scale: bool) 
             return None
         state = "disabled" if not iq.is_enabled else "not calibrated (no amax)"
         return (f"{name}: input quantizer {state}, so there is no input_scale "
-                "(pass dynamic_input_scale=True to accept that)")
+                f"({DYNAMIC_ADVICE})")
     if iq.amax.numel() != 1:
         return f"{name}: per-channel input amax {list(iq.amax.shape)}; NVFP4Linear takes one input_scale"
     if getattr(iq, "pre_quant_scale", None) is not None:
