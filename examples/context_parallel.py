@@ -70,7 +70,7 @@ def load(args: argparse.Namespace):
     transformer = load_nvfp4_transformer(args.nvfp4, subfolder=args.subfolder, **extra)
     cls = Flux2Pipeline if args.model == "flux2" else QwenImagePipeline
     base = args.base or ("black-forest-labs/FLUX.2-dev" if args.model == "flux2" else "Qwen/Qwen-Image")
-    pipe = cls.from_pretrained(base, transformer=transformer, torch_dtype=torch.bfloat16)
+    pipe = cls.from_pretrained(base, transformer=transformer, dtype=torch.bfloat16)
     return pipe, {"prompt": args.prompt}, args.size, args.steps
 
 

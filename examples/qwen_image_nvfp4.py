@@ -40,7 +40,7 @@ def main() -> None:
     else:
         extra = {"filename": args.filename} if args.filename else {}
         transformer = load_nvfp4_transformer(args.nvfp4, subfolder=args.subfolder, **extra)
-        pipe = QwenImagePipeline.from_pretrained(args.base, transformer=transformer, torch_dtype=torch.bfloat16)
+        pipe = QwenImagePipeline.from_pretrained(args.base, transformer=transformer, dtype=torch.bfloat16)
         call, size, steps = {"prompt": args.prompt}, args.size, args.steps
     offload = args.budget or args.plan
     if not offload:

@@ -47,6 +47,35 @@ def test_every_name_of_the_readme_api_table_imports_from_the_package(name):
     assert name in diffusers_nvfp4_fast.__all__
 
 
+def readme_api_signatures() -> list[tuple[str, list[str]]]:
+    """(name, the parameter names the README's API table writes in its call) for every call written with arguments."""
+    text = README.read_text()
+    table = text[text.index("## API"):]
+    table = table[:table.index("\n\n", table.index("| call |"))]
+    calls = []
+    for row in table.splitlines()[2:]:
+        for code in re.findall(r"`([^`]+)`", row.split(" | ")[0]):
+            match = re.fullmatch(r"(?:with )?([A-Za-z_]\w*)\((.*)\)(?::.*)?", code)
+            if match and not code.startswith("diffusers-nvfp4-fast"):
+                params = [p.strip().split("=")[0] for p in match.group(2).split(",")]
+                calls.append((match.group(1), [p for p in params if p and p not in ("*", "...")]))
+    return calls
+
+
+@pytest.mark.parametrize("name, params", readme_api_signatures())
+def test_the_readme_api_table_names_each_parameter_as_the_code_does(name, params):
+    import inspect
+
+    signature = inspect.signature(getattr(diffusers_nvfp4_fast, name))
+    accepted = set(signature.parameters)
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    # The first argument may be written as what the user passes (pipe, model) rather than by its name.
+    unknown = [p for p in params[1:] if p not in accepted and not takes_any]
+    if params and params[0] not in accepted and params[0] not in ("pipe", "model"):
+        unknown.insert(0, params[0])
+    assert not unknown, f"README writes {name}({', '.join(params)}); {name} has no parameter {unknown}"
+
+
 class _Encoder(nn.Module):
     """A module of a class this package has no patches for, with one NVFP4 layer (say, a text encoder)."""
 
