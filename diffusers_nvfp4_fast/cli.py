@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_quantize(sub) -> None:
     q = sub.add_parser("quantize", help="make an NVFP4 checkpoint from a BF16 diffusers transformer (streamed layer "
-                                        "by layer; docs/checkpoints.md)")
+                                        "by layer; docs/checkpoints.md)",
+                       epilog="Exit status: 0 written; 2 refused, with one line saying why (nothing is written).")
     q.add_argument("source", help="a diffusers transformer directory (config.json + safetensors) or a Hugging Face "
                                   "repo id")
     q.add_argument("out", help="the checkpoint directory to write (refused if not empty, unless --overwrite)")
@@ -42,7 +43,8 @@ def _add_quantize(sub) -> None:
     scales.add_argument("--dynamic", action="store_true",
                         help="no calibration: every NVFP4 layer computes amax(input) / 2688 per call")
     q.add_argument("--prompts", nargs="+", help="calibration prompts (default: three generic ones)")
-    q.add_argument("--steps", type=int, default=4, help="inference steps per calibration prompt (default 4)")
+    q.add_argument("--steps", type=int, default=4,
+                   help="inference steps per calibration prompt (at least 1; default 4)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--height", type=int, help="calibration image height (default: the pipeline's)")
     q.add_argument("--width", type=int, help="calibration image width (default: the pipeline's)")
@@ -53,7 +55,9 @@ def _add_quantize(sub) -> None:
                         "--device")
     q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the BF16-kept tensors and of the weights before quantization (default bfloat16)")
-    q.add_argument("--device", default="cpu", help="where weights are quantized and calibration runs (cuda / cpu)")
+    q.add_argument("--device", default="cpu",
+                   help="where weights are quantized and calibration runs: cuda, cuda:N or cpu (refused at once "
+                        "where this machine has no such device)")
     q.add_argument("--exclude", nargs="+", metavar="PATTERN",
                    help="fnmatch patterns of Linears to keep BF16 (default: ModelOpt's recipe for the model class)")
     q.add_argument("--max-shard-size", default="10GB", help="bytes per safetensors file (default 10GB)")
@@ -61,6 +65,9 @@ def _add_quantize(sub) -> None:
                    help="package: this package's precise quantizer, streamed (default); modelopt: ModelOpt's "
                         "quantizer and max calibration through --pipeline, written by its export_hf_checkpoint")
     q.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    q.add_argument("--allow-empty", action="store_true",
+                   help="write the checkpoint even when --exclude or the recipe keeps every Linear BF16 (refused "
+                        "otherwise)")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -86,7 +93,7 @@ def _quantize(args: argparse.Namespace) -> int:
             call_kwargs=call_kwargs, num_inference_steps=args.steps, seed=args.seed, dynamic=args.dynamic,
             dtype=getattr(torch, args.dtype), device=args.device, offload=args.offload, exclude=args.exclude,
             overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.no_progress,
-            method=args.method)
+            method=args.method, allow_empty=args.allow_empty)
     except (OSError, ValueError, ModelOptUnavailableError) as e:
         print(f"diffusers-nvfp4-fast quantize: {e}", file=sys.stderr)
         return 2
