@@ -32,7 +32,10 @@ def _parser() -> argparse.ArgumentParser:
 def _add_quantize(sub) -> None:
     q = sub.add_parser("quantize", help="make an NVFP4 checkpoint from a BF16 diffusers transformer (streamed layer "
                                         "by layer; docs/checkpoints.md)",
-                       epilog="Exit status: 0 written; 2 refused, with one line saying why (nothing is written).")
+                       epilog="Exit status: 0 written; 2 refused, with one line saying why (nothing is written); 130 "
+                              "(Ctrl-C) or 143 (SIGTERM) stopped, its hidden work directory beside OUT removed. A "
+                              "work directory left by a killed run (SIGKILL) is removed by the next run for the same "
+                              "OUT.")
     q.add_argument("source", help="a diffusers transformer directory (config.json + safetensors) or a Hugging Face "
                                   "repo id")
     q.add_argument("out", help="the checkpoint directory to write (refused if not empty, unless --overwrite)")
@@ -72,7 +75,8 @@ def _add_quantize(sub) -> None:
 
 
 def _quantize(args: argparse.Namespace) -> int:
-    """``quantize`` exits 2 for a source, option or target it refuses (nothing is written), 0 when written."""
+    """``quantize`` exits 2 for a source, option or target it refuses (nothing is written), 0 when written, 130 on
+    Ctrl-C and 128 + N on signal N (SIGTERM: 143), after removing its work directory."""
     try:
         call_kwargs = json.loads(args.call_kwargs)
     except json.JSONDecodeError as e:
@@ -86,6 +90,7 @@ def _quantize(args: argparse.Namespace) -> int:
 
     from .quantize import quantize_transformer
     from .quantize.modelopt_route import ModelOptUnavailableError
+    from .quantize.workdir import Terminated
 
     try:
         result = quantize_transformer(
@@ -97,6 +102,11 @@ def _quantize(args: argparse.Namespace) -> int:
     except (OSError, ValueError, ModelOptUnavailableError) as e:
         print(f"diffusers-nvfp4-fast quantize: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Terminated) as e:
+        how, status = (e.signal_name, 128 + e.signum) if isinstance(e, Terminated) else ("Ctrl-C (SIGINT)", 130)
+        print(f"diffusers-nvfp4-fast quantize: stopped by {how}; its unfinished work directory beside {args.out} "
+              "was removed", file=sys.stderr)
+        return status
     print(result.summary())
     return 0
 

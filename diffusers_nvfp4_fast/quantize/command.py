@@ -5,7 +5,6 @@ reads, streamed tensor by tensor (docs/checkpoints.md, "Making an NVFP4 checkpoi
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +20,8 @@ from .calibration import DEFAULT_PROMPTS, calibrate_pipeline, free, load_pipelin
 from .layers import nvfp4_layer_tensors, weight_amax
 from .recipes import RECIPE_SOURCES, exclude_patterns, qwen_rule_applies
 from .source import BF16Source, open_source
-from .writer import ShardWriter, check_target, new_work_dir, parse_size, publish
+from .workdir import remove_stale_work_dirs, terminate_raises, work_dir_for
+from .writer import ShardWriter, check_target, parse_size, publish
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SET_BY_THE_COMMAND = {"prompt": "--prompts / prompts=", "num_inference_steps": "--steps / num_inference_steps=",
@@ -257,7 +257,9 @@ def quantize_transformer(
     Raises:
         FileNotFoundError: no such source; FileExistsError: ``out_dir`` not empty; ValueError (``QuantizeSourceError``,
         ``UnknownModelClassError``, ``EmptyPlanError``, ``CalibrationError``): an argument, source, class, plan or
-        calibration this cannot use. Nothing is written in any of these cases.
+        calibration this cannot use. Nothing is written in any of these cases. ``workdir.Terminated`` (a
+        ``SystemExit`` with status 128 + the signal number): SIGTERM or SIGHUP arrived, the work directory was
+        removed; a ``KeyboardInterrupt`` removes it too.
     """
     dtype = dtype or torch_dtype or torch.bfloat16
     options = {"call_kwargs": call_kwargs, "offload": offload, "steps": num_inference_steps, "seed": seed,
@@ -274,9 +276,11 @@ def quantize_transformer(
     _refuse_empty_plan(src, patterns, quant, exclude is not None, allow_empty, method)
     run = _Run(src, out, patterns, recipe, quant, kept, list(prompts or DEFAULT_PROMPTS), dtype, device, options,
                overwrite, started)
-    if method == "modelopt":
-        return _modelopt_route(run, pipeline)
-    return _package_route(run, pipeline, dynamic, max_shard_size)
+    remove_stale_work_dirs(out)
+    with terminate_raises():
+        if method == "modelopt":
+            return _modelopt_route(run, pipeline)
+        return _package_route(run, pipeline, dynamic, max_shard_size)
 
 
 @dataclass
@@ -320,8 +324,7 @@ def _package_route(run: _Run, pipeline: Any, dynamic: bool, max_shard_size: int 
     amax = None if dynamic or not quant else _calibrate(src, quant, pipeline, run.prompts, run.dtype, run.device,
                                                         run.options)
     calibrated = time.perf_counter()
-    work = new_work_dir(run.out)
-    try:
+    with work_dir_for(run.out) as work:
         writer = ShardWriter(work, max_shard_size)
         _stream(src, quant, amax, writer, run.dtype, run.device, run.options["progress"])
         files = writer.finish()
@@ -330,8 +333,6 @@ def _package_route(run: _Run, pipeline: Any, dynamic: bool, max_shard_size: int 
                                                      run.options["steps"])
         qconfig["exclude_patterns"], qconfig["exclude_recipe"] = list(run.patterns), run.recipe
         publish(work, {**src.config, "quantization_config": qconfig}, run.out, run.overwrite)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     seconds = {"calibration": calibrated - run.started, "quantization": time.perf_counter() - calibrated}
     return run.result(qconfig["input_scales"], files, writer.total_bytes, seconds)
 
@@ -341,8 +342,7 @@ def _modelopt_route(run: _Run, pipeline: Any) -> QuantizedCheckpoint:
     facts to the export's ``quantization_config`` and publishes the directory whole or not at all."""
     from .modelopt_route import export_with_modelopt
 
-    work = new_work_dir(run.out)
-    try:
+    with work_dir_for(run.out) as work:
         config = export_with_modelopt(run.src, run.quant, pipeline, run.prompts, run.dtype, run.device, run.options,
                                       work)
         qconfig = config["quantization_config"]
@@ -351,7 +351,5 @@ def _modelopt_route(run: _Run, pipeline: Any) -> QuantizedCheckpoint:
         files = sorted(p.name for p in work.iterdir() if p.suffix == ".safetensors")
         total = sum((work / f).stat().st_size for f in files)
         publish(work, config, run.out, run.overwrite)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return run.result(qconfig["input_scales"], files, total,
                       {"calibration and export (ModelOpt)": time.perf_counter() - run.started})
