@@ -51,8 +51,12 @@ def _add_quantize(sub) -> None:
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--height", type=int, help="calibration image height (default: the pipeline's)")
     q.add_argument("--width", type=int, help="calibration image width (default: the pipeline's)")
-    q.add_argument("--call-kwargs", default="{}", help="JSON object of further pipeline call arguments, e.g. "
-                                                        "'{\"guidance_scale\": 4.0}'")
+    q.add_argument("--call-kwargs", default="{}",
+                   help="JSON object of further pipeline call arguments, e.g. '{\"guidance_scale\": 4.0}'; a string "
+                        "value (or list item) '@PATH' is an image file, loaded as diffusers' load_image does (RGB), "
+                        "for Edit / Edit-Plus / img2img / inpaint / ControlNet pipelines: '{\"image\": \"@cat.png\", "
+                        "\"mask_image\": \"@mask.png\"}' or '{\"image\": [\"@a.png\", \"@b.png\"]}' ('@@' "
+                        "starts a string with a literal @)")
     q.add_argument("--offload", choices=["model", "sequential"],
                    help="calibrate with diffusers' model / sequential CPU offload instead of the whole pipeline on "
                         "--device")
@@ -74,16 +78,48 @@ def _add_quantize(sub) -> None:
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _image_argument(key: str, value: str):
+    """The image file of a ``--call-kwargs`` value ``"@PATH"``, loaded as ``diffusers.utils.load_image`` does."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    path = Path(value[1:])
+    if not path.is_file():
+        raise ValueError(f"--call-kwargs {key}: {value!r}: {path}: no such file (a value starting with @ is an image "
+                         "file; write @@ for a literal @)")
+    try:
+        with Image.open(path) as image:
+            return ImageOps.exif_transpose(image).convert("RGB")
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"--call-kwargs {key}: {path}: not an image PIL can read ({e})") from e
+
+
+def _with_images(key: str, value):
+    """``value`` with each string ``"@PATH"`` (also inside lists) replaced by its image; ``"@@..."`` -> ``"@..."``."""
+    if isinstance(value, list):
+        return [_with_images(key, item) for item in value]
+    if isinstance(value, str) and value.startswith("@"):
+        return value[1:] if value.startswith("@@") else _image_argument(key, value)
+    return value
+
+
+def _call_kwargs(text: str) -> dict:
+    """``--call-kwargs``: a JSON object, image files loaded (``_with_images``). Raises ValueError naming the value."""
+    try:
+        call_kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--call-kwargs {text!r} is not a JSON object ({e})") from e
+    if not isinstance(call_kwargs, dict):
+        raise ValueError(f"--call-kwargs {text!r} is not a JSON object")
+    return {key: _with_images(key, value) for key, value in call_kwargs.items()}
+
+
 def _quantize(args: argparse.Namespace) -> int:
     """``quantize`` exits 2 for a source, option or target it refuses (nothing is written), 0 when written, 130 on
     Ctrl-C and 128 + N on signal N (SIGTERM: 143), after removing its work directory."""
     try:
-        call_kwargs = json.loads(args.call_kwargs)
-    except json.JSONDecodeError as e:
-        call_kwargs = e
-    if not isinstance(call_kwargs, dict):
-        print(f"diffusers-nvfp4-fast quantize: --call-kwargs {args.call_kwargs!r} is not a JSON object",
-              file=sys.stderr)
+        call_kwargs = _call_kwargs(args.call_kwargs)
+    except ValueError as e:
+        print(f"diffusers-nvfp4-fast quantize: {e}", file=sys.stderr)
         return 2
     call_kwargs.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
     import torch

@@ -1,16 +1,20 @@
 """``diffusers-nvfp4-fast quantize`` refuses nonsense before any work, in one line with exit status 2: a plan with no
 NVFP4 layer (unless ``--allow-empty``), ``--steps 0``, a device this machine lacks, a subfolder that is not a
-transformer."""
+transformer; and it reads image files for image arguments (``"@PATH"`` in ``--call-kwargs``), so Edit pipelines can
+calibrate."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
+from safetensors.torch import load_file
 
 from diffusers_nvfp4_fast import load_nvfp4_transformer, load_summary, quantize_transformer
-from diffusers_nvfp4_fast.cli import main
+from diffusers_nvfp4_fast.cli import _call_kwargs, main
 from diffusers_nvfp4_fast.quantize.command import EmptyPlanError
 from diffusers_nvfp4_fast.testing import tiny, tiny_family
 
@@ -124,3 +128,58 @@ def test_a_subfolder_that_is_not_a_transformer_is_named(klein_pipeline_dir, tmp_
     assert "_class_name='AutoencoderKLFlux2' is not a transformer class this command supports" in err
     assert "Flux2Transformer2DModel, QwenImageTransformer2DModel, QwenImage21Transformer2DModel" in err
     assert "'transformer'" in err and "vae" in err
+
+
+# --- 5. image files for image arguments -------------------------------------------------------------------------
+
+
+def _pixels(image: Image.Image) -> np.ndarray:
+    return np.asarray(image)
+
+
+def test_call_kwargs_load_image_files(tmp_path, capsys):
+    rgb = tiny_family._picture(1)
+    rgb.save(tmp_path / "a.png")
+    tiny_family._mask().save(tmp_path / "mask.png")
+    (tmp_path / "text.png").write_text("not an image")
+    got = _call_kwargs(json.dumps({"image": f"@{tmp_path / 'a.png'}", "mask_image": f"@{tmp_path / 'mask.png'}",
+                                   "edit": [f"@{tmp_path / 'a.png'}", "@@literal"], "strength": 0.9}))
+    assert got["image"].mode == "RGB" and np.array_equal(_pixels(got["image"]), _pixels(rgb))
+    assert got["mask_image"].mode == "RGB"  # as diffusers' load_image gives it; the pipelines make masks grayscale
+    assert np.array_equal(_pixels(got["mask_image"].convert("L")), _pixels(tiny_family._mask()))
+    assert len(got["edit"]) == 2 and got["edit"][1] == "@literal" and got["strength"] == 0.9
+    err = _refused(capsys, tmp_path / "src", tmp_path / "out", "--pipeline", tmp_path / "pipe", "--call-kwargs",
+                   json.dumps({"image": f"@{tmp_path / 'missing.png'}"}))
+    assert "--call-kwargs image" in err and "missing.png: no such file" in err
+    err = _refused(capsys, tmp_path / "src", tmp_path / "out", "--pipeline", tmp_path / "pipe", "--call-kwargs",
+                   json.dumps({"image": f"@{tmp_path / 'text.png'}"}))
+    assert "text.png: not an image PIL can read" in err
+    err = _refused(capsys, tmp_path / "src", tmp_path / "out", "--dynamic", "--call-kwargs", "[1]")
+    assert "is not a JSON object" in err
+
+
+def test_edit_pipeline_calibrates_with_an_image_file(tmp_path, capsys):
+    """A tiny Qwen-Image Edit pipeline read from disk calibrates through the command with ``"@cond.png"``: the
+    checkpoint is byte for byte the one ``quantize_transformer`` writes with the PIL image (given the string, the
+    pipeline fails: it needs the image)."""
+    from diffusers import DiffusionPipeline
+
+    pipe, kwargs = tiny_family.qwen_edit(tiny_family.tiny_matrix_qwen_transformer())
+    pipe.save_pretrained(tmp_path / "pipe")
+    kwargs["image"].save(tmp_path / "cond.png")
+    call = {"negative_prompt": kwargs["negative_prompt"], "true_cfg_scale": kwargs["true_cfg_scale"],
+            "max_sequence_length": kwargs["max_sequence_length"], "height": 32, "width": 32}
+    with tiny_family.small_target_areas():
+        code, out, err = _cli(capsys, tmp_path / "pipe", tmp_path / "cli", "--subfolder", "transformer", "--pipeline",
+                              tmp_path / "pipe", "--prompts", kwargs["prompt"], "--steps", 1, "--call-kwargs",
+                              json.dumps({**call, "image": f"@{tmp_path / 'cond.png'}"}))
+        assert code == 0, err
+        loaded = DiffusionPipeline.from_pretrained(tmp_path / "pipe", dtype=torch.bfloat16)
+        loaded.set_progress_bar_config(disable=True)
+        quantize_transformer(tmp_path / "pipe", tmp_path / "api", subfolder="transformer", pipeline=loaded,
+                             prompts=[kwargs["prompt"]], num_inference_steps=1, progress=False,
+                             call_kwargs={**call, "image": kwargs["image"]})
+    assert "14 NVFP4 Linears" in out
+    cli, api = (load_file(str(tmp_path / n / "diffusion_pytorch_model.safetensors")) for n in ("cli", "api"))
+    assert len([k for k in cli if k.endswith(".input_scale")]) == 14
+    assert sorted(cli) == sorted(api) and all(torch.equal(cli[k], api[k]) for k in cli)
