@@ -31,7 +31,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_quantize(sub) -> None:
     q = sub.add_parser("quantize", help="make an NVFP4 checkpoint from a BF16 diffusers transformer (streamed layer "
-                                        "by layer; docs/checkpoints.md)")
+                                        "by layer; docs/checkpoints.md)",
+                       epilog="Exit status: 0 written; 2 refused, with one line saying why (nothing is written); 130 "
+                              "(Ctrl-C) or 143 (SIGTERM) stopped, its hidden work directory beside OUT removed. A "
+                              "work directory left by a killed run (SIGKILL) is removed by the next run for the same "
+                              "OUT.")
     q.add_argument("source", help="a diffusers transformer directory (config.json + safetensors) or a Hugging Face "
                                   "repo id")
     q.add_argument("out", help="the checkpoint directory to write (refused if not empty, unless --overwrite)")
@@ -42,18 +46,25 @@ def _add_quantize(sub) -> None:
     scales.add_argument("--dynamic", action="store_true",
                         help="no calibration: every NVFP4 layer computes amax(input) / 2688 per call")
     q.add_argument("--prompts", nargs="+", help="calibration prompts (default: three generic ones)")
-    q.add_argument("--steps", type=int, default=4, help="inference steps per calibration prompt (default 4)")
+    q.add_argument("--steps", type=int, default=4,
+                   help="inference steps per calibration prompt (at least 1; default 4)")
     q.add_argument("--seed", type=int, default=0)
     q.add_argument("--height", type=int, help="calibration image height (default: the pipeline's)")
     q.add_argument("--width", type=int, help="calibration image width (default: the pipeline's)")
-    q.add_argument("--call-kwargs", default="{}", help="JSON object of further pipeline call arguments, e.g. "
-                                                        "'{\"guidance_scale\": 4.0}'")
+    q.add_argument("--call-kwargs", default="{}",
+                   help="JSON object of further pipeline call arguments, e.g. '{\"guidance_scale\": 4.0}'; a string "
+                        "value (or list item) '@PATH' is an image file, loaded as diffusers' load_image does (RGB), "
+                        "for Edit / Edit-Plus / img2img / inpaint / ControlNet pipelines: '{\"image\": \"@cat.png\", "
+                        "\"mask_image\": \"@mask.png\"}' or '{\"image\": [\"@a.png\", \"@b.png\"]}' ('@@' "
+                        "starts a string with a literal @)")
     q.add_argument("--offload", choices=["model", "sequential"],
                    help="calibrate with diffusers' model / sequential CPU offload instead of the whole pipeline on "
                         "--device")
     q.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the BF16-kept tensors and of the weights before quantization (default bfloat16)")
-    q.add_argument("--device", default="cpu", help="where weights are quantized and calibration runs (cuda / cpu)")
+    q.add_argument("--device", default="cpu",
+                   help="where weights are quantized and calibration runs: cuda, cuda:N or cpu (refused at once "
+                        "where this machine has no such device)")
     q.add_argument("--exclude", nargs="+", metavar="PATTERN",
                    help="fnmatch patterns of Linears to keep BF16 (default: ModelOpt's recipe for the model class)")
     q.add_argument("--max-shard-size", default="10GB", help="bytes per safetensors file (default 10GB)")
@@ -61,24 +72,61 @@ def _add_quantize(sub) -> None:
                    help="package: this package's precise quantizer, streamed (default); modelopt: ModelOpt's "
                         "quantizer and max calibration through --pipeline, written by its export_hf_checkpoint")
     q.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+    q.add_argument("--allow-empty", action="store_true",
+                   help="write the checkpoint even when --exclude or the recipe keeps every Linear BF16 (refused "
+                        "otherwise)")
     q.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _quantize(args: argparse.Namespace) -> int:
-    """``quantize`` exits 2 for a source, option or target it refuses (nothing is written), 0 when written."""
+def _image_argument(key: str, value: str):
+    """The image file of a ``--call-kwargs`` value ``"@PATH"``, loaded as ``diffusers.utils.load_image`` does."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
+
+    path = Path(value[1:])
+    if not path.is_file():
+        raise ValueError(f"--call-kwargs {key}: {value!r}: {path}: no such file (a value starting with @ is an image "
+                         "file; write @@ for a literal @)")
     try:
-        call_kwargs = json.loads(args.call_kwargs)
+        with Image.open(path) as image:
+            return ImageOps.exif_transpose(image).convert("RGB")
+    except (UnidentifiedImageError, OSError) as e:
+        raise ValueError(f"--call-kwargs {key}: {path}: not an image PIL can read ({e})") from e
+
+
+def _with_images(key: str, value):
+    """``value`` with each string ``"@PATH"`` (also inside lists) replaced by its image; ``"@@..."`` -> ``"@..."``."""
+    if isinstance(value, list):
+        return [_with_images(key, item) for item in value]
+    if isinstance(value, str) and value.startswith("@"):
+        return value[1:] if value.startswith("@@") else _image_argument(key, value)
+    return value
+
+
+def _call_kwargs(text: str) -> dict:
+    """``--call-kwargs``: a JSON object, image files loaded (``_with_images``). Raises ValueError naming the value."""
+    try:
+        call_kwargs = json.loads(text)
     except json.JSONDecodeError as e:
-        call_kwargs = e
+        raise ValueError(f"--call-kwargs {text!r} is not a JSON object ({e})") from e
     if not isinstance(call_kwargs, dict):
-        print(f"diffusers-nvfp4-fast quantize: --call-kwargs {args.call_kwargs!r} is not a JSON object",
-              file=sys.stderr)
+        raise ValueError(f"--call-kwargs {text!r} is not a JSON object")
+    return {key: _with_images(key, value) for key, value in call_kwargs.items()}
+
+
+def _quantize(args: argparse.Namespace) -> int:
+    """``quantize`` exits 2 for a source, option or target it refuses (nothing is written), 0 when written, 130 on
+    Ctrl-C and 128 + N on signal N (SIGTERM: 143), after removing its work directory."""
+    try:
+        call_kwargs = _call_kwargs(args.call_kwargs)
+    except ValueError as e:
+        print(f"diffusers-nvfp4-fast quantize: {e}", file=sys.stderr)
         return 2
     call_kwargs.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
     import torch
 
     from .quantize import quantize_transformer
     from .quantize.modelopt_route import ModelOptUnavailableError
+    from .quantize.workdir import Terminated
 
     try:
         result = quantize_transformer(
@@ -86,10 +134,15 @@ def _quantize(args: argparse.Namespace) -> int:
             call_kwargs=call_kwargs, num_inference_steps=args.steps, seed=args.seed, dynamic=args.dynamic,
             dtype=getattr(torch, args.dtype), device=args.device, offload=args.offload, exclude=args.exclude,
             overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.no_progress,
-            method=args.method)
+            method=args.method, allow_empty=args.allow_empty)
     except (OSError, ValueError, ModelOptUnavailableError) as e:
         print(f"diffusers-nvfp4-fast quantize: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Terminated) as e:
+        how, status = (e.signal_name, 128 + e.signum) if isinstance(e, Terminated) else ("Ctrl-C (SIGINT)", 130)
+        print(f"diffusers-nvfp4-fast quantize: stopped by {how}; its unfinished work directory beside {args.out} "
+              "was removed", file=sys.stderr)
+        return status
     print(result.summary())
     return 0
 

@@ -24,6 +24,7 @@ import importlib.metadata
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +37,7 @@ from . import format as nvfp4
 from .ops import dispatch
 from .ops.layer_norm_quantize import AdaLNInputs, ResNormInputs
 from .ops.verify import bytes_equal, describe_mismatch, exact_fast_math_reference
+from .utils import check_device
 
 Outputs = tuple[torch.Tensor, ...]
 REPEATS = 5
@@ -449,11 +451,18 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``diffusers-nvfp4-fast selftest [--device D] [--json]``: 0 when every check passed, 1 otherwise."""
+    """``diffusers-nvfp4-fast selftest [--device D] [--json]``: 0 when every check passed, 1 otherwise, 2 for a device
+    this machine does not have."""
     parser = argparse.ArgumentParser(prog="diffusers-nvfp4-fast selftest", description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="machine-readable output (attach it to bug reports)")
     args = parser.parse_args(argv)
+    try:
+        if args.device is not None:
+            check_device(args.device)
+    except ValueError as e:
+        print(f"diffusers-nvfp4-fast selftest: {e}", file=sys.stderr)
+        return 2
     result = run_selftest(args.device)
     print(json.dumps(result, indent=1) if args.json else format_report(result))
     return 0 if result["passed"] else 1

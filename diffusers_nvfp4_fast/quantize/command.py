@@ -5,7 +5,6 @@ reads, streamed tensor by tensor (docs/checkpoints.md, "Making an NVFP4 checkpoi
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,13 +15,22 @@ import torch
 from torch import nn
 
 from ..loaders.common import is_excluded, qkv_group, quantization_config
+from ..utils import check_device
 from .calibration import DEFAULT_PROMPTS, calibrate_pipeline, free, load_pipeline
 from .layers import nvfp4_layer_tensors, weight_amax
-from .recipes import RECIPE_SOURCES, exclude_patterns
+from .recipes import RECIPE_SOURCES, exclude_patterns, qwen_rule_applies
 from .source import BF16Source, open_source
-from .writer import ShardWriter, check_target, new_work_dir, publish
+from .workdir import remove_stale_work_dirs, terminate_raises, work_dir_for
+from .writer import ShardWriter, check_target, parse_size, publish
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SET_BY_THE_COMMAND = {"prompt": "--prompts / prompts=", "num_inference_steps": "--steps / num_inference_steps=",
+                      "generator": "--seed / seed="}
+
+
+class EmptyPlanError(ValueError):
+    """No Linear of the model would become NVFP4; the message says which option or recipe rule kept each one BF16
+    and how to write the all-BF16 checkpoint anyway (``allow_empty``)."""
 
 
 @dataclass
@@ -48,6 +56,7 @@ class QuantizedCheckpoint:
                f"{scales['max_input_scale']:.4g})" if scales["method"] == "calibrated"
                else f"ModelOpt's max calibration over {len(scales['prompts'])} prompt(s), "
                     f"{scales['num_inference_steps']} steps each" if scales["method"] == "modelopt"
+               else "none: no layer is NVFP4 (allow_empty)" if scales["method"] == "none"
                else "dynamic: each call uses amax(input) / 2688 (not a calibrated recipe; fused paths fall back)")
         timing = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())
         return "\n".join([
@@ -76,7 +85,9 @@ def _plan(source: BF16Source, exclude: Sequence[str]) -> tuple[list[str], list[s
 METHODS = ("package", "modelopt")
 
 
-def _check_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype, method: str) -> None:
+def _check_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype, method: str, options: Mapping[str, Any],
+                     device: str, max_shard_size: int | str) -> None:
+    """Refuse, before anything is read, an argument no run can use (each check is cheap and names the value)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r}: expected one of {', '.join(METHODS)}")
     if dynamic == (pipeline is not None):
@@ -87,6 +98,15 @@ def _check_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype, method: s
                          "dynamic=True (--dynamic) is this package's method only")
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype={dtype}: expected one of {', '.join(map(str, MODEL_DTYPES))}")
+    steps = options["steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"num_inference_steps={steps!r} (--steps): calibration runs at least 1 step per prompt")
+    given = sorted(set(options["call_kwargs"] or {}) & set(SET_BY_THE_COMMAND))
+    if given:
+        raise ValueError(f"call_kwargs (--call-kwargs) set {', '.join(given)}, which the command sets itself: use "
+                         + ", ".join(SET_BY_THE_COMMAND[k] for k in given))
+    check_device(device)
+    parse_size(max_shard_size)
 
 
 def _refuse_overlap(source_dir: Path, out_dir: Path) -> None:
@@ -134,13 +154,47 @@ def _stream(source: BF16Source, quant: list[str], amax: dict[str, float] | None,
     bar.close()
 
 
-def _input_scale_facts(amax: dict[str, float] | None, prompts: Sequence[str], steps: int) -> dict[str, Any]:
-    if amax is None:
+def _input_scale_facts(method: str, amax: dict[str, float] | None, prompts: Sequence[str],
+                       steps: int) -> dict[str, Any]:
+    """``quantization_config.input_scales``: ``none`` (no NVFP4 layer), ``dynamic``, ``modelopt`` (ModelOpt's max
+    calibration, its scales in the export) or ``calibrated`` (this package's, with the range of the scales)."""
+    if method == "none":
+        return {"method": "none", "reason": "no Linear is NVFP4 (allow_empty)"}
+    if method == "dynamic":
         return {"method": "dynamic"}
-    if not amax:  # the ModelOpt route: ModelOpt's max calibration, its scales in the export
-        return {"method": "modelopt", "prompts": list(prompts), "num_inference_steps": steps}
-    return {"method": "calibrated", "prompts": list(prompts), "num_inference_steps": steps,
-            "min_input_scale": min(amax.values()) / 2688.0, "max_input_scale": max(amax.values()) / 2688.0}
+    facts: dict[str, Any] = {"method": method, "prompts": list(prompts), "num_inference_steps": steps}
+    if method == "calibrated" and amax:
+        facts.update(min_input_scale=min(amax.values()) / 2688.0, max_input_scale=max(amax.values()) / 2688.0)
+    return facts
+
+
+def _package_scale_method(quant: Sequence[str], dynamic: bool) -> str:
+    """How this package's route makes the input scales: ``none`` (nothing is quantized), ``dynamic`` or
+    ``calibrated``."""
+    return "none" if not quant else "dynamic" if dynamic else "calibrated"
+
+
+def _nothing_to_quantize(src: BF16Source, patterns: Sequence[str], given: bool) -> str:
+    """Why no Linear of ``src`` would become NVFP4: which option or recipe rule kept how many of them BF16."""
+    linears = src.linears
+    excluded = [n for n in linears if is_excluded(n, list(patterns))]
+    narrow = len(linears) - len(excluded)
+    what = f"{src.model_dir}: no Linear would become NVFP4, so the checkpoint would be all BF16: "
+    if not linears:
+        return what + f"this {src.class_name} has no Linear layers"
+    if given:
+        why = f"--exclude / exclude= ({' '.join(patterns)}) matches {len(excluded)} of its {len(linears)} Linears"
+    elif qwen_rule_applies(src.class_name):
+        why = (f"the recipe for {src.class_name} keeps everything outside transformer_blocks and the first two and "
+               f"the last two of them in BF16, and this model has num_layers={src.config.get('num_layers')} "
+               f"transformer_blocks (5 or more leave one to quantize); {len(excluded)} of its {len(linears)} Linears "
+               "match the recipe")
+    else:
+        why = (f"the recipe for {src.class_name} ({', '.join(patterns)}) matches {len(excluded)} of its "
+               f"{len(linears)} Linears")
+    if narrow:
+        why += f", and the other {narrow} have in_features that are not a multiple of 16"
+    return what + why + ". Pass --allow-empty (allow_empty=True) to write it anyway"
 
 
 def quantize_transformer(
@@ -163,6 +217,7 @@ def quantize_transformer(
     max_shard_size: int | str = "10GB",
     progress: bool = True,
     method: str = "package",
+    allow_empty: bool = False,
 ) -> QuantizedCheckpoint:
     """Quantize a BF16 diffusers transformer into an NVFP4 checkpoint directory that ``load_nvfp4_transformer`` reads.
 
@@ -192,17 +247,24 @@ def quantize_transformer(
             ``mtq.quantize`` with ``NVFP4_DEFAULT_CFG`` and max calibration through ``pipeline``, the recipe's
             BF16 layers' quantizers disabled, written by ModelOpt's ``export_hf_checkpoint``; needs
             nvidia-modelopt, and the BF16 transformer whole on ``device`` for the export too).
+        allow_empty: write the checkpoint even when no Linear becomes NVFP4 (``exclude`` or the recipe keeps every
+            one BF16; ``quantization_config.input_scales.method`` is then ``"none"``; this package's method only).
+            Refused otherwise, naming the option or recipe rule.
 
     Returns:
         A ``QuantizedCheckpoint`` (``.summary()`` reads well).
 
     Raises:
         FileNotFoundError: no such source; FileExistsError: ``out_dir`` not empty; ValueError (``QuantizeSourceError``,
-        ``UnknownModelClassError``, ``CalibrationError``): a source, class or calibration this cannot use. Nothing is
-        written in any of these cases.
+        ``UnknownModelClassError``, ``EmptyPlanError``, ``CalibrationError``): an argument, source, class, plan or
+        calibration this cannot use. Nothing is written in any of these cases. ``workdir.Terminated`` (a
+        ``SystemExit`` with status 128 + the signal number): SIGTERM or SIGHUP arrived, the work directory was
+        removed; a ``KeyboardInterrupt`` removes it too.
     """
     dtype = dtype or torch_dtype or torch.bfloat16
-    _check_arguments(pipeline, dynamic, dtype, method)
+    options = {"call_kwargs": call_kwargs, "offload": offload, "steps": num_inference_steps, "seed": seed,
+               "progress": progress}
+    _check_arguments(pipeline, dynamic, dtype, method, options, device, max_shard_size)
     out = Path(out_dir)
     check_target(out, overwrite)
     started = time.perf_counter()
@@ -211,47 +273,83 @@ def quantize_transformer(
     patterns = tuple(exclude) if exclude is not None else exclude_patterns(src.class_name, src.config, src.model_dir)
     recipe = "given by the caller" if exclude is not None else RECIPE_SOURCES[src.class_name]
     quant, kept = _plan(src, patterns)
-    prompts = list(prompts or DEFAULT_PROMPTS)
-    options = {"call_kwargs": call_kwargs, "offload": offload, "steps": num_inference_steps, "seed": seed,
-               "progress": progress}
+    _refuse_empty_plan(src, patterns, quant, exclude is not None, allow_empty, method)
+    run = _Run(src, out, patterns, recipe, quant, kept, list(prompts or DEFAULT_PROMPTS), dtype, device, options,
+               overwrite, started)
+    remove_stale_work_dirs(out)
+    with terminate_raises():
+        if method == "modelopt":
+            return _modelopt_route(run, pipeline)
+        return _package_route(run, pipeline, dynamic, max_shard_size)
+
+
+@dataclass
+class _Run:
+    """What both routes need: the source, the target, the plan (``quant`` / ``kept``) and the options."""
+
+    src: BF16Source
+    out: Path
+    patterns: tuple[str, ...]
+    recipe: str
+    quant: list[str]
+    kept: list[str]
+    prompts: list[str]
+    dtype: torch.dtype
+    device: str
+    options: dict[str, Any]
+    overwrite: bool
+    started: float
+
+    def result(self, input_scales: dict[str, Any], files: list[str], total_bytes: int,
+               seconds: dict[str, float]) -> QuantizedCheckpoint:
+        return QuantizedCheckpoint(self.out, self.src.class_name, self.patterns, self.recipe, self.quant, self.kept,
+                                   input_scales, files, total_bytes, seconds)
+
+
+def _refuse_empty_plan(src: BF16Source, patterns: tuple[str, ...], quant: list[str], given: bool, allow_empty: bool,
+                       method: str) -> None:
+    if quant:
+        return
+    if not allow_empty:
+        raise EmptyPlanError(_nothing_to_quantize(src, patterns, given))
     if method == "modelopt":
-        return _modelopt_route(src, out, patterns, recipe, quant, kept, pipeline, prompts, dtype, device, options,
-                               overwrite, started)
-    amax = None if dynamic else _calibrate(src, quant, pipeline, prompts, dtype, device, options)
+        raise EmptyPlanError(f"{src.model_dir}: no Linear would become NVFP4, and ModelOpt exports such a model as a "
+                             "plain BF16 model without a quantization_config; use method='package' (--method "
+                             "package) for an all-BF16 checkpoint with allow_empty")
+
+
+def _package_route(run: _Run, pipeline: Any, dynamic: bool, max_shard_size: int | str) -> QuantizedCheckpoint:
+    """This package's quantizer: calibrate (unless dynamic or nothing is quantized), stream, publish."""
+    src, quant = run.src, run.quant
+    amax = None if dynamic or not quant else _calibrate(src, quant, pipeline, run.prompts, run.dtype, run.device,
+                                                        run.options)
     calibrated = time.perf_counter()
-    work = new_work_dir(out)
-    try:
+    with work_dir_for(run.out) as work:
         writer = ShardWriter(work, max_shard_size)
-        _stream(src, quant, amax, writer, dtype, device, progress)
+        _stream(src, quant, amax, writer, run.dtype, run.device, run.options["progress"])
         files = writer.finish()
-        qconfig = quantization_config(kept, "linear", quant if dynamic else [])
-        qconfig["input_scales"] = _input_scale_facts(amax, prompts, num_inference_steps)
-        qconfig["exclude_patterns"], qconfig["exclude_recipe"] = list(patterns), recipe
-        publish(work, {**src.config, "quantization_config": qconfig}, out, overwrite)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    seconds = {"calibration": calibrated - started, "quantization": time.perf_counter() - calibrated}
-    return QuantizedCheckpoint(out, src.class_name, patterns, recipe, quant, kept, qconfig["input_scales"], files,
-                               writer.total_bytes, seconds)
+        qconfig = quantization_config(run.kept, "linear", quant if dynamic else [])
+        qconfig["input_scales"] = _input_scale_facts(_package_scale_method(quant, dynamic), amax, run.prompts,
+                                                     run.options["steps"])
+        qconfig["exclude_patterns"], qconfig["exclude_recipe"] = list(run.patterns), run.recipe
+        publish(work, {**src.config, "quantization_config": qconfig}, run.out, run.overwrite)
+    seconds = {"calibration": calibrated - run.started, "quantization": time.perf_counter() - calibrated}
+    return run.result(qconfig["input_scales"], files, writer.total_bytes, seconds)
 
 
-def _modelopt_route(src: BF16Source, out: Path, patterns: tuple[str, ...], recipe: str, quant: list[str],
-                    kept: list[str], pipeline: Any, prompts: list[str], dtype: torch.dtype, device: str,
-                    options: dict[str, Any], overwrite: bool, started: float) -> QuantizedCheckpoint:
+def _modelopt_route(run: _Run, pipeline: Any) -> QuantizedCheckpoint:
     """``method="modelopt"``: ModelOpt quantizes, calibrates and exports (``modelopt_route``); this package adds its
     facts to the export's ``quantization_config`` and publishes the directory whole or not at all."""
     from .modelopt_route import export_with_modelopt
 
-    work = new_work_dir(out)
-    try:
-        config = export_with_modelopt(src, quant, pipeline, prompts, dtype, device, options, work)
+    with work_dir_for(run.out) as work:
+        config = export_with_modelopt(run.src, run.quant, pipeline, run.prompts, run.dtype, run.device, run.options,
+                                      work)
         qconfig = config["quantization_config"]
-        qconfig["input_scales"] = _input_scale_facts({}, prompts, options["steps"])
-        qconfig["exclude_patterns"], qconfig["exclude_recipe"] = list(patterns), recipe
+        qconfig["input_scales"] = _input_scale_facts("modelopt", None, run.prompts, run.options["steps"])
+        qconfig["exclude_patterns"], qconfig["exclude_recipe"] = list(run.patterns), run.recipe
         files = sorted(p.name for p in work.iterdir() if p.suffix == ".safetensors")
         total = sum((work / f).stat().st_size for f in files)
-        publish(work, config, out, overwrite)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return QuantizedCheckpoint(out, src.class_name, patterns, recipe, quant, kept, qconfig["input_scales"], files,
-                               total, {"calibration and export (ModelOpt)": time.perf_counter() - started})
+        publish(work, config, run.out, run.overwrite)
+    return run.result(qconfig["input_scales"], files, total,
+                      {"calibration and export (ModelOpt)": time.perf_counter() - run.started})

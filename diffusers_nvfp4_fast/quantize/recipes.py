@@ -38,6 +38,11 @@ def qwen_exclude(num_layers: int, top: tuple[str, ...] = QWEN_EXCLUDE_TOP) -> tu
     return top + tuple(f"transformer_blocks.{i}" for i in keep)
 
 
+def qwen_rule_applies(class_name: str) -> bool:
+    """Whether ``class_name``'s recipe is the Qwen-Image rule (whose block count decides what is quantized)."""
+    return class_name in ("QwenImageTransformer2DModel", "QwenImage21Transformer2DModel")
+
+
 class UnknownModelClassError(ValueError):
     """No exclusion recipe is known for this diffusers class (pass ``exclude=`` to give one)."""
 
@@ -50,7 +55,7 @@ def exclude_patterns(class_name: str, config: Mapping[str, Any], source: object 
     """
     if class_name == "Flux2Transformer2DModel":
         return FLUX2_EXCLUDE
-    if class_name in ("QwenImageTransformer2DModel", "QwenImage21Transformer2DModel"):
+    if qwen_rule_applies(class_name):
         top = QWEN21_EXCLUDE_TOP if class_name == "QwenImage21Transformer2DModel" else QWEN_EXCLUDE_TOP
         return qwen_exclude(int(config["num_layers"]), top)
     where = f"{source}: " if source else ""

@@ -17,6 +17,9 @@ from torch import nn
 
 from ..loaders.modelopt_export import read_json, resolve_dir, weight_files
 from ..loaders.safetensors_header import CheckpointIndex
+from .recipes import RECIPE_SOURCES
+
+TRANSFORMERS_MODULE = "diffusers.models.transformers."  # where diffusers defines its transformer (denoiser) classes
 
 
 class QuantizeSourceError(ValueError):
@@ -64,6 +67,12 @@ def _diffusers_class(config: dict[str, Any], config_path: Path) -> type:
     if not isinstance(cls, type) or not issubclass(cls, nn.Module):
         raise QuantizeSourceError(f"{config_path}: _class_name={name!r} is not a model class of diffusers "
                                   f"{diffusers.__version__}")
+    if not cls.__module__.startswith(TRANSFORMERS_MODULE):
+        raise QuantizeSourceError(
+            f"{config_path}: _class_name={name!r} is not a transformer class this command supports: it quantizes "
+            f"the denoising transformer of a pipeline, {', '.join(RECIPE_SOURCES)} with their recipes, or another "
+            f"class of {TRANSFORMERS_MODULE[:-1]} with --exclude (is --subfolder right? a pipeline keeps it in "
+            "'transformer')")
     return cls
 
 

@@ -1,5 +1,6 @@
 """Write a checkpoint directory whole or not at all: safetensors shards written one after another into a temporary
-directory beside the target, then ``config.json``, then one rename (as ``loaders/save.py`` does for saves).
+directory beside the target (``workdir.py``), then ``config.json``, then one rename (as ``loaders/save.py`` does for
+saves).
 """
 
 from __future__ import annotations
@@ -7,14 +8,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..loaders.modelopt_export import WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+from .workdir import seal, swap_into_place
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -83,20 +83,10 @@ class ShardWriter:
         return names
 
 
-def new_work_dir(out_dir: Path) -> Path:
-    """An empty temporary directory beside ``out_dir`` (same filesystem, so the final rename is atomic)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".quantizing", dir=out_dir.parent))
-
-
 def publish(work_dir: Path, config: dict[str, Any], out_dir: Path, overwrite: bool) -> None:
-    """Write ``config.json`` last, then put ``work_dir`` where ``out_dir`` is (an old one is removed only after)."""
+    """Write ``config.json`` last, give the directory the modes of the umask, then put ``work_dir`` where ``out_dir``
+    is (an old one is removed only after; ``workdir.swap_into_place``)."""
     (work_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=list) + "\n")
     check_target(out_dir, overwrite)
-    old = None
-    if out_dir.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".replaced", dir=out_dir.parent))
-        os.replace(out_dir, old / out_dir.name)
-    os.replace(work_dir, out_dir)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    seal(work_dir)
+    swap_into_place(work_dir, out_dir)
