@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 PY = sys.executable
-GPU_TESTS = [PY, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "--tb=short", "-m", "gpu", "--durations=5"]
+GPU_TESTS = [PY, "-m", "pytest", "-q", "-rfs", "-p", "no:cacheprovider", "--tb=short", "-n", "0", "-m", "gpu",
+             "--durations=5"]
 STEP = [PY, "benchmarks/bench_transformer_step.py"]
 KERNEL_TESTS = ["tests/test_quantize.py", "tests/test_token_cat_quantize.py", "tests/test_swiglu_quantize.py",
                 "tests/test_rotary.py", "tests/test_launch.py", "tests/test_gelu_quantize.py",

@@ -18,15 +18,26 @@ def pytest_sessionstart(session):
     _START[0] = time.perf_counter()
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (the default, pyproject.toml): every core of a CPU machine, at most 4 (each worker holds torch,
+    diffusers and its own tiny fixtures); on a machine with a GPU, none: the GPU tests share one device."""
+    from support.time_budget import worker_count
+
+    return worker_count(os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"), os.cpu_count(), torch.cuda.is_available())
+
+
 def pytest_runtest_logreport(report):
     _DURATIONS[report.nodeid] += report.duration
+    if "gpu" in report.keywords:  # here, not at collection: under xdist only the workers collect
+        _GPU_TESTS.add(report.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Every run: the total and the slowest tests against the time budget (tests/support/time_budget.py)."""
-    from support.time_budget import verdict
+    from support.time_budget import process_wall_s, verdict
 
-    result = verdict(dict(_DURATIONS), time.perf_counter() - _START[0], gpu_tests=frozenset(_GPU_TESTS))
+    wall = process_wall_s() or time.perf_counter() - _START[0]
+    result = verdict(dict(_DURATIONS), wall, gpu_tests=frozenset(_GPU_TESTS))
     terminalreporter.section("time budget")
     for line in result.lines:
         terminalreporter.write_line(line)
@@ -36,7 +47,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 def pytest_collection_modifyitems(config, items):
-    _GPU_TESTS.update(item.nodeid for item in items if "gpu" in item.keywords)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="GPU test (marked gpu) not run: no CUDA device here; "

@@ -28,3 +28,29 @@ def test_gpu_tests_have_their_own_limit():
     assert sorted(result.too_slow) == ["cpu", "stuck gpu"]
     assert f"a GPU test past {GPU_TEST_LIMIT_S:.0f} s" in result.lines[0]
     assert "GPU test" not in verdict({"cpu": 1.0}, 1.0).lines[0]
+
+
+def test_xdist_workers_follow_the_cores_and_leave_a_gpu_machine_in_one_process():
+    from support.time_budget import MAX_WORKERS, worker_count
+
+    assert worker_count(None, 2, False) == 2  # the CI machine: both cores
+    assert worker_count(None, 64, False) == MAX_WORKERS
+    assert worker_count(None, 1, False) == worker_count(None, None, False) == 0
+    assert worker_count(None, 16, True) == 0  # GPU tests share the device
+    assert worker_count("3", 16, True) == 3  # PYTEST_XDIST_AUTO_NUM_WORKERS wins
+
+
+def test_the_wall_time_counts_from_the_process_start(tmp_path):
+    from support.time_budget import process_wall_s
+
+    # A process named "a b) c" (a ')' in the name must not shift the fields) started at tick 250 of 100 per second.
+    stat = tmp_path / "stat"
+    stat.write_text("42 (a b) c) S " + " ".join(["0"] * 18) + " 250 0 0\n")
+    uptime = tmp_path / "uptime"
+    uptime.write_text("10.00 20.00\n")
+    import os
+
+    assert process_wall_s(str(stat), str(uptime)) == 10.0 - 250 / os.sysconf("SC_CLK_TCK")
+    assert process_wall_s(str(tmp_path / "missing"), str(uptime)) is None
+    wall = process_wall_s()
+    assert wall is None or 0 < wall < 24 * 3600

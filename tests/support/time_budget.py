@@ -3,6 +3,7 @@ it; only a test far past its own budget fails the run, so machine noise never do
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 SUITE_BUDGET_S = 600.0  # the whole README test command on a 2-core CI machine
@@ -10,6 +11,30 @@ TEST_BUDGET_S = 30.0  # one test: setup + call + teardown
 FAIL_FACTOR = 4.0  # a test fails the run only past FAIL_FACTOR x TEST_BUDGET_S
 # GPU tests (marked gpu) run on the GPU machine, outside the CI budget; full-size compiles take minutes there.
 GPU_TEST_LIMIT_S = 300.0
+MAX_WORKERS = 4  # xdist workers on a CPU machine: each holds torch, diffusers and its own session fixtures
+
+
+def worker_count(requested: str | None, cores: int | None, has_gpu: bool) -> int:
+    """Workers for ``-n auto``: ``PYTEST_XDIST_AUTO_NUM_WORKERS`` if set, none on a GPU machine (its tests share
+    the device), else one per core up to ``MAX_WORKERS`` (none on one core: the run stays in this process)."""
+    if requested:
+        return int(requested)
+    if has_gpu or not cores or cores < 2:
+        return 0
+    return min(cores, MAX_WORKERS)
+
+
+def process_wall_s(stat: str = "/proc/self/stat", uptime: str = "/proc/uptime") -> float | None:
+    """Seconds since this process started (the README command's wall time, interpreter start-up included), from
+    Linux's /proc; None elsewhere."""
+    try:
+        with open(stat) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(uptime) as f:
+            up = float(f.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return up - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22 (starttime), counted after the name
 
 
 @dataclass
