@@ -295,6 +295,10 @@ def test_quantize_on_load_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(NVFP4CheckpointError, match=r"names 1 layer\(s\) that are not quantized here: \['x_embedder'\].*"
                                                    r"lacks \d+ quantized layer\(s\).*dynamic=True"):
         Flux2Transformer2DModel.from_pretrained(tmp_path / "bf16", quantization_config=scales)
+    with pytest.raises(ValueError, match=r"no Linear of this Flux2Transformer2DModel would become NVFP4: .*given by "
+                                         r"the caller: \*\) match (\d+) of its \1 Linears; load it without"):
+        Flux2Transformer2DModel.from_pretrained(tmp_path / "bf16",
+                                                quantization_config=NVFP4FastConfig(dynamic=True, exclude=["*"]))
 
 
 def test_the_config_is_public_and_serializable():

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..format import BLOCK_SIZE
-from ..loaders.common import qkv_group, raise_scale_problems, record_load_summary, replace_linear
+from ..loaders.common import is_excluded, qkv_group, raise_scale_problems, record_load_summary, replace_linear
 from ..loaders.errors import NVFP4CheckpointError
 from ..loaders.finish import finish_model
 from ..loaders.modelopt_export import QuantizationInfo, build_nvfp4_layer
@@ -66,6 +66,13 @@ def plan_layers(model: nn.Module, exclude: Sequence[str] | None, input_scales: M
     linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     quantized = [n for n, m in linears.items() if quantizable(n, m, patterns)]
     kept = [n for n in linears if n not in set(quantized)]
+    if not quantized:
+        excluded = sum(is_excluded(n, list(patterns)) for n in linears)
+        narrow = len(linears) - excluded
+        raise ValueError(f"{source}: no Linear of this {class_name} would become NVFP4: the BF16-kept patterns "
+                         f"({recipe}: {', '.join(patterns)}) match {excluded} of its {len(linears)} Linears"
+                         + (f", and the other {narrow} have in_features that are not multiples of 16" if narrow else "")
+                         + "; load it without quantization_config")
     if input_scales is not None:
         _check_input_scales(source, quantized, input_scales)
     groups = {n: [g for g in qkv_group(n) if g in linears] for n in quantized}
