@@ -1,5 +1,5 @@
 """This package as a diffusers quantization backend: ``quant_method: "diffusers-nvfp4-fast"`` (what this package's
-``save_pretrained`` and ``quantize_transformer`` write) is read by diffusers' own ``from_pretrained``, and
+``save_pretrained`` and ``quantize_transformer``'s own method write) is read by diffusers' own ``from_pretrained``, and
 ``from_pretrained(bf16, quantization_config=NVFP4FastConfig(...))`` quantizes while it loads (docs/checkpoints.md).
 
 The one module that touches diffusers' private quantizer internals. It follows diffusers 0.42.1
