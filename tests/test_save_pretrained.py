@@ -60,10 +60,3 @@ def test_ambiguous_shapes_without_a_declared_layout_are_refused(modelopt_exports
         tiny_flux.save_pretrained(tmp_path / "flux2")
         load_nvfp4_transformer(tmp_path / "flux2", scale_layout="linear")
 
-
-def test_diffusers_from_pretrained_refuses_it_clearly(modelopt_exports, tmp_path):
-    from diffusers import QwenImageTransformer2DModel
-
-    load_nvfp4_transformer(modelopt_exports("qwen")).save_pretrained(tmp_path / "saved")
-    with pytest.raises(ValueError, match="diffusers-nvfp4-fast"):
-        QwenImageTransformer2DModel.from_pretrained(tmp_path / "saved")

@@ -289,22 +289,33 @@ def _check_plain_keys(model: nn.Module, index: CheckpointIndex, quantized: dict,
     return [k for k in expected if k in index]
 
 
+def build_nvfp4_layer(linear: nn.Linear, name: str, tensors: dict[str, torch.Tensor], layout: ScaleLayout,
+                      qinfo: QuantizationInfo, torch_dtype: torch.dtype,
+                      problems: list[str]) -> tuple[NVFP4Linear, bool]:
+    """The ``NVFP4Linear`` that replaces ``linear`` (its ``in_features``, ``out_features`` and bias), holding one
+    layer's stored tensors (``tensors``: suffix -> tensor, ``bias`` when it has one), block scales swizzled to 128x4;
+    and whether they were swizzled. Unusable scale values are added to ``problems``. Every route that reads a stored
+    layer builds it here (``load_nvfp4_transformer`` and diffusers' ``from_pretrained``, docs/checkpoints.md)."""
+    dynamic = name in qinfo.dynamic_layers
+    problems += scale_problems(name, tensors["weight_scale"], tensors["weight_scale_2"],
+                               None if dynamic else tensors["input_scale"])
+    packed = tensors["weight"].view(torch.uint8)
+    new = NVFP4Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=torch_dtype)
+    new.load_nvfp4(swap_nibbles(packed) if qinfo.nibble_order == "hi_first" else packed, tensors["weight_scale"],
+                   tensors["weight_scale_2"], tensors["input_scale"], tensors.get("bias"), scale_layout=layout)
+    new.dynamic_input_scale = dynamic
+    return new, new.swizzle_weight_scales_()
+
+
 def _load_nvfp4_layer(model: nn.Module, name: str, index: CheckpointIndex, layout: ScaleLayout,
                       qinfo: QuantizationInfo, torch_dtype: torch.dtype, problems: list[str]) -> bool:
     """Replace Linear ``name`` by an ``NVFP4Linear`` holding the stored tensors; True if its scales were swizzled.
     Unusable scale values are added to ``problems``."""
     linear = cast(nn.Linear, model.get_submodule(name))  # _plan_quantized found it as an nn.Linear
-    keys = [f"{name}.{s}" for s in NVFP4_SUFFIXES] + ([f"{name}.bias"] if linear.bias is not None else [])
-    t = index.load(keys)
-    dynamic = name in qinfo.dynamic_layers
-    problems += scale_problems(name, t[f"{name}.weight_scale"], t[f"{name}.weight_scale_2"],
-                               None if dynamic else t[f"{name}.input_scale"])
-    packed = t[f"{name}.weight"].view(torch.uint8)
-    new = NVFP4Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=torch_dtype)
-    new.load_nvfp4(swap_nibbles(packed) if qinfo.nibble_order == "hi_first" else packed, t[f"{name}.weight_scale"],
-                   t[f"{name}.weight_scale_2"], t[f"{name}.input_scale"], t.get(f"{name}.bias"), scale_layout=layout)
-    new.dynamic_input_scale = dynamic
-    swizzled = new.swizzle_weight_scales_()
+    suffixes = [*NVFP4_SUFFIXES, *(["bias"] if linear.bias is not None else [])]
+    stored = index.load([f"{name}.{s}" for s in suffixes])
+    new, swizzled = build_nvfp4_layer(linear, name, {s: stored[f"{name}.{s}"] for s in suffixes}, layout, qinfo,
+                                      torch_dtype, problems)
     replace_linear(model, name, linear, new)
     return swizzled
 
@@ -338,6 +349,26 @@ class ExportPlan:
     problems: list[str]
 
 
+def plan_export_into(model: nn.Module, model_dir: Path, qinfo: QuantizationInfo, index: CheckpointIndex,
+                     scale_layout: ScaleLayout | None = None) -> ExportPlan:
+    """Check every key of the export in ``model_dir`` (its headers: ``index``) against ``model``, the diffusers class
+    built on the meta device (by this loader, or by diffusers' ``from_pretrained``)."""
+    refuse_lora_keys(model_dir, index)
+    problems: list[str] = []
+    quantized = _plan_quantized(model, index, qinfo, scale_layout, problems)
+    plain_keys = _check_plain_keys(model, index, quantized, problems)
+    return ExportPlan(model_dir, type(model), model, index, qinfo, quantized, plain_keys, problems)
+
+
+def raise_plan_problems(plan: ExportPlan) -> None:
+    """Refuse, before any weight is read, an export whose keys, dtypes or shapes do not fit its class."""
+    if plan.problems:
+        raise NVFP4CheckpointError(
+            f"{plan.model_dir}: {len(plan.problems)} problem(s) loading this NVFP4 checkpoint into "
+            f"{plan.cls.__name__}:\n  " + "\n  ".join(plan.problems)
+        )
+
+
 def plan_modelopt_export(model_dir: Path, scale_layout: ScaleLayout | None = None) -> ExportPlan:
     """Check every key of the export in ``model_dir`` against its diffusers class (headers only)."""
     from accelerate import init_empty_weights
@@ -347,12 +378,7 @@ def plan_modelopt_export(model_dir: Path, scale_layout: ScaleLayout | None = Non
     cls = _model_class(config, model_dir / "config.json")
     with init_empty_weights(include_buffers=False):
         model = cls.from_config({k: v for k, v in config.items() if k != "quantization_config"})
-    index = CheckpointIndex(weight_files(model_dir))
-    refuse_lora_keys(model_dir, index)
-    problems: list[str] = []
-    quantized = _plan_quantized(model, index, qinfo, scale_layout, problems)
-    plain_keys = _check_plain_keys(model, index, quantized, problems)
-    return ExportPlan(model_dir, cls, model, index, qinfo, quantized, plain_keys, problems)
+    return plan_export_into(model, model_dir, qinfo, CheckpointIndex(weight_files(model_dir)), scale_layout)
 
 
 def export_scale_problems(plan: ExportPlan, *, block_scales: bool) -> list[str]:
@@ -388,11 +414,7 @@ def load_modelopt_export(
             say it and whose shapes fit both layouts; contradicting what the checkpoint says is an error.
     """
     plan = plan_modelopt_export(resolve_dir(path_or_repo_id, subfolder), scale_layout)
-    if plan.problems:
-        raise NVFP4CheckpointError(
-            f"{plan.model_dir}: {len(plan.problems)} problem(s) loading this NVFP4 checkpoint into "
-            f"{plan.cls.__name__}:\n  " + "\n  ".join(plan.problems)
-        )
+    raise_plan_problems(plan)
     model = plan.model
     problems: list[str] = []
     plain = plan.index.load(plan.plain_keys)

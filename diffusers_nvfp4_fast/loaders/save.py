@@ -118,6 +118,23 @@ class NVFP4SavePretrained:
             shutil.rmtree(written, ignore_errors=True)
 
 
+def refuse_pipeline_save(pipe: Any, save_directory: str | os.PathLike, safe_serialization: bool = True,
+                         use_flashpack: bool = False) -> None:
+    """Refuse ``pipe.save_pretrained(save_directory, ...)`` before diffusers writes any component, when one of its
+    NVFP4 models would refuse its own save (diffusers saves the components one after another, so a refusal at the
+    transformer would come after the others were written). diffusers passes each component ``safe_serialization``
+    and ``use_flashpack``, never ``push_to_hub`` (it uploads the whole folder itself)."""
+    for name, component in dict(getattr(pipe, "components", {}) or {}).items():
+        model = getattr(component, "_orig_mod", component)  # torch.compile's wrapper
+        if not isinstance(model, nn.Module) or not isinstance(model.__dict__.get("save_pretrained"),
+                                                              NVFP4SavePretrained):
+            continue
+        reason = _refusal(model, safe_serialization, False, use_flashpack)
+        if reason is not None:
+            raise ValueError(f"{type(pipe).__name__}.save_pretrained({str(save_directory)!r}): its {name} "
+                             f"({type(model).__name__}) cannot be saved: {reason}; nothing was written.")
+
+
 def install_save_pretrained(model: nn.Module) -> None:
     """Give ``model`` (a diffusers model) ``NVFP4SavePretrained`` as its ``save_pretrained``, on this instance only."""
     if hasattr(type(model), "save_pretrained") and not isinstance(model.__dict__.get("save_pretrained"),
