@@ -5,7 +5,8 @@ scale per tensor. This module implements docs/design.md §3 exactly, on any devi
 
 * ``quantize_nvfp4(x, global_scale)``: BF16/FP16/FP32 ``[..., K]`` -> packed uint8 ``[M, K/2]`` + uint8 block
   scales (128x4 swizzled ``[round_up(M,128), round_up(K/16,4)]`` or linear ``[M, K/16]``).
-* ``decode_nvfp4`` / ``dequantize_nvfp4``: back to numbers (``decode`` is ``e2m1 * e4m3`` exactly, in BF16).
+* ``decode_nvfp4`` / ``dequantize_nvfp4``: back to numbers (``decode`` is ``e2m1 * e4m3`` exactly, in BF16;
+  ``dequantize_nvfp4`` takes the per-tensor scale by name, ``weight_scale_2=`` or ``global_scale=``).
 * ``swizzle_scales`` / ``unswizzle_scales``: the 128x4 block-scale layout every FP4 GEMM wants.
 * ``swap_nibbles``: convert between low-nibble-first (ours, ModelOpt) and high-nibble-first packing.
 
@@ -209,11 +210,12 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _as_global_scale(global_scale: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+def _as_global_scale(global_scale: torch.Tensor | float, device: torch.device, name: str = "global_scale"
+                     ) -> torch.Tensor:
     if not torch.is_tensor(global_scale):
         return _f32(float(global_scale), device)
     if global_scale.numel() != 1:
-        raise ValueError(f"global_scale must hold one value, got shape {tuple(global_scale.shape)}")
+        raise ValueError(f"{name} must hold one value, got shape {tuple(global_scale.shape)}")
     return global_scale.reshape(()).to(device=device, dtype=torch.float32)
 
 
@@ -252,35 +254,80 @@ def quantize_nvfp4(
 
 
 def decode_nvfp4(
-    packed: torch.Tensor, scales: torch.Tensor, *, scale_layout: ScaleLayout = "128x4", dtype=torch.bfloat16
+    packed: torch.Tensor, scales: torch.Tensor, *, scale_layout: ScaleLayout = "128x4", dtype=torch.bfloat16,
+    nibble_order: Literal["lo_first", "hi_first"] = "lo_first",
 ) -> torch.Tensor:
     """``e2m1 * e4m3`` per element, without the global scale: ``[M, K/2]`` -> ``[M, K]``.
 
     Exact in BF16: an E2M1 value has 2 significant bits and an E4M3 scale 4, so the product fits BF16's 8.
+    ``nibble_order="hi_first"`` reads ComfyUI's packing (element ``2j`` in the high nibble).
     """
     m, half_k = packed.shape
     k = half_k * 2
-    if scale_layout == "128x4":
-        sf = unswizzle_scales(scales, m, k // BLOCK_SIZE)
-    else:
-        sf = scales.view(torch.uint8)
-        if tuple(sf.shape) != (m, k // BLOCK_SIZE):
-            raise ValueError(
-                f"linear scales for packed {tuple(packed.shape)} must be {(m, k // 16)}, got {tuple(sf.shape)}"
-            )
+    sf = _linear_scales(scales, m, k, scale_layout)
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    values = lut[unpack_nibbles(packed.view(torch.uint8)).long()].reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    values = lut[_codes(packed, nibble_order).long()].reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
     return (values * e4m3_value(sf).unsqueeze(-1)).reshape(m, k).to(dtype)
+
+
+def _codes(packed: torch.Tensor, nibble_order: str) -> torch.Tensor:
+    if nibble_order not in ("lo_first", "hi_first"):
+        raise ValueError(f"nibble_order must be 'lo_first' or 'hi_first', got {nibble_order!r}")
+    p = packed.view(torch.uint8)
+    return unpack_nibbles(swap_nibbles(p) if nibble_order == "hi_first" else p)
+
+
+def _linear_scales(scales: torch.Tensor, m: int, k: int, scale_layout: str) -> torch.Tensor:
+    if scale_layout == "128x4":
+        return unswizzle_scales(scales, m, k // BLOCK_SIZE)
+    sf = scales.view(torch.uint8)
+    if tuple(sf.shape) != (m, k // BLOCK_SIZE):
+        raise ValueError(f"linear scales for packed {(m, k // 2)} must be {(m, k // 16)}, got {tuple(sf.shape)}")
+    return sf
 
 
 def dequantize_nvfp4(
     packed: torch.Tensor,
     scales: torch.Tensor,
-    global_scale: torch.Tensor | float,
-    *,
+    *ambiguous: object,
+    weight_scale_2: torch.Tensor | float | None = None,
+    global_scale: torch.Tensor | float | None = None,
     scale_layout: ScaleLayout = "128x4",
+    nibble_order: Literal["lo_first", "hi_first"] = "lo_first",
     dtype=torch.float32,
 ) -> torch.Tensor:
-    """NVFP4 -> numbers: ``e2m1 * e4m3 / global_scale``, ``[M, K/2]`` -> ``[M, K]`` in ``dtype``."""
-    g = _as_global_scale(global_scale, packed.device)
-    return (decode_nvfp4(packed, scales, scale_layout=scale_layout, dtype=torch.float32) / g).to(dtype)
+    """NVFP4 -> numbers, ``[M, K/2]`` -> ``[M, K]`` in ``dtype``. The per-tensor scale is passed by name, one of:
+
+    * ``weight_scale_2=``: the checkpoint's own scalar (ModelOpt, ComfyUI, diffusers' BFL files; ``amax / 2688``):
+      ``e2m1 * (e4m3 * weight_scale_2)``, the product rounded in FP32 (FP64 for ``dtype=torch.float64``, where it is
+      exact). Byte for byte comfy-kitchen 0.2.40's ``dequantize_nvfp4`` for FP32 output (with
+      ``nibble_order="hi_first"``, its packing) and diffusers' BFL ``dequantize_nvfp4`` (linear scales); for BF16
+      output this rounds once, comfy-kitchen rounds ``weight_scale_2`` to BF16 first.
+    * ``global_scale=``: the encode scale ``g = 1 / weight_scale_2`` that ``quantize_nvfp4`` takes:
+      ``e2m1 * e4m3 / g``.
+
+    A third positional argument is refused: the two scales are each other's inverse, and a wrong guess is off by a
+    factor of about ``2688**2 / amax**2``, silently.
+    """
+    if ambiguous:
+        raise TypeError(
+            "dequantize_nvfp4() takes the per-tensor scale by name: weight_scale_2=<the checkpoint's weight_scale_2> "
+            "(values = e2m1 * e4m3 * weight_scale_2) or global_scale=<1 / weight_scale_2> (the g quantize_nvfp4 "
+            f"takes); got {len(ambiguous)} more positional argument(s)"
+        )
+    if (weight_scale_2 is None) == (global_scale is None):
+        raise TypeError("dequantize_nvfp4() needs exactly one of weight_scale_2= (the checkpoint's scalar) and "
+                        "global_scale= (1 / weight_scale_2)")
+    if global_scale is not None:
+        g = _as_global_scale(global_scale, packed.device)
+        decoded = decode_nvfp4(packed, scales, scale_layout=scale_layout, dtype=torch.float32,
+                               nibble_order=nibble_order)
+        return (decoded / g).to(dtype)
+    assert weight_scale_2 is not None
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    m, k = packed.shape[0], packed.shape[1] * 2
+    sf = e4m3_value(_linear_scales(scales, m, k, scale_layout)).to(compute)
+    scale = sf * _as_global_scale(weight_scale_2, packed.device, "weight_scale_2").to(compute)
+    lut = torch.tensor(E2M1_VALUES, dtype=compute, device=packed.device)
+    values = lut[_codes(packed, nibble_order).long()].reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    return (values * scale.unsqueeze(-1)).reshape(m, k).to(dtype)

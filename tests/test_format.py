@@ -50,7 +50,7 @@ def test_saturation_zero_blocks_underflow_nan_inf():
     assert scales[0, 0].item() == 0x38 and codes[0, 0].item() == 7
     assert scales[1, 0].item() == 0 and codes[1].tolist() == [0] * 16
     assert scales[2, 0].item() == 0
-    assert dequantize_nvfp4(packed[2:3], scales[2:3], 1.0, scale_layout="linear").abs().max().item() == 0.0
+    assert dequantize_nvfp4(packed[2:3], scales[2:3], global_scale=1.0, scale_layout="linear").abs().max().item() == 0.0
     assert scales[3, 0].item() == 0x38 and codes[3, :3].tolist() == [7, 5, 15]  # NaN skipped by the max, -> 0x7
     assert scales[4, 0].item() == 0x7E and codes[4, 0].item() == 7                # Inf saturates the scale at 448
 
@@ -89,8 +89,8 @@ def test_env_value_reads_what_os_environ_holds_at_each_call(monkeypatch):
 def test_fast_math_differs_from_precise_only_by_rounding():
     torch.manual_seed(0)
     x = torch.randn(256, 512).bfloat16()
-    fast = dequantize_nvfp4(*quantize_nvfp4(x, 2688 / 4.0, fast_math=True), 2688 / 4.0)
-    precise = dequantize_nvfp4(*quantize_nvfp4(x, 2688 / 4.0, fast_math=False), 2688 / 4.0)
+    fast = dequantize_nvfp4(*quantize_nvfp4(x, 2688 / 4.0, fast_math=True), global_scale=2688 / 4.0)
+    precise = dequantize_nvfp4(*quantize_nvfp4(x, 2688 / 4.0, fast_math=False), global_scale=2688 / 4.0)
     assert (fast - precise).abs().max() < 0.05 * x.float().abs().max()
 
 
@@ -125,7 +125,7 @@ def test_round_trip_error_and_leading_dims():
     g = 2688 / x.float().abs().max()
     packed, scales = quantize_nvfp4(x, g, fast_math=False)
     assert packed.shape == (100, 32) and scales.shape == (128, 4)
-    err = (dequantize_nvfp4(packed, scales, g) - x.float().reshape(100, 64)).norm() / x.float().norm()
+    err = (dequantize_nvfp4(packed, scales, global_scale=g) - x.float().reshape(100, 64)).norm() / x.float().norm()
     assert err < 0.12
 
 
@@ -188,8 +188,8 @@ def test_modelopt_weight_quantizer_agrees_except_documented_differences(tmp_path
         assert torch.equal(scales[same], theirs[same]) and torch.equal(packed[2:], sd[f"{layer}.weight"][2:])
         assert scales[0, 0].item() == 0 and theirs[0, 0].item() == 0x38            # zero block: 0 here, 1.0 there
         assert scales[1, 0].item() == 0 and theirs[1, 0].item() == 0x01            # underflow: 0 here, 2^-9 there
-        ours = dequantize_nvfp4(packed[:2], scales[:2], 1.0 / ws2.float(), scale_layout="linear")
-        theirs_deq = dequantize_nvfp4(sd[f"{layer}.weight"][:2], theirs[:2], 1.0 / ws2.float(), scale_layout="linear")
+        ours = dequantize_nvfp4(packed[:2], scales[:2], weight_scale_2=ws2, scale_layout="linear")
+        theirs_deq = dequantize_nvfp4(sd[f"{layer}.weight"][:2], theirs[:2], weight_scale_2=ws2, scale_layout="linear")
         assert torch.equal(ours[0, :16], theirs_deq[0, :16])           # zero block: both dequantize to 0
         # underflow block: ours flushes to 0; ModelOpt's clamped 2^-9 scale keeps a closer, nonzero approximation
         true = base[f"{layer}.weight"][1, :16].float()
