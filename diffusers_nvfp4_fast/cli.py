@@ -148,7 +148,8 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def _inspect(path: Path, as_json: bool, check_scales: bool) -> int:
-    """``inspect`` exits 1 when the loader dry run or the metadata found problems, 2 when the file cannot be read."""
+    """``inspect`` exits 1 exactly when ``load_nvfp4_transformer(path)`` would refuse the checkpoint (block scales:
+    where ``--check-scales`` read them), 2 when the path cannot be read."""
     if not path.exists():
         print(f"diffusers-nvfp4-fast inspect: {path}: no such file or directory", file=sys.stderr)
         return 2
@@ -160,8 +161,7 @@ def _inspect(path: Path, as_json: bool, check_scales: bool) -> int:
         print(f"diffusers-nvfp4-fast inspect: {e}", file=sys.stderr)
         return 2
     print(json.dumps(facts, indent=1, default=str) if as_json else format_report(facts))
-    dry = facts.get("loader_dry_run") or {}
-    return 1 if dry.get("problems") or dry.get("error") or facts["metadata_problems"] else 0
+    return 1 if facts["refusals"] else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

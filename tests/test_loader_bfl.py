@@ -103,7 +103,7 @@ def test_bfl_file_loads_the_same_bytes_as_the_modelopt_export(bfl_file, referenc
     model = load_nvfp4_transformer(bfl_file)
     assert_same_model(model, reference)
     summary = load_summary(model)
-    assert summary["format"] == "bfl" and summary["nvfp4_linears"] == load_summary(reference)["nvfp4_linears"]
+    assert summary["format"] == "single_file" and summary["nvfp4_linears"] == load_summary(reference)["nvfp4_linears"]
     assert summary["input_scale_sources"] == {"checkpoint": summary["nvfp4_linears"], "input_scales": 0, "dynamic": 0}
     # The fused NVFP4 img qkv was split, the BF16 txt qkv too, and both stayed what they were.
     attn = model.transformer_blocks[0].attn
@@ -266,13 +266,14 @@ def test_double_swizzled_scales_are_detected(export_dir, tmp_path):
     path = tmp_path / "double.safetensors"
     write_bfl_file(export_dir, path, edit=edit)
     expect_error(path, "single_blocks.0.linear2.weight_scale", "swizzled twice")
-    assert cli_main(["inspect", str(path), "--check-scales"]) == 0  # the header alone cannot tell...
+    assert cli_main(["inspect", str(path)]) == 0  # the header alone cannot tell...
+    assert cli_main(["inspect", str(path), "--check-scales"]) == 1  # ...the block scales can: the loader's verdict
 
 
 def test_linear_scales_taken_as_swizzled_is_an_error(export_dir, tmp_path):
     path = tmp_path / "linear.safetensors"
     write_bfl_file(export_dir, path, swizzle=False)  # no flag: the convention (128x4) does not fit the shapes
-    expect_error(path, "but the scales are taken as 128x4-swizzled (inferred ComfyUI convention)",
+    expect_error(path, "but the scales are taken as 128x4-swizzled (ComfyUI convention)",
                  "scale_layout='linear'")
     write_bfl_file(export_dir, path, layer_flags={"scale_layout": "linear"})  # flag says linear, data is 128x4-padded
     expect_error(path, "but the scales are taken as linear (metadata)", "scale_layout='128x4'")
@@ -281,7 +282,10 @@ def test_linear_scales_taken_as_swizzled_is_an_error(export_dir, tmp_path):
 def test_packed_weight_without_metadata_is_an_error(export_dir, tmp_path):
     path = tmp_path / "bare.safetensors"
     write_bfl_file(export_dir, path, markers=False, header=False)
-    expect_error(path, "U8 (packed FP4?) but no comfy_quant marker", "scale_layout= and nibble_order=")
+    message = expect_error(path, "11 U8 (packed FP4) weight(s) without a declaration of their layout",
+                           'scale_layout="128x4", nibble_order="hi_first"',
+                           'scale_layout="linear", nibble_order="lo_first"')
+    assert "cannot infer" not in message and "missing:" not in message  # the undeclared layers are still mapped
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -370,11 +374,12 @@ def test_inspect_prints_header_facts(bfl_file, mixed_file, capsys):
     for needle in ("naming: BFL (double_blocks / single_blocks)", "comfy_quant markers: 11",
                    "_quantization_metadata: True", "double_blocks.*.img_attn.qkv.weight", "U8", "[96, 16]",
                    "scale layout by shape: {'128x4': 11}",
-                   "hi_first (inferred ComfyUI convention)", "cannot be detected from the bytes",
+                   "hi_first (ComfyUI convention)", "cannot be detected from the bytes",
                    "layers without input_scale: 0", "problems: 0", '"num_layers": 1'):
         assert needle in out, needle
-    assert cli_main(["inspect", str(mixed_file), "--json"]) == 0
+    assert cli_main(["inspect", str(mixed_file), "--json"]) == 1  # load_nvfp4_transformer(mixed_file) refuses
     facts = json.loads(capsys.readouterr().out)
+    assert len(facts["refusals"]) == 1 and "input_scales=" in facts["refusals"][0]
     assert sorted(facts["missing_input_scale"]) == sorted(MIXED_DROPPED)
     assert sorted(facts["loader_dry_run"]["missing_input_scale"]) == sorted(MIXED_DIFFUSERS)
     assert facts["families"]["double_blocks.*.txt_attn.qkv.weight"]["dtypes"] == ["BF16"]

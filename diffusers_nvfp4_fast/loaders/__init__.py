@@ -1,6 +1,7 @@
 """The loaders wing: every route by which NVFP4 weights enter a diffusers model (docs/checkpoints.md).
 
-``load_nvfp4_transformer`` reads files (ModelOpt export directories, BFL / ComfyUI single files); the in-memory
+``load_nvfp4_transformer`` reads files (ModelOpt export directories; single files: ComfyUI / BFL, diffusers' BFL
+files, declared layouts, of FLUX.2, Qwen-Image and Qwen-Image 2.1); the in-memory
 routes (ModelOpt-quantized models, diffusers' own BFL quantizer) are converted by ``enable_fast_paths``.
 """
 
@@ -41,7 +42,7 @@ def _check_arguments(path_or_repo_id: str | os.PathLike, dtype: torch.dtype | No
                         f"dtype (or torch_dtype), device, scale_layout, filename and, for single files, "
                         f"{', '.join(SINGLE_FILE_KWARGS)}")
     if kwargs and not single_file:
-        raise TypeError(f"{sorted(kwargs)} only apply to single-file (BFL format) checkpoints; {path_or_repo_id} is "
+        raise TypeError(f"{sorted(kwargs)} only apply to single-file checkpoints; {path_or_repo_id} is "
                         "read as a ModelOpt export directory")
     if dtype is not None and torch_dtype is not None and dtype != torch_dtype:
         raise ValueError(f"dtype={dtype} and torch_dtype={torch_dtype} disagree: pass one (dtype is diffusers' newer "
@@ -66,9 +67,10 @@ def load_nvfp4_transformer(
 
     A directory (or repo id) is read as a ModelOpt NVFP4 diffusers export (FLUX.2 dev/klein, Qwen-Image), also one
     that ``save_pretrained`` of this package wrote (``subfolder="transformer"`` inside a saved pipeline); a single
-    ``.safetensors`` file (a local path, or ``filename=`` inside a repo or directory) as the BFL / ComfyUI FLUX.2
-    format, which takes the extra keyword arguments of ``loaders.bfl.load_bfl_nvfp4_transformer`` (``config``,
-    ``nibble_order``, ``input_scales``, ``dynamic_input_scale``).
+    ``.safetensors`` file (a local path, or ``filename=`` inside a repo or directory) as a FLUX.2, Qwen-Image or
+    Qwen-Image 2.1 single file (family from its keys; ComfyUI's / BFL's format, diffusers' BFL files, or a layout the
+    arguments declare), which takes the extra keyword arguments of ``loaders.bfl.load_bfl_nvfp4_transformer``
+    (``config``, ``nibble_order``, ``input_scales``, ``dynamic_input_scale``).
 
     Every key is checked (missing, unexpected, dtype, shape) and all problems are raised together in one
     ``NVFP4CheckpointError``. Block scales are converted to the 128x4 layout exactly once.
@@ -80,7 +82,7 @@ def load_nvfp4_transformer(
             older name), and the two must agree.
         device: where to put the model (default: stays on CPU).
         scale_layout: force how stored block scales are read ("linear" or "128x4") when the file cannot tell.
-        filename: a single-file checkpoint inside ``path_or_repo_id`` (BFL format).
+        filename: a single-file checkpoint inside ``path_or_repo_id``.
 
     Raises:
         NVFP4CheckpointError: the checkpoint's problems, all of them. FileNotFoundError: no such path or repo.

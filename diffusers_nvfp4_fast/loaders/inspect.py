@@ -1,9 +1,11 @@
 """``diffusers-nvfp4-fast inspect``: what a checkpoint's header says, without reading weights.
 
 Key families with dtypes and shapes, quantization markers and header metadata, per-layer scale-layout guesses from
-shapes, the nibble order and where it comes from, missing ``input_scale``s, and a dry run of the loader (BFL-format
-FLUX.2 files: inferred model config; ModelOpt export directories: every key, dtype, shape and scale check of
-``load_modelopt_export``) with every problem it would raise. Attach its output (``--json`` for the
+shapes, the nibble order and where it comes from, missing ``input_scale``s, and a dry run of the loader: for every
+single file the plan ``load_nvfp4_transformer`` makes (family and the keys that tell it, diffusers' key converter,
+convention and its evidence, inferred config and what was assumed) plus its per-tensor scale checks; for ModelOpt
+export directories every key, dtype, shape and scale check of ``load_modelopt_export``. ``refusals`` (the exit
+status of the command) is every reason the loader would refuse. Attach the output (``--json`` for the
 machine-readable form) when reporting a checkpoint that does not load or looks wrong.
 """
 
@@ -93,7 +95,7 @@ def _metadata_facts(header: SafetensorsHeader, qmeta) -> dict[str, Any]:
     for info in qmeta.layers.values():
         formats[info.format] = formats.get(info.format, 0) + 1
     facts = {"markers": qmeta.markers, "header_quantization_metadata": qmeta.has_header, "declared_formats": formats,
-             "file_flags": qmeta.file_flags}
+             "file_flags": qmeta.file_flags, "header_quantization": qmeta.diffusers_scheme}
     if HEADER_METADATA_KEY in header.metadata:
         try:
             hm = json.loads(header.metadata[HEADER_METADATA_KEY])
@@ -103,24 +105,14 @@ def _metadata_facts(header: SafetensorsHeader, qmeta) -> dict[str, Any]:
     return facts
 
 
-def _nibble_order(is_dir: bool, declared, qmeta) -> tuple[str, str]:
-    from .bfl.metadata import COMFY_NVFP4_CONVENTION
-
-    if is_dir:
-        return "lo_first", "ModelOpt export convention"
-    if declared and "nibble_order" in declared.flags:
-        return declared.flags["nibble_order"], "metadata"
-    if qmeta and "nibble_order" in qmeta.file_flags:
-        return qmeta.file_flags["nibble_order"], "metadata (file-wide)"
-    return COMFY_NVFP4_CONVENTION["nibble_order"], "inferred ComfyUI convention"
-
-
-def _layer_facts(path: Path, tensors: dict[str, tuple[Path, Any]], prefix: str, qmeta, check_scales: bool) -> list:
-    """Per FP4 layer (packed weight + block scale): shapes, layout guess, declared flags, nibble order."""
+def _layer_facts(path: Path, tensors: dict[str, tuple[Path, Any]], prefix: str, qmeta, sources: dict,
+                 padding: dict[str, str]) -> list:
+    """Per FP4 layer (packed weight + block scale): shapes, layout guess, declared flags, and the nibble order and scale
+    layout the loader's dry run decided (``sources``: stored module -> ``NVFP4Source``)."""
     from .bfl.metadata import MARKER_SUFFIX
 
     layers: list[dict[str, Any]] = []
-    for k, (f, info) in tensors.items():
+    for k, (_, info) in tensors.items():
         if not k.endswith(".weight_scale"):
             continue
         module = k[: -len(".weight_scale")]
@@ -130,7 +122,13 @@ def _layer_facts(path: Path, tensors: dict[str, tuple[Path, Any]], prefix: str, 
             layers.append({"layer": name, "scale_shape_guess": "no weight", "scale_shape": list(info.shape)})
             continue
         declared = qmeta.layers.get(name) if qmeta else None
-        nibble, nibble_src = _nibble_order(path.is_dir(), declared, qmeta)
+        source = sources.get(name)
+        if path.is_dir():
+            nibble, nibble_src = "lo_first", "ModelOpt export convention"
+        elif source is not None:
+            nibble, nibble_src = source.nibble_order, source.nibble_source
+        else:
+            nibble, nibble_src = "undecided", "not declared by the file"
         layer = {
             "layer": name, "weight": [w[1].dtype, list(w[1].shape)], "scale": [info.dtype, list(info.shape)],
             "scale_shape_guess": guess_scale_layout(info.shape, w[1].shape),
@@ -139,23 +137,71 @@ def _layer_facts(path: Path, tensors: dict[str, tuple[Path, Any]], prefix: str, 
             "input_scale": (module + ".input_scale") in tensors,
             "weight_scale_2": (module + ".weight_scale_2") in tensors,
             "nibble_order": nibble, "nibble_order_source": nibble_src,
+            "scale_layout": source.scale_layout if source else None,
+            "scale_layout_source": source.scale_source if source else None,
         }
-        if check_scales and w[1].dtype == "U8" and layer["scale_shape_guess"] in ("128x4", "128x4 (flat)", "ambiguous"):
-            layer["padding_check"] = _padding_check(f, k, w[1].shape)
+        if name in padding:
+            layer["padding_check"] = padding[name]
         layers.append(layer)
     return layers
 
 
-def _dry_run(header: SafetensorsHeader) -> dict[str, Any]:
+_DRY_RUN_KEYS = ("family", "class", "family_evidence", "converter", "convention", "convention_evidence", "variant",
+                 "config_source", "config", "assumed", "nibble_order", "nibble_order_source", "scale_layout",
+                 "scale_layout_source", "missing_input_scale", "problems")
+
+
+def _dry_run(header: SafetensorsHeader, check_scales: bool) -> tuple[dict[str, Any], Any, dict[str, str]]:
+    """``load_nvfp4_transformer``'s own plan of the file (the same call, default arguments) and its scale checks: the
+    per-tensor scales always (a few bytes each), the block scales with ``check_scales``. Returns (facts, plan or None,
+    padding verdict per 128x4 layer)."""
     from .bfl import plan_bfl_checkpoint
 
     try:
-        dry = plan_bfl_checkpoint(header).facts()
+        plan = plan_bfl_checkpoint(header)
     except Exception as e:  # the dry run must not hide the facts above
-        return {"error": f"{type(e).__name__}: {e}"}
-    keep = ("variant", "config_source", "config", "nibble_order", "nibble_order_source", "scale_layout",
-            "scale_layout_source", "missing_input_scale", "problems")
-    return {k: dry[k] for k in keep}
+        return {"error": f"{type(e).__name__}: {e}"}, None, {}
+    facts = {k: v for k, v in plan.facts().items() if k in _DRY_RUN_KEYS}
+    facts["loader"] = "load_nvfp4_transformer (single file)"
+    facts["block_scales_checked"] = check_scales
+    padding: dict[str, str] = {}
+    facts["scale_problems"] = [] if plan.problems else _plan_scale_problems(plan, header, check_scales, padding)
+    return facts, plan, padding
+
+
+def _plan_scale_problems(plan, header: SafetensorsHeader, block_scales: bool, padding: dict[str, str]) -> list[str]:
+    """The loader's scale checks on a plan's FP4 layers: per-tensor scales from a few bytes each; with
+    ``block_scales`` also the block scales (NaN / negative bytes, the 128x4 padding after one unswizzle)."""
+    import torch
+
+    from .bfl import stored_layer
+    from .common import scale_problems
+
+    problems: list[str] = []
+    with header.open() as handle:
+        for source in plan.nvfp4.values():
+            name = source.keys["weight"][: -len(".weight")]
+            if block_scales:
+                tensors, problem = stored_layer(source, handle)
+                if source.scale_layout == "128x4":
+                    padding[source.module] = _padding_verdict(source, problem)
+                problems += [problem] if problem else scale_problems(
+                    name, tensors["weight_scale"], tensors["weight_scale_2"], tensors.get("input_scale"))
+                continue
+            ws2 = handle.get_tensor(source.keys["weight_scale_2"])
+            input_scale = handle.get_tensor(source.keys["input_scale"]) if "input_scale" in source.keys else None
+            # Without the block scales a zero weight_scale_2 cannot be judged (legal for an all-zero weight): pass
+            # zero block bytes, so only NaN, Inf and negative values count here.
+            problems += scale_problems(name, torch.zeros(1, dtype=torch.uint8), ws2, input_scale)
+    return problems
+
+
+def _padding_verdict(source, problem: str | None) -> str:
+    n, k = source.rows, source.cols
+    if padded_scale_shape(n, k) == (n, k // BLOCK_SIZE):
+        return "no padding (cannot tell)"
+    return "nonzero padding after one unswizzle (swizzled twice?)" if problem else \
+        "padding zero after one unswizzle (ok)"
 
 
 def _export_dry_run(model_dir: Path, check_scales: bool) -> dict[str, Any]:
@@ -172,31 +218,47 @@ def _export_dry_run(model_dir: Path, check_scales: bool) -> dict[str, Any]:
             "block_scales_checked": check_scales, "problems": problems}
 
 
-def _diffusers_warning(facts: dict[str, Any]) -> str | None:
-    """For a ComfyUI-style FP4 file (markers or ``_quantization_metadata``) laid out high nibble first or with 128x4
-    scales: diffusers 0.42's ``BFLQuantizationConfig`` reads low nibble first and linear scales, without an error."""
-    comfy_style = facts.get("markers") or facts.get("header_quantization_metadata")
-    fp4 = [x for x in facts["nvfp4_layers"] if x.get("weight", [None])[0] == "U8"]
+def refusals(facts: dict[str, Any]) -> list[str]:
+    """Why ``load_nvfp4_transformer(path)`` (default arguments) would refuse the checkpoint ``inspect`` looked at;
+    empty when it loads. Block scales count only where ``--check-scales`` read them."""
     dry = facts.get("loader_dry_run") or {}
-    layouts = dry.get("scale_layout") or {}
-    hi_first = any(x.get("nibble_order") == "hi_first" for x in fp4)
-    if not (comfy_style and fp4 and (hi_first or layouts.get("128x4"))):
+    if "error" in dry:
+        return [f"the dry run failed: {dry['error']}"]
+    reasons = list(dry.get("problems", [])) + list(dry.get("scale_problems", []))
+    missing = dry.get("missing_input_scale") or []
+    if missing and not reasons:
+        reasons.append(f"{len(missing)} NVFP4 layer(s) have no input_scale: pass input_scales= (your calibration) or "
+                       "dynamic_input_scale=True (per-call scales, not the checkpoint's recipe)")
+    return reasons
+
+
+def _diffusers_warning(facts: dict[str, Any]) -> str | None:
+    """For a ComfyUI-style FP4 file laid out high nibble first or with 128x4 scales: diffusers 0.42's
+    ``BFLQuantizationConfig`` reads low nibble first and linear scales, without an error."""
+    dry = facts.get("loader_dry_run") or {}
+    if not (facts.get("markers") or facts.get("header_quantization_metadata")):
+        return None
+    hi_first = bool((dry.get("nibble_order") or {}).get("hi_first"))
+    swizzled = bool((dry.get("scale_layout") or {}).get("128x4"))
+    if not (hi_first or swizzled):
         return None
     return ("diffusers' BFLQuantizationConfig would misread this file: it reads FP4 values low nibble first and block "
             "scales in the linear [N, K/16] layout, while this file is laid out "
             f"{'high nibble first' if hi_first else 'low nibble first'} with "
-            f"{'128x4' if layouts.get('128x4') else 'linear'} scales (per its metadata or ComfyUI's convention). "
+            f"{'128x4' if swizzled else 'linear'} scales (per its metadata or ComfyUI's convention). "
             "Where no shape is padded (all of FLUX.2-dev) it loads without an error and computes wrong weights. "
             "Load it with diffusers_nvfp4_fast.load_nvfp4_transformer, which reads this layout.")
 
 
 def inspect_checkpoint(path: str | Path, *, check_scales: bool = False) -> dict[str, Any]:
-    """The header facts of a ``.safetensors`` file or a ModelOpt export directory, as a JSON-able dict.
+    """The header facts of a ``.safetensors`` file or a ModelOpt export directory and the loader's dry run, as a
+    JSON-able dict; ``refusals`` lists why ``load_nvfp4_transformer(path)`` would refuse it (empty: it loads).
 
-    Reads headers and the few-byte ``comfy_quant`` markers only; ``check_scales`` also reads the block-scale
-    tensors (not the weights) to test the 128x4 padding (nonzero padding after one unswizzle = swizzled twice).
+    Reads headers, the few-byte ``comfy_quant`` markers and per-tensor scales; ``check_scales`` also reads the
+    block-scale tensors (not the weights) and applies the loader's checks to them (NaN and negative bytes, nonzero
+    128x4 padding after one unswizzle = swizzled twice).
     """
-    from .bfl.metadata import detect_key_prefix, read_quant_metadata
+    from .bfl.metadata import detect_key_prefix
 
     path = Path(path)
     tensors, file_metadata, extra = _headers(path)
@@ -210,13 +272,16 @@ def inspect_checkpoint(path: str | Path, *, check_scales: bool = False) -> dict[
         **_dtype_and_family_facts(tensors, prefix),
         "header_metadata_keys": {name: sorted(meta) for name, meta in file_metadata.items() if meta},
     }
-    problems: list[str] = []
-    qmeta = header = None
-    if not path.is_dir():
+    plan, padding = None, dict[str, str]()
+    if path.is_dir():
+        facts["loader_dry_run"] = _export_dry_run(path, check_scales)
+    else:
         header = SafetensorsHeader(path)
-        qmeta = read_quant_metadata(header, prefix, problems)
-        facts.update(_metadata_facts(header, qmeta))
-    layers = _layer_facts(path, tensors, prefix, qmeta, check_scales)
+        facts["loader_dry_run"], plan, padding = _dry_run(header, check_scales)
+        if plan is not None:
+            facts.update(_metadata_facts(header, plan.metadata))
+    layers = _layer_facts(path, tensors, prefix, plan.metadata if plan is not None else None,
+                          plan.nvfp4 if plan is not None else {}, padding)
     facts["nvfp4_layers"] = layers
     guesses: dict[str, int] = {}
     for layer in layers:
@@ -224,27 +289,10 @@ def inspect_checkpoint(path: str | Path, *, check_scales: bool = False) -> dict[
     facts["scale_shape_guesses"] = guesses
     facts["missing_input_scale"] = [x["layer"] for x in layers if not x.get("input_scale", True)]
     facts["nibble_note"] = _NIBBLE_NOTE
-    if path.is_dir():
-        facts["loader_dry_run"] = _export_dry_run(path, check_scales)
-    elif header is not None and naming.startswith("BFL"):
-        facts["loader_dry_run"] = _dry_run(header)
+    if not path.is_dir():
         facts["diffusers_warning"] = _diffusers_warning(facts)
-    facts["metadata_problems"] = problems
+    facts["refusals"] = refusals(facts)
     return facts
-
-
-def _padding_check(file: Path, key: str, packed_shape) -> str:
-    import torch
-
-    from .bfl import unswizzle_checked
-
-    scales = SafetensorsHeader(file).load([key])[key].view(torch.uint8)
-    n, k = packed_shape[0], packed_shape[1] * 2
-    if padded_scale_shape(n, k) == (n, k // BLOCK_SIZE):
-        return "no padding (cannot tell)"
-    _, problem = unswizzle_checked(scales, n, k // BLOCK_SIZE, key)
-    return ("nonzero padding after one unswizzle (swizzled twice?)" if problem
-            else "padding zero after one unswizzle (ok)")
 
 
 def format_report(facts: dict[str, Any]) -> str:
@@ -296,31 +344,44 @@ def format_report(facts: dict[str, Any]) -> str:
     missing = facts["missing_input_scale"]
     shown = ", ".join(missing[:12]) + (" ..." if len(missing) > 12 else "")
     lines.append(f"  layers without input_scale: {len(missing)}" + (f": {shown}" if missing else ""))
-    dry = facts.get("loader_dry_run")
-    if dry:
-        if "error" in dry:
-            lines.append(f"  loader dry run: failed: {dry['error']}")
-        elif dry.get("loader") == "load_modelopt_export":
-            lines.append(f"  loader dry run: {dry['variant']}, {dry['nvfp4_layers']} NVFP4 layers; keys, dtypes, "
-                         "shapes and per-tensor scales checked; block scales "
-                         + ("checked" if dry["block_scales_checked"] else "not read (--check-scales reads them)"))
-            probs = dry["problems"]
-            lines.append(f"    problems: {len(probs)}" + "".join(f"\n      {p}" for p in probs[:30]))
-        else:
-            lines.append(f"  loader dry run: {dry['variant']} (config {dry['config_source']})")
-            lines.append(f"    config: {json.dumps(dry['config'])}")
-            lines.append(f"    nibble order {dry['nibble_order']} from {dry['nibble_order_source']}; "
-                         f"scale layout {dry['scale_layout']} from {dry['scale_layout_source']}")
-            if dry["missing_input_scale"]:
-                lines.append(f"    loading needs input_scales= or dynamic_input_scale=True for "
-                             f"{len(dry['missing_input_scale'])} layer(s): "
-                             f"{', '.join(dry['missing_input_scale'][:12])}")
-            probs = dry["problems"]
-            lines.append(f"    problems: {len(probs)}" + "".join(f"\n      {p}" for p in probs[:30]))
-    if facts["metadata_problems"]:
-        lines.append("  metadata problems:" + "".join(f"\n    {p}" for p in facts["metadata_problems"]))
+    dry = facts.get("loader_dry_run") or {}
+    if "error" in dry:
+        lines.append(f"  loader dry run: failed: {dry['error']}")
+    elif dry.get("loader") == "load_modelopt_export":
+        lines.append(f"  loader dry run: {dry['variant']}, {dry['nvfp4_layers']} NVFP4 layers; keys, dtypes, "
+                     "shapes and per-tensor scales checked; block scales "
+                     + ("checked" if dry["block_scales_checked"] else "not read (--check-scales reads them)"))
+    elif dry:
+        lines += _single_file_dry_run_lines(dry)
+    reasons = facts["refusals"]
+    if reasons:
+        lines.append(f"  verdict: load_nvfp4_transformer refuses this checkpoint ({len(reasons)} problem(s)):"
+                     + "".join(f"\n      {p}" for p in reasons[:30])
+                     + (f"\n      ... ({len(reasons) - 30} more; --json lists all)" if len(reasons) > 30 else ""))
+    else:
+        lines.append("  verdict: load_nvfp4_transformer loads it (problems: 0)")
     if facts.get("diffusers_warning"):
         lines.append(f"  WARNING: {facts['diffusers_warning']}")
     return "\n".join(lines)
 
 
+def _single_file_dry_run_lines(dry: dict[str, Any]) -> list[str]:
+    lines = [f"  family: {dry['family'] or 'unknown'}"
+             + (f" ({dry['class']}), from {dry['family_evidence']}; names mapped by {dry['converter']}"
+                if dry["family"] else f": {dry['family_evidence']}"),
+             f"  convention: {dry['convention']}, from {dry['convention_evidence']}"]
+    if not dry["family"]:
+        return lines
+    lines.append(f"  loader dry run: {dry['variant']} (config {dry['config_source']})")
+    lines.append(f"    config: {json.dumps(dry['config'])}")
+    if dry["assumed"]:
+        lines.append("    not in the weights, assumed (config= overrides): "
+                     + "; ".join(f"{k}={v}" for k, v in dry["assumed"].items()))
+    lines.append(f"    nibble order {dry['nibble_order']} from {dry['nibble_order_source']}; "
+                 f"scale layout {dry['scale_layout']} from {dry['scale_layout_source']}")
+    lines.append("    scales checked: per-tensor; block scales "
+                 + ("too" if dry["block_scales_checked"] else "not read (--check-scales reads them)"))
+    if dry["missing_input_scale"]:
+        lines.append(f"    loading needs input_scales= or dynamic_input_scale=True for "
+                     f"{len(dry['missing_input_scale'])} layer(s): {', '.join(dry['missing_input_scale'][:12])}")
+    return lines

@@ -1,4 +1,6 @@
-"""Read a BFL / ComfyUI FLUX.2 NVFP4 single file into ``Flux2Transformer2DModel``, following a ``BflPlan``."""
+"""Read an NVFP4 single file (BFL / ComfyUI, diffusers' BFL files, a declared ModelOpt file) into its diffusers class
+(``Flux2Transformer2DModel``, ``QwenImageTransformer2DModel``, ``QwenImage21Transformer2DModel``), following a
+``BflPlan``."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from ..errors import NVFP4CheckpointError
 from ..finish import finish_model
 from ..safetensors_header import SafetensorsHeader
 from .input_scales import missing_input_scale_message, read_input_scales
+from .layout import NVFP4Source
 from .metadata import NibbleOrder
 from .naming import Segments, take_rows
-from .plan import BflPlan, NVFP4Source, plan_bfl_checkpoint
+from .plan import BflPlan, plan_bfl_checkpoint
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
 
@@ -73,25 +76,31 @@ def load_bfl_nvfp4_transformer(
     input_scales: Mapping[str, float | torch.Tensor] | str | os.PathLike | None = None,
     dynamic_input_scale: bool = False,
 ) -> nn.Module:
-    """Load a BFL / ComfyUI FLUX.2 NVFP4 single file as ``Flux2Transformer2DModel`` with ``NVFP4Linear`` layers.
+    """Load an NVFP4 single file into its diffusers class, with ``NVFP4Linear`` layers.
 
-    Usually reached through ``load_nvfp4_transformer(file)`` or ``load_nvfp4_transformer(repo_id, filename=...)``.
+    Reads FLUX.2 (dev, klein 4B/9B and -base), Qwen-Image (and its Edit / Edit-2509 / Edit-2511 / Layered
+    checkpoints) and Qwen-Image 2.1 files in ComfyUI's / BFL's format (comfy-kitchen's layout), in the format of
+    diffusers' ``BFLQuantizationConfig`` (header ``quantization='nvfp4'``), or any layout declared by the arguments
+    (a ModelOpt export's safetensors file: ``scale_layout="linear", nibble_order="lo_first"``). Usually reached
+    through ``load_nvfp4_transformer(file)`` or ``load_nvfp4_transformer(repo_id, filename=...)``.
 
     Args:
         path_or_repo_id: a ``.safetensors`` file, a directory (with ``filename``) or a Hugging Face repo id.
         filename, subfolder: the file inside a repo or directory.
-        config: ``Flux2Transformer2DModel`` config (dict, or a config.json path/dir); default: inferred from shapes.
+        config: the model config, for what the shapes cannot tell: a dict (only the keys to set, or a whole config),
+            a config.json, a diffusers directory or repo id (its ``transformer/config.json`` or ``config.json``);
+            its keys override the values inferred from shapes, and its ``_class_name`` must match the file.
         torch_dtype: dtype of the BF16 layers (norms, embedders, unquantized Linears).
         device: where to put the model (default: CPU).
-        scale_layout, nibble_order: declare how FP4 layers are stored when the file says nothing (defaults: ComfyUI's
-            convention, 128x4 and hi_first); contradicting the file's own metadata is an error.
+        scale_layout, nibble_order: declare how FP4 layers are stored where the file says nothing (both needed),
+            or override the convention it declares; contradicting its explicit flags is an error.
         input_scales: for layers without ``input_scale``: ``{diffusers layer name: value}`` or a JSON side file.
         dynamic_input_scale: for layers without ``input_scale`` (and not in ``input_scales``): compute the activation
             scale per call from the input (``NVFP4Linear.dynamic_input_scale``). Not the checkpoint's recipe.
 
     Raises:
-        NVFP4CheckpointError: listing every problem found (keys, dtypes, shapes, metadata, double-swizzled scales,
-            missing input scales with the options to resolve them).
+        NVFP4CheckpointError: listing every problem found (family, keys, dtypes, shapes, metadata, undeclared layouts
+            with the declarations to pass, double-swizzled scales, missing input scales with the options).
     """
     file = resolve_single_file(path_or_repo_id, filename, subfolder)
     user_scales = read_input_scales(input_scales) if input_scales is not None else {}
@@ -101,24 +110,28 @@ def load_bfl_nvfp4_transformer(
         input_scales=user_scales if input_scales is not None else None, dynamic_input_scale=dynamic_input_scale,
     )
     if plan.problems:
-        raise NVFP4CheckpointError(
-            f"{file}: {len(plan.problems)} problem(s) loading this BFL-format NVFP4 checkpoint into "
-            f"Flux2Transformer2DModel "
-            f"(run `diffusers-nvfp4-fast inspect {file}` to see the file's layout):\n  " + "\n  ".join(plan.problems)
-        )
+        raise NVFP4CheckpointError(problems_message(plan))
     if plan.missing_input_scale:
         raise NVFP4CheckpointError(missing_input_scale_message(file, plan.missing_input_scale))
     return _materialize(plan, header, torch_dtype, device, user_scales)
 
 
+def problems_message(plan: BflPlan) -> str:
+    """The error of a plan with problems: the file, what it was read as, and every problem."""
+    what = (f"as {plan.family.name} ({plan.class_name})" if plan.family else "(family unknown)")
+    return (f"{plan.file}: {len(plan.problems)} problem(s) loading this NVFP4 single file {what} "
+            f"(run `diffusers-nvfp4-fast inspect {plan.file}` to see the file's layout):\n  "
+            + "\n  ".join(plan.problems))
+
+
 def _materialize(
     plan: BflPlan, header: SafetensorsHeader, torch_dtype: torch.dtype, device, user_scales: dict[str, float],
 ) -> nn.Module:
+    import diffusers
     from accelerate import init_empty_weights
-    from diffusers import Flux2Transformer2DModel
 
     with init_empty_weights(include_buffers=False):
-        model = Flux2Transformer2DModel.from_config(plan.config)
+        model = getattr(diffusers, plan.class_name).from_config(plan.config)
     by_key: dict[str, list[tuple[str, Segments]]] = {}
     for target, (key, segs) in plan.plain.items():
         by_key.setdefault(key, []).append((target, segs))
@@ -131,7 +144,7 @@ def _materialize(
         return _materialize_nvfp4(plan, handle, model, torch_dtype, device, user_scales)
 
 
-def _stored_layer(source: NVFP4Source, handle) -> tuple[dict[str, torch.Tensor], str | None]:
+def stored_layer(source: NVFP4Source, handle) -> tuple[dict[str, torch.Tensor], str | None]:
     """One stored FP4 layer as our layout (low nibble first, linear scales); a problem string for bad scales."""
     k = source.keys
     tensors: dict[str, torch.Tensor]
@@ -175,7 +188,7 @@ def _materialize_nvfp4(
     problems: list[str] = []
     sources = {"checkpoint": 0, "input_scales": 0, "dynamic": 0}
     for source in plan.nvfp4.values():
-        tensors, problem = _stored_layer(source, handle)
+        tensors, problem = stored_layer(source, handle)
         if problem:
             problems.append(problem)
             continue
@@ -201,8 +214,12 @@ def _materialize_nvfp4(
             "this is not the checkpoint's recipe", sources["dynamic"],
         )
     facts = plan.facts()
-    record_load_summary(model, plan.file, format="bfl", variant=plan.variant, input_scale_sources=sources,
+    record_load_summary(model, plan.file, format="single_file", family=facts["family"], variant=plan.variant,
+                        converter=facts["converter"], convention=facts["convention"],
+                        config_source=plan.config_source, assumed=facts["assumed"], input_scale_sources=sources,
                         nibble_order=facts["nibble_order"], scale_layout=facts["scale_layout"])
-    logger.info("%s (config %s): nibble order %s, scale layout %s; input scales %s", plan.variant, plan.config_source,
+    logger.info("%s as %s via %s (config %s; assumed %s): %s convention (%s); nibble order %s, scale layout %s; "
+                "input scales %s", plan.variant, plan.class_name, facts["converter"], plan.config_source,
+                facts["assumed"] or "nothing", facts["convention"], facts["convention_evidence"],
                 facts["nibble_order_source"], facts["scale_layout_source"], sources)
     return model

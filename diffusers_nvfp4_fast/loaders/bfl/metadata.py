@@ -1,6 +1,15 @@
-"""What a BFL / ComfyUI FLUX.2 file says about its quantization: key prefix, per-layer ``comfy_quant`` markers and
-the ``_quantization_metadata`` header, with their layout flags (nibble order, scale layout) normalized and
-cross-checked. Contradictions are collected as problems, not raised, so ``inspect`` can show them all."""
+"""What a single file says about its quantization: key prefix, per-layer ``comfy_quant`` markers and the
+``_quantization_metadata`` header (ComfyUI), the header key ``quantization`` (diffusers' BFL files), the layout flags
+(nibble order, scale layout) normalized and cross-checked, and the convention they name. Contradictions are collected
+as problems, not raised, so ``inspect`` can show them all.
+
+ComfyUI's format (docs/checkpoints.md, proven against comfy-kitchen 0.2.40 by tests/test_loader_comfy.py): ComfyUI's
+``comfy/utils.py`` ``convert_old_quants`` turns the header ``{"layers": {<full key>: {"format": ...}}}`` into
+``<layer>.comfy_quant`` tensors (UTF-8 JSON, uint8), the markers files may also carry themselves; a layer marked
+``nvfp4`` is read by comfy-kitchen's ``TensorCoreNVFP4Layout``: packed weight high nibble first
+(``float_utils.pack_uint4(hi_first=True)``), ``weight_scale`` E4M3 in the 128x4 layout (``float_utils.to_blocked``),
+``weight_scale_2`` the FP32 per-tensor scale that multiplies the decoded values.
+"""
 
 from __future__ import annotations
 
@@ -18,9 +27,16 @@ MARKER_SUFFIX = "comfy_quant"
 HEADER_METADATA_KEY = "_quantization_metadata"
 # Prefixes ComfyUI-saved files put in front of every diffusion-model key.
 KNOWN_KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-# ComfyUI's "nvfp4" format as comfy-kitchen writes it (TensorCoreNVFP4Layout, pack_uint4(hi_first=True), cuBLAS
-# 128x4 block scales). Inferred, not read from the real file: used only where the file itself says nothing.
+# ComfyUI's "nvfp4" format as comfy-kitchen 0.2.40 writes and reads it (tensor/nvfp4.py TensorCoreNVFP4Layout):
+# the default for layers a comfy_quant marker or _quantization_metadata names without layout flags.
 COMFY_NVFP4_CONVENTION: dict[str, str] = {"nibble_order": "hi_first", "scale_layout": "128x4"}
+# diffusers 0.42's BFL files: scripts/quantize_flux2_bfl.py writes the header {"format": "pt", "quantization": scheme};
+# quantizers/bfl/utils.py quantize_nvfp4 / dequantize_nvfp4 pack low nibble first with linear [N, K/16] scales.
+DIFFUSERS_QUANTIZATION_KEY = "quantization"
+DIFFUSERS_NVFP4_CONVENTION: dict[str, str] = {"nibble_order": "lo_first", "scale_layout": "linear"}
+COMFY = "ComfyUI (comfy-kitchen TensorCoreNVFP4Layout)"
+CONFLICTING = "conflicting"
+DIFFUSERS_BFL = "diffusers BFLQuantizationConfig"
 NVFP4_LAYER_SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale", MARKER_SUFFIX, "bias")
 
 
@@ -96,6 +112,45 @@ class QuantMetadata:
     file_flags: dict[str, str]
     has_header: bool
     markers: int
+    diffusers_scheme: str | None = None  # the header's "quantization" value (diffusers' BFL files)
+
+
+@dataclass(frozen=True)
+class Convention:
+    """The packing convention a file declares: its name, its layout facts (None: the file names none) and why."""
+
+    name: str
+    facts: dict[str, str] | None
+    evidence: str
+    source: str = ""  # how a decision taken from it is labelled
+
+
+def conflict_problem(convention: Convention) -> str:
+    return (f"the file carries both ComfyUI's quantization metadata and diffusers' BFL header ({convention.evidence}), "
+            "whose conventions differ (high nibble first and 128x4 scales vs low nibble first and linear scales); "
+            'pass scale_layout="128x4", nibble_order="hi_first" or scale_layout="linear", nibble_order="lo_first" '
+            "to say which")
+
+
+def file_convention(meta: QuantMetadata, problems: list[str]) -> Convention:
+    """ComfyUI's (markers or ``_quantization_metadata``), diffusers' BFL one (header ``quantization``), or none."""
+    comfy = []
+    if meta.markers:
+        comfy.append(f"{meta.markers} {MARKER_SUFFIX} marker(s)")
+    if meta.has_header:
+        comfy.append(f"header {HEADER_METADATA_KEY}")
+    scheme = meta.diffusers_scheme
+    diffusers = f"header {DIFFUSERS_QUANTIZATION_KEY}={scheme!r} (diffusers' scripts/quantize_flux2_bfl.py)"
+    if scheme is not None and scheme != "nvfp4":
+        problems.append(f"{diffusers}: a diffusers BFL file in the {scheme!r} scheme; only 'nvfp4' is read here")
+    if comfy and scheme is not None:  # a problem only where no argument or flag decides (the planner's call)
+        return Convention(CONFLICTING, None, f"{' and '.join(comfy)}; {diffusers}")
+    if comfy:
+        return Convention(COMFY, dict(COMFY_NVFP4_CONVENTION), " and ".join(comfy), "ComfyUI convention")
+    if scheme is not None:
+        return Convention(DIFFUSERS_BFL, dict(DIFFUSERS_NVFP4_CONVENTION), diffusers, "diffusers BFL convention")
+    return Convention("no", None, f"no {MARKER_SUFFIX} marker, no {HEADER_METADATA_KEY} header, no header "
+                                  f"{DIFFUSERS_QUANTIZATION_KEY} key")
 
 
 def read_quant_metadata(header: SafetensorsHeader, prefix: str, problems: list[str]) -> QuantMetadata:
@@ -161,4 +216,5 @@ def read_quant_metadata(header: SafetensorsHeader, prefix: str, problems: list[s
             problems.append(f"marker {key}: not UTF-8 JSON ({e})")
             continue
         add(layer, spec, f"marker {key}")
-    return QuantMetadata(layers, file_flags, has_header, markers)
+    scheme = header.metadata.get(DIFFUSERS_QUANTIZATION_KEY)
+    return QuantMetadata(layers, file_flags, has_header, markers, scheme.lower() if scheme is not None else None)
