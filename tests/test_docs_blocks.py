@@ -21,7 +21,9 @@ import torch
 from diffusers_nvfp4_fast import load_nvfp4_transformer
 from diffusers_nvfp4_fast.linear import NVFP4Linear
 from diffusers_nvfp4_fast.testing import tiny
+from diffusers_nvfp4_fast.testing.comfy_writer import COMFY_PREFIX
 from support.bfl_files import write_bfl_file
+from support.comfy_files import FAMILIES, FileCase, make_source, write_case
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(?:<!-- docs-test: (?P<mode>compile|modelopt) \((?P<why>[^)]+)\) -->\n)?"
@@ -95,8 +97,14 @@ def paths(modelopt_exports, tmp_path_factory) -> list[tuple[str, str]]:
     pipe.save_pretrained(tmp / "flux2-pipeline")
     pipe.transformer = load_nvfp4_transformer(export)
     pipe.save_pretrained(tmp / "nvfp4-repo")
-    (tmp / "bfl-repo").mkdir()
-    write_bfl_file(export, tmp / "bfl-repo" / "flux2-dev-nvfp4.safetensors")
+    comfy = {}  # written by comfy-kitchen's own quantizer in ComfyUI's layout (support.comfy_files)
+    for name, case in (("bfl-repo/flux2-dev-nvfp4.safetensors", FileCase("flux2", "flux2", prefix=COMFY_PREFIX)),
+                       ("qwen_image_nvfp4.safetensors", FileCase("qwen", "qwen", prefix=COMFY_PREFIX)),
+                       ("qwen_image_edit_2511_nvfp4.safetensors", FileCase("edit", "qwen_edit_2511")),
+                       ("qwen_image_2.1_nvfp4.safetensors", FileCase("qwen21", "qwen21", prefix=COMFY_PREFIX)),
+                       ("flux2-dev-nvfp4-mixed.safetensors", FileCase("mixed", "flux2", input_scales="some"))):
+        comfy[name] = tmp / name
+        write_case(make_source(FAMILIES[case.family]), case, comfy[name])
     write_bfl_file(export, tmp / "native.safetensors", nibble_order="lo_first", swizzle=False, markers=False,
                    header=False)
     return [
@@ -104,6 +112,8 @@ def paths(modelopt_exports, tmp_path_factory) -> list[tuple[str, str]]:
         ('"org/repo"', repr(str(tmp / "nvfp4-repo"))),
         ('"black-forest-labs/FLUX.2-dev-NVFP4"', repr(str(tmp / "bfl-repo"))),
         ('("flux2-dev-nvfp4.safetensors")', f"({str(tmp / 'bfl-repo' / 'flux2-dev-nvfp4.safetensors')!r})"),
+        ('("flux2-dev-nvfp4.safetensors",', f"({str(tmp / 'bfl-repo' / 'flux2-dev-nvfp4.safetensors')!r},"),
+        *[(f'"{name}"', repr(str(path))) for name, path in comfy.items() if "/" not in name],
         ('"flux2-nvfp4-diffusers-layout.safetensors"', repr(str(tmp / "native.safetensors"))),
         ('"black-forest-labs/FLUX.2-dev"', repr(str(tmp / "flux2-pipeline"))),
         ('"flux2-nvfp4-pipeline"', repr(str(tmp / "saved-pipeline"))),
@@ -136,3 +146,5 @@ def test_checkpoints_md_blocks_run_in_order(paths):
     recipe = dict(paths)['export_dir="flux2-dev-nvfp4"'].split("=", 1)[1].strip("'")
     assert any(isinstance(m, NVFP4Linear) for m in load_nvfp4_transformer(recipe).modules())
     assert namespace["transformer"].dtype == torch.bfloat16
+    assert namespace["edit_2511"].config["zero_cond_t"]  # "Where to get checkpoints": each kind loaded
+    assert any(getattr(m, "dynamic_input_scale", False) for m in namespace["mixed"].modules())

@@ -13,7 +13,9 @@ from safetensors.torch import save_file
 from test_lora import SINGLE_TO_OUT, lora_state_dict
 
 from diffusers_nvfp4_fast.testing import tiny
+from diffusers_nvfp4_fast.testing.comfy_writer import COMFY_PREFIX
 from support.bfl_files import write_bfl_file
+from support.comfy_files import FAMILIES, FileCase, make_source, write_case
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -33,6 +35,10 @@ def files(modelopt_exports, tmp_path_factory) -> dict[str, str]:
     export = modelopt_exports("flux2")
     write_bfl_file(export, tmp / "native.safetensors", nibble_order="lo_first", swizzle=False, markers=False,
                    header=False)
+    comfy = {}
+    for family, name in (("flux2", "flux2-dev-nvfp4.safetensors"), ("qwen", "qwen_image_nvfp4.safetensors")):
+        comfy[name] = tmp / name  # written by comfy-kitchen's own quantizer in ComfyUI's layout
+        write_case(make_source(FAMILIES[family]), FileCase(name, family, prefix=COMFY_PREFIX), comfy[name])
     lora = {k.removeprefix("transformer."): v for k, v in lora_state_dict("flux2", SINGLE_TO_OUT).items()}
     save_file({f"transformer.{k}": v.contiguous() for k, v in lora.items()}, str(tmp / "lora.safetensors"))
     return {
@@ -40,6 +46,7 @@ def files(modelopt_exports, tmp_path_factory) -> dict[str, str]:
         '"black-forest-labs/FLUX.2-dev"': repr(str(tmp / "flux2-pipeline")),
         '"path/to/flux2-nvfp4-diffusers-layout.safetensors"': repr(str(tmp / "native.safetensors")),
         '"path/to/lora.safetensors"': repr(str(tmp / "lora.safetensors")),
+        **{f'"{name}"': repr(str(path)) for name, path in comfy.items()},
     }
 
 
@@ -56,7 +63,8 @@ def substitute(code: str, paths: dict[str, str]) -> str:
 def test_readme_has_the_blocks_this_test_substitutes():
     text = "\n".join(python_blocks())
     for needle in ("load_nvfp4_transformer(", "BFLQuantizationConfig()", "load_lora_weights(", "num_inference_steps=28",
-                   'prompt="a red fox in fresh snow",'):
+                   'prompt="a red fox in fresh snow",', '"flux2-dev-nvfp4.safetensors"',
+                   '"qwen_image_nvfp4.safetensors"'):
         assert needle in text, needle
 
 
@@ -69,6 +77,8 @@ def test_readme_python_blocks_run_in_order(files):
         assert "path/to/" not in code and "black-forest-labs" not in code, f"block {i} kept a path:\n{code}"
         exec(compile(code, f"README.md python block {i}", "exec"), namespace)  # noqa: S102 - the README's own code
     assert isinstance(namespace["image"].size, tuple)
+    assert type(namespace["qwen"]).__name__ == "QwenImageTransformer2DModel"  # the "Where to get checkpoints" lines
+    assert type(namespace["flux2"]).__name__ == "Flux2Transformer2DModel"
     assert not any(type(m).__name__ == "NVFP4LoraLinear" for m in namespace["pipe"].transformer.modules())
     report = namespace["enable_fast_paths"](namespace["pipe"])["Flux2Transformer2DModel"]
     assert report["converted"] == {"diffusers BFLQuantizationConfig": report["nvfp4_linears"]} != {}
