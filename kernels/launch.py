@@ -208,18 +208,65 @@ def _driver_module():
 # cooperative, pdl, two scratch buffers, kernel metadata, launch metadata, two hooks); another layout keeps
 # Triton's own launch path.
 _LAUNCHER_HEAD = "iiiKKppOOOOOO"
+# What direct_launch and DescriptorEncoding read of Triton 3.6's NVIDIA driver module besides the head: attributes
+# CudaLauncher.__init__ sets, the closure of wrap_handle_tensordesc's wrapper, the TMA encoder CudaUtils.__init__ sets.
+_LAUNCHER_ATTRIBUTES = frozenset(("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid",
+                                  "launch_pdl"))
+_WRAPPER_CLOSURE = frozenset(("launcher", "tensordesc_meta"))
+
+
+def direct_launch_unavailable() -> str | None:
+    """Why the installed Triton's binaries cannot be launched through its C launcher directly (None: they can).
+    Then every launch goes through ``CompiledKernel.run`` (same binaries, same bytes, more host time per call)."""
+    if INTERPRETING:
+        return "the Triton interpreter runs the kernels (TRITON_INTERPRET)"
+    driver = _driver_module()
+    if driver is None:
+        return "this Triton has no NVIDIA driver module (triton.backends.nvidia.driver)"
+    import triton
+
+    version = getattr(triton, "__version__", "?")
+    head = getattr(driver, "_BASE_ARGS_FORMAT", None)
+    if head is None:  # Triton 3.7 - 3.9: one C launch function for all kernels, arguments passed as one tuple
+        return (f"Triton {version}'s C launcher takes the kernel arguments as one tuple with their annotations "
+                "(no _BASE_ARGS_FORMAT); only Triton 3.6's per-kernel launcher is launched directly")
+    if head != _LAUNCHER_HEAD:
+        return f"Triton {version}'s C launcher starts with {head!r}, not Triton 3.6's {_LAUNCHER_HEAD!r}"
+    missing = sorted(_missing_launcher_parts(driver))
+    return f"Triton {version}'s NVIDIA driver module lacks {', '.join(missing)}" if missing else None
+
+
+def _missing_launcher_parts(driver) -> set[str]:
+    launcher_cls, wrap = getattr(driver, "CudaLauncher", None), getattr(driver, "wrap_handle_tensordesc", None)
+    utils = getattr(driver, "CudaUtils", None)
+    missing = {name for name, found in (("CudaLauncher", launcher_cls), ("wrap_handle_tensordesc", wrap),
+                                        ("CudaUtils", utils)) if found is None}
+    if not isinstance(getattr(driver, "TMA_DTYPE_DEVICE_TO_HOST", None), dict):
+        missing.add("TMA_DTYPE_DEVICE_TO_HOST")
+    if launcher_cls is not None:
+        missing |= {f"CudaLauncher.{name}" for name in _LAUNCHER_ATTRIBUTES - _names(launcher_cls.__init__)}
+    if wrap is not None:
+        inner = [c for c in wrap.__code__.co_consts if hasattr(c, "co_freevars")]
+        freevars = set().union(*(c.co_freevars for c in inner))
+        missing |= {f"wrap_handle_tensordesc's {name}" for name in _WRAPPER_CLOSURE - freevars}
+    if utils is not None and "fill_tma_descriptor" not in _names(utils.__init__):
+        missing.add("CudaUtils.fill_tma_descriptor")
+    return missing
+
+
+def _names(function) -> set[str]:
+    code = getattr(function, "__code__", None)
+    return set(code.co_names) if code is not None else set()
 
 
 def direct_launch(compiled) -> DirectLaunch | None:
     """``compiled``'s ``DirectLaunch``, or None where its launcher is not the one this module knows (another Triton
-    layout, scratch memory, the interpreter): then Triton's own path launches it. Callers check for launch hooks at
-    every call."""
-    if INTERPRETING:
+    layout, ``direct_launch_unavailable`` says why; scratch memory; the interpreter): then Triton's own path launches
+    it. Callers check for launch hooks at every call."""
+    if direct_launch_unavailable() is not None:
         return None
     driver = _driver_module()
     run = getattr(compiled, "run", None)
-    if driver is None or getattr(driver, "_BASE_ARGS_FORMAT", None) != _LAUNCHER_HEAD:
-        return None
     if not isinstance(run, getattr(driver, "CudaLauncher", ())) or run.global_scratch_size or run.profile_scratch_size:
         return None
     launch, meta = run.launch, None
