@@ -395,6 +395,15 @@ def _version(distribution: str) -> str | None:
         return None
 
 
+def launch_path(device: torch.device) -> str:
+    """How the Triton kernels are launched on ``device``: through Triton's C launcher directly (launch plans), or
+    through Triton's own path and why (same bytes either way; docs/performance.md, "Host time per call")."""
+    if device.type != "cuda" or dispatch.kernels is None:
+        return "no Triton kernels run on this device"
+    reason = dispatch.kernels.launch.direct_launch_unavailable()
+    return "direct, through Triton's C launcher (launch plans)" if reason is None else f"Triton's own path: {reason}"
+
+
 def environment(device: torch.device) -> dict[str, Any]:
     """What the report says about the machine and the software."""
     backend, why = dispatch.backend_choice(device)
@@ -405,6 +414,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         torch=torch.__version__, cuda=torch.version.cuda, triton=_version("triton"),
         flashinfer=_version("flashinfer-python"), diffusers=_version("diffusers"),
         diffusers_nvfp4_fast=_version("diffusers-nvfp4-fast"), gemm_backend=backend, gemm_backend_why=why,
+        launch=launch_path(device),
         activation_recipe="fast-math" if nvfp4.fast_math_from_env() else "precise",
     )
     return info
@@ -434,6 +444,7 @@ def format_report(result: dict[str, Any]) -> str:
         f"  versions  torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, flashinfer "
         f"{env['flashinfer']}, diffusers {env['diffusers']}, diffusers-nvfp4-fast {env['diffusers_nvfp4_fast']}",
         f"  GEMM      {env['gemm_backend']}: {env['gemm_backend_why']}",
+        f"  launches  {env['launch']}",
         f"  recipe    activations quantized {env['activation_recipe']}",
     ]
     for check in result["checks"]:

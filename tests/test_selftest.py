@@ -43,7 +43,21 @@ def test_report_and_json(cpu_result, monkeypatch, capsys):
     assert cli.main(["selftest", "--device", "cpu"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("diffusers-nvfp4-fast selftest") and "GEMM      emulated" in text
+    assert "\n  launches  no Triton kernels run on this device\n" in text
     assert text.rstrip().endswith(f"PASSED ({len(cpu_result['checks'])} checks, 0 failed)")
+
+
+def test_launch_path_says_why_kernels_take_tritons_own_path(monkeypatch):
+    """On a CUDA device the report says whether the installed Triton's binaries are launched directly, or why not."""
+    if dispatch.kernels is None:
+        pytest.skip("Triton is not installed, so no launch path is reported; this runs where Triton is installed, as "
+                    "in CI (pip install -e '.[test]')")
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(dispatch.kernels.launch, "direct_launch_unavailable", lambda: None)
+    assert selftest.launch_path(cuda) == "direct, through Triton's C launcher (launch plans)"
+    monkeypatch.setattr(dispatch.kernels.launch, "direct_launch_unavailable", lambda: "Triton 9.9's launcher differs")
+    assert selftest.launch_path(cuda) == "Triton's own path: Triton 9.9's launcher differs"
+    assert selftest.launch_path(torch.device("cpu")) == "no Triton kernels run on this device"
 
 
 def test_a_wrong_gemm_byte_fails_the_selftest_with_exit_status_1(monkeypatch, capsys):
