@@ -202,6 +202,7 @@ def _need_gluon_hopper(what: str, module: str = "triton.experimental.gluon.langu
                                        "with Triton >= 3.6, as CI installs")
 
 
+_OPCODE = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")  # a SASS line's opcode, past its predicate
 SM90_VARIANTS = [(True, 256, False), (False, 256, False), (True, 128, True), (False, 64, True)]  # even_k, tokens, bias
 
 
@@ -233,12 +234,15 @@ def test_sm90_gemm_never_overwrites_registers_of_a_running_wgmma(even_k, block_m
 def test_sm90_gemm_decodes_a_k_step_in_few_instructions():
     """The weight decode is the SM90 GEMM's critical path at 64-128 tokens per tile (docs/history.md, "the K step
     probes"): one PRMT per lane byte and the scales converted two at a time keep a K step at 127 instructions with
-    Triton 3.8 (151 with shift-and-mask byte picks and one conversion per scale pair, 1.4-6.7 % slower on the H200)."""
+    Triton 3.8 (151 with shift-and-mask byte picks and one conversion per scale pair, 1.4-6.7 % slower on the H200).
+    Counted per thread: the uniform-datapath instructions (U*: the wgmma descriptors' shared-memory addresses) are
+    Triton's choice, 7 / 6 / 13 of the 128 / 127 / 134 with Triton 3.6 / 3.8 / 3.9, and 121 per-thread ones in each."""
     _need_gluon_hopper("SM90 GEMM SASS check")
     from sass_count import compile_gemm_sm90, disassemble, first_k_step
 
     step = first_k_step(disassemble(compile_gemm_sm90(block_m=128)))
-    assert len(step) <= 132, f"{len(step)} instructions per K step"
+    per_thread = [line for line in step if not _OPCODE.match(line).group(1).startswith("U")]
+    assert len(per_thread) <= 126, f"{len(per_thread)} per-thread instructions per K step ({len(step)} in all)"
     assert not [line for line in step if "SHF.R.S32.HI" in line], "bytes picked by shift and mask again"
 
 
