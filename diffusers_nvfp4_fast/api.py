@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from .graphs import capture_cuda_graphs, denoisers, graph_report, release_cuda_graphs
-from .hooks import offload_device
 from .linear import NVFP4Linear
 from .loaders.common import record_checkpoint_config
 from .loaders.diffusers_native import SOURCE as BFL_SOURCE
 from .loaders.diffusers_native import convert_diffusers_native
 from .loaders.finish import install_model_methods
+from .module_hooks import offload_device
 from .ops.blackwell import GemmSetupError, padded_layers, warm_up
 from .ops.dispatch import gemm_backend
 from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats

@@ -26,11 +26,12 @@ where the approximate reciprocal happens to be exact (most, not all, blocks). Th
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from typing import Literal
 
 import torch
+
+from .switches import FAST_MATH_OFF, FOUR_OVER_SIX, env_enabled
 
 BLOCK_SIZE = 16
 E4M3_MAX = 448.0
@@ -45,8 +46,6 @@ _E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2
 
 ScaleLayout = Literal["128x4", "linear"]
 
-_FAST_MATH_OFF_VARS = ("FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH", "TRTLLM_DISABLE_FP4_QUANT_FAST_MATH")
-_FOUR_OVER_SIX_VAR = "FLASHINFER_NVFP4_4OVER6"
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -58,43 +57,21 @@ def padded_scale_shape(rows: int, k: int) -> tuple[int, int]:
     return round_up(rows, 128), round_up(k // BLOCK_SIZE, 4)
 
 
-@functools.cache
-def _environ_key(name: str) -> str | bytes:  # bytes on POSIX, str on Windows
-    return os.environ.encodekey(name)
-
-
-def env_value(name: str) -> str | None:
-    """``os.environ.get(name)``, read afresh at each call. For an unset name ``Mapping.get`` raises and catches a
-    KeyError (about 1.3 µs); this reads os.environ's own dict instead (0.2 µs): the fast-math switches are read on
-    every eager NVFP4 call, and the eager step is bound by host time (docs/profile.md)."""
-    data = getattr(os.environ, "_data", None)
-    if not isinstance(data, dict) or not hasattr(os.environ, "encodekey"):
-        return os.environ.get(name)
-    raw = data.get(_environ_key(name))
-    return None if raw is None else os.environ.decodevalue(raw)
-
-
-def env_enabled(name: str) -> bool:
-    """FlashInfer's reading of a boolean variable: anything but '', '0', 'false', 'off', 'no' enables it."""
-    value = env_value(name)
-    return value is not None and value.strip().lower() not in ("", "0", "false", "off", "no")
-
-
 @torch.compiler.assume_constant_result
 def fast_math_from_env() -> bool:
     """True (fast-math) unless FLASHINFER_/TRTLLM_DISABLE_FP4_QUANT_FAST_MATH is enabled.
 
     Read at every eager call; a compiled graph reads it when it is traced.
     """
-    if env_enabled(_FOUR_OVER_SIX_VAR):
+    if env_enabled(FOUR_OVER_SIX):
         _warn_four_over_six()
-    return not (env_enabled(_FAST_MATH_OFF_VARS[0]) or env_enabled(_FAST_MATH_OFF_VARS[1]))
+    return not (env_enabled(FAST_MATH_OFF[0]) or env_enabled(FAST_MATH_OFF[1]))
 
 
 @functools.cache
 def _warn_four_over_six() -> None:
     warnings.warn(
-        f"{_FOUR_OVER_SIX_VAR} is set, but diffusers-nvfp4-fast does not implement the 4-over-6 scale search; "
+        f"{FOUR_OVER_SIX} is set, but diffusers-nvfp4-fast does not implement the 4-over-6 scale search; "
         "activations are quantized with the standard NVFP4 recipe.",
         stacklevel=3,
     )

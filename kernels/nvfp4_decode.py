@@ -17,12 +17,16 @@ __all__ = ["decode_tile", "e4m3_to_f16_x128", "linear_epilogue", "load_decode", 
            "split_reduce", "split_reduce_kernel", "swizzled_word_row", "to_out", "use_asm_split", "widen"]
 
 
+# The package declares it in diffusers_nvfp4_fast/switches.py (TRITON_NO_ASM); tests/test_switches.py ties the two.
+NO_ASM_VAR = "DIFFUSERS_NVFP4_TRITON_NO_ASM"
+
+
 def use_asm_split(t: torch.Tensor) -> bool:
     """Whether to use the one-instruction PTX register split (CUDA only; the interpreter runs the shift version).
 
     DIFFUSERS_NVFP4_TRITON_NO_ASM=1 forces the pure-Triton version on the GPU too (same values, slower).
     """
-    return t.is_cuda and not INTERPRETING and os.environ.get("DIFFUSERS_NVFP4_TRITON_NO_ASM", "") in ("", "0")
+    return t.is_cuda and not INTERPRETING and os.environ.get(NO_ASM_VAR, "") in ("", "0")
 
 
 def scale_words(scales: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from diffusers_nvfp4_fast.switches import CHECK_OPS
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("DIFFUSERS_NVFP4_CHECK_OPS", "1")  # every op call through the dispatcher checks its outputs
+os.environ.setdefault(CHECK_OPS, "1")  # every op call through the dispatcher checks its outputs
 
 _DURATIONS: dict[str, float] = defaultdict(float)
 _GPU_TESTS: set[str] = set()

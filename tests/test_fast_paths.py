@@ -602,8 +602,9 @@ def test_ops_that_return_an_input_are_refused_under_the_suite():
     """The plain registration (``dispatch.define_op``) does not check aliasing itself; with the suite's
     ``DIFFUSERS_NVFP4_CHECK_OPS=1`` an op whose output shares an input's storage raises, naming the op."""
     from diffusers_nvfp4_fast.ops import dispatch
+    from diffusers_nvfp4_fast.switches import CHECK_OPS
 
-    assert os.environ.get(dispatch.CHECK_OUTPUTS_VAR) == "1"
+    assert os.environ.get(CHECK_OPS) == "1"
 
     def fresh(x: torch.Tensor, scale: float) -> torch.Tensor:
         return x * scale

@@ -1,7 +1,5 @@
 """The pure-torch NVFP4 format (docs/design.md §3): the reference every kernel is tested against."""
 
-import os
-
 import pytest
 import torch
 
@@ -71,19 +69,6 @@ def test_fast_math_env(monkeypatch):
                         ("no", True)):
         monkeypatch.setenv("TRTLLM_DISABLE_FP4_QUANT_FAST_MATH", value)
         assert nvfp4.fast_math_from_env() is fast, value
-
-
-def test_env_value_reads_what_os_environ_holds_at_each_call(monkeypatch):
-    name = "DIFFUSERS_NVFP4_TEST_ENV_VALUE"
-    monkeypatch.delenv(name, raising=False)
-    assert nvfp4.env_value(name) is None
-    for value in ("1", "", " off ", "déjà"):
-        monkeypatch.setenv(name, value)
-        assert nvfp4.env_value(name) == os.environ.get(name) == value
-    os.environ[name] = "later"  # set directly, after the name was first looked up
-    assert nvfp4.env_value(name) == "later"
-    del os.environ[name]
-    assert nvfp4.env_value(name) is None
 
 
 def test_fast_math_differs_from_precise_only_by_rounding():

@@ -1,6 +1,7 @@
-"""The layering of docs/design.md §2, checked on the source: kernels import nothing from the package, ops import
-no patches or loaders, loaders no patches, no module imports one that imports it back (package and kernels), the
-command line starts without importing torch or diffusers, and the kernels an install imports are its own."""
+"""The layering of docs/design.md §2, checked on the source: kernels import nothing from the package, the ground
+floor nothing but itself, the graph runner nothing NVFP4-aware, ops import no patches or loaders, loaders no patches,
+no module imports one that imports it back (package and kernels), the command line starts without importing torch or
+diffusers, and the kernels an install imports are its own."""
 
 from __future__ import annotations
 
@@ -66,6 +67,60 @@ def test_ops_import_no_patches_loaders_or_api():
     offenders = {m: sorted(i for i in deps if i.startswith(higher)) for m, deps in graph.items()
                  if m.startswith("diffusers_nvfp4_fast.ops")}
     assert not any(offenders.values()), offenders
+
+
+# Modules of the ground floor: they import torch or the standard library and, of the package, only each other.
+GROUND_FLOOR = ("diffusers_nvfp4_fast.module_hooks", "diffusers_nvfp4_fast.state_probes",
+                "diffusers_nvfp4_fast.swaps", "diffusers_nvfp4_fast.switches", "diffusers_nvfp4_fast.torch_compat")
+# What the graph runner must not reach, directly or through another module: it knows nothing of NVFP4.
+NVFP4_AWARE = ("diffusers_nvfp4_fast.ops", "diffusers_nvfp4_fast.patches", "diffusers_nvfp4_fast.linear",
+               "diffusers_nvfp4_fast.loaders", "diffusers_nvfp4_fast.api", "diffusers_nvfp4_fast.kernels",
+               "diffusers_nvfp4_fast.format", "diffusers_nvfp4_fast.lora")
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Package modules that importing ``start`` imports, by the source's import statements. The package's own
+    ``__init__`` is not followed: it imports its public names on first use only."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            while dep and dep not in graph:  # "pkg.mod.name" resolves to the longest known module
+                dep = dep.rpartition(".")[0]
+            if dep and dep != "diffusers_nvfp4_fast" and dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_ground_floor_imports_nothing_above_it():
+    graph = _package_graph()
+    assert set(GROUND_FLOOR) <= set(graph)
+    offenders = {m: sorted(i for i in graph[m] if i != "diffusers_nvfp4_fast" and not i.startswith(GROUND_FLOOR))
+                 for m in GROUND_FLOOR}
+    assert not any(offenders.values()), offenders
+
+
+def test_graphs_import_no_ops_patches_linear_loaders_or_api():
+    graph = _package_graph()
+    runner = [m for m in graph if m.startswith("diffusers_nvfp4_fast.graphs")]
+    assert len(runner) >= 4
+    offenders = {m: sorted(i for i in _reachable(graph, m) if i.startswith(NVFP4_AWARE)) for m in runner}
+    assert not any(offenders.values()), offenders
+
+
+def test_reachable_follows_imports_through_other_modules():
+    graph = {"p.a": {"p.b.f"}, "p.b": {"p.c"}, "p.c": set(), "p.d": {"p.a"}}
+    assert _reachable(graph, "p.d") == {"p.a", "p.b", "p.c"}
+
+
+def test_importing_the_graph_runner_loads_no_nvfp4_module():
+    """What the source says, at run time: a fresh process that imports the runner holds none of the NVFP4 stack
+    (nor Triton)."""
+    code = ("import sys; import diffusers_nvfp4_fast.graphs\n"
+            f"print('LOADED', sorted(m for m in sys.modules if m == 'triton' or m.startswith({NVFP4_AWARE!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "LOADED []" in out.stdout, out.stdout + out.stderr
 
 
 def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -153,10 +208,20 @@ def test_a_kernel_import_failure_is_warned_with_its_error():
         "print('KERNELS', dispatch.kernels)\n"
         "print('WHY', dispatch.KERNELS_UNAVAILABLE)\n"
         "print('WARNED', [str(w.message) for w in caught if 'a broken kernel module' in str(w.message)] != [])\n"
+        "print('OWN_CAPABILITY', dispatch.cuda_capability is dispatch._cuda_capability)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "KERNELS None" in out.stdout and "WARNED True" in out.stdout, out.stdout + out.stderr
     assert "WHY diffusers_nvfp4_fast.kernels failed to import (ImportError: a broken kernel module)" in out.stdout
+    assert "OWN_CAPABILITY True" in out.stdout  # the dispatch's fallback where the kernels' one is missing
+
+
+def test_dispatch_and_kernels_share_one_cuda_capability():
+    pytest.importorskip("triton", reason="without Triton the kernels are not imported: the dispatch uses its own")
+    from diffusers_nvfp4_fast.kernels import launch
+    from diffusers_nvfp4_fast.ops import dispatch
+
+    assert dispatch.cuda_capability is launch.cuda_capability
 
 
 def test_an_installed_package_uses_its_own_kernels(tmp_path):

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..hooks import offload_device
-from ..patches.swap import swap_forward
+from ..module_hooks import offload_device
+from ..swaps import current_inner_forward, swap_forward
 from .runner import GraphRunner
 
 __all__ = ["GraphRunner", "capture_cuda_graphs", "graph_report", "release_cuda_graphs"]
@@ -56,8 +56,6 @@ def _install(target: nn.Module, max_graphs: int, backend: str) -> _Installed:
                 target.__dict__["_compiled_call_impl"] = compiled_call
 
         return _Installed(runner, undo)
-    from ..patches.swap import current_inner_forward
-
     runner = GraphRunner(model, current_inner_forward(target), max_graphs=max_graphs, backend=backend)
     return _Installed(runner, swap_forward(target, runner))
 

@@ -18,16 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..format import env_value
-from ..hooks import hooks_on, is_lora_layer
+from .. import state_probes
+from ..module_hooks import hooks_on, is_lora_layer
+from ..switches import CALL_TIME_SWITCHES, env_value
 
 # Kernels pick code paths by pointer alignment (torch passes cuBLASLt the alignment up to 256 bytes): a static input
 # reproduces its argument's alignment up to this many bytes. CPU kernels look no further than 64.
 ALIGN = {"cuda": 256, "cpu": 64}
 _SCALARS = (bool, int, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-# Environment switches the eager code reads at call time (docs/design.md §3, §7): a graph keeps the value it saw.
-ENV_SWITCHES = ("FLASHINFER_DISABLE_FP4_QUANT_FAST_MATH", "TRTLLM_DISABLE_FP4_QUANT_FAST_MATH",
-                "DIFFUSERS_NVFP4_GEMM_BACKEND", "DIFFUSERS_NVFP4_TRITON_NO_ASM")
 
 
 class UnkeyableCall(Exception):
@@ -148,17 +146,16 @@ def watch_registrations() -> None:
 
 
 def _global_switches() -> tuple:
-    """Process-wide settings that change which kernels a capture records, or what our ops do."""
-    from ..ops import verify
-
+    """Process-wide settings that change which kernels a capture records, or what our ops do: the environment
+    switches read at call time (a graph keeps the values it saw) and the registered state probes among them."""
     cuda = torch.backends.cuda
     return (
-        tuple(env_value(name) for name in ENV_SWITCHES), torch.is_inference_mode_enabled(),
+        tuple(map(env_value, CALL_TIME_SWITCHES)), torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled("cuda"), cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
         cuda.matmul.allow_bf16_reduced_precision_reduction, cuda.matmul.allow_fp16_reduced_precision_reduction,
         cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
         cuda.cudnn_sdp_enabled(), torch.are_deterministic_algorithms_enabled(), _diffusers_attention_backend(),
-        len(verify._FAILED_KINDS),
+        state_probes.read_all(),
     )
 
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from ..format import swizzle_scales
-from ..hooks import TORCH_FORWARD_HOOK, hooks_on
 from ..linear import NVFP4Linear
+from ..module_hooks import TORCH_FORWARD_HOOK, hooks_on
 from .common import copy_tp_annotations, layer_tensor_problems, raise_scale_problems, scale_problems
 from .errors import NVFP4CheckpointError
 

@@ -19,7 +19,8 @@ from types import ModuleType
 import torch
 import torch.utils._pytree as pytree
 
-from ..format import env_value
+from ..switches import CHECK_OPS, env_value
+from ..switches import GEMM_BACKEND as GEMM_BACKEND_VAR
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
 
@@ -41,7 +42,6 @@ def _import_kernels() -> tuple[ModuleType | None, str]:
 
 
 kernels, KERNELS_UNAVAILABLE = _import_kernels()
-GEMM_BACKEND_VAR = "DIFFUSERS_NVFP4_GEMM_BACKEND"
 GEMM_BACKENDS = ("flashinfer", "triton", "emulated", "cublaslt")
 # The first FlashInfer release whose CUTLASS mm_fp4 serves each Blackwell family (docs/blackwell.md, "Versions").
 FLASHINFER_MINIMUM = {10: "0.2.9", 11: "0.5.3", 12: "0.3.1"}
@@ -56,26 +56,31 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def cuda_capability(device: torch.device) -> tuple[int, int]:
-    """(major, minor) of a CUDA device; cached because every NVFP4 call asks (docs/performance.md, host cost)."""
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, cached; for a process whose kernels did not import (no Triton)."""
     return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+# (major, minor) of a CUDA device, cached because every NVFP4 call asks (docs/performance.md, host cost): one function
+# for the kernels and the dispatch, the kernels' own where they imported (kernels/ cannot import the package).
+cuda_capability: Callable[[torch.device], tuple[int, int]] = (
+    kernels.launch.cuda_capability if kernels is not None else _cuda_capability)
 
 
 # Every op of this package lives in this library fragment. ``torch.library.custom_op`` would wrap each call of a
 # compiled graph in a Python autograd layer and an aliasing check: 18 us of host time per call on an H200 host,
 # against 6 for this registration (docs/performance.md, "Host time in compiled graphs").
 _LIBRARY = torch.library.Library("nvfp4_fast", "FRAGMENT")
-# Set (to 1) when the package is imported, it makes every op call through the dispatcher check that no output
-# shares storage with an input, the one promise a plain registration does not check; the test suite sets it.
-CHECK_OUTPUTS_VAR = "DIFFUSERS_NVFP4_CHECK_OPS"
+# switches.CHECK_OPS set (to 1) when the package is imported makes every op call through the dispatcher check that no
+# output shares storage with an input, the one promise a plain registration does not check; the test suite sets it.
 
 
 def define_op(name: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
     """Register ``nvfp4_fast::<name>``: schema from ``impl``'s annotations (no argument mutated), ``impl`` for every
     device, ``fake`` (output shapes) for tracing. Returns the op. ``impl`` must return fresh tensors, never an input or
-    a view of one: the graph treats the op as functional (``CHECK_OUTPUTS_VAR`` checks it)."""
+    a view of one: the graph treats the op as functional (``switches.CHECK_OPS`` checks it)."""
     _LIBRARY.define(name + torch.library.infer_schema(impl, mutates_args=()))
-    kernel = _checking_outputs(name, impl) if env_value(CHECK_OUTPUTS_VAR) == "1" else impl
+    kernel = _checking_outputs(name, impl) if env_value(CHECK_OPS) == "1" else impl
     _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"nvfp4_fast::{name}", fake, lib=_LIBRARY)
     return getattr(torch.ops.nvfp4_fast, name).default

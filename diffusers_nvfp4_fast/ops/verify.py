@@ -22,6 +22,7 @@ from typing import Literal
 
 import torch
 
+from .. import state_probes
 from .site import Site, SiteKind
 
 VerifyMode = Literal["first", "always", "off"]
@@ -88,10 +89,6 @@ def drop_stats(stats_id: int) -> None:
         _STATS.pop(stats_id, None)
 
 
-def stats_for(stats_id: int) -> FastPathStats | None:
-    return _STATS.get(stats_id)
-
-
 def record_fallback(stats: FastPathStats, kind: SiteKind, reason: str) -> None:
     """Called from gates in eager Python; under torch.compile gates call ``count_fallback``, which counts per trace."""
     if torch.compiler.is_compiling():
@@ -124,6 +121,14 @@ def count_fallback(site: Site, reason: str) -> None:
 def failed_kind_reason(kind: SiteKind) -> str | None:
     """Non-None once a verification of ``kind`` has failed in this process."""
     return _FAILED_KINDS.get(kind)
+
+
+def failed_kinds_count() -> int:
+    """How many site kinds failed a verification in this process (each one runs unfused from then on)."""
+    return len(_FAILED_KINDS)
+
+
+state_probes.register("failed verifications", failed_kinds_count)
 
 
 def reset_verification() -> None:

@@ -20,11 +20,12 @@ from typing import cast
 import torch
 from torch import nn
 
-from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
+from ..module_hooks import call_changed_reason
 from ..ops.layer_norm_quantize import AdaLNInputs, kernel_runs_on
 from ..ops.site import Site
 from ..ops.verify import count_fallback, failed_kind_reason
+from .consumers import consumer_reason, nvfp4_layer
 from .operands import AdaLNOperand
 from .resnorm import layer_norm_reason
 

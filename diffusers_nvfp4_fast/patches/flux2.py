@@ -33,18 +33,19 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers import transformer_flux2 as flux2_module
 from torch import nn
 
-from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
+from ..module_hooks import call_changed_reason
 from ..ops.layer_norm_quantize import ResNormInputs
 from ..ops.site import SiteKind, sites_for
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
+from ..swaps import current_inner_forward, on_original, swap_forward, swap_processor
 from .adaln import SharedInputConsumers, fused_norm1_input
+from .consumers import consumer_reason, nvfp4_layer
 from .flux2_attention import (
     HALF_DTYPES,
     Flux2FusedAttnProcessor,
     Flux2FusedKVAttnProcessor,
     Sites,
-    on_original,
     qk_site,
     rotate,
     single_stream_qk,
@@ -52,7 +53,6 @@ from .flux2_attention import (
 from .operands import AdaLNOperand, SwiGLUOperand, TokenCatOperand
 from .resnorm import fused_residual_norm, resnorm_reason
 from .state import BlockState, block_state, install_state, remove_state
-from .swap import current_inner_forward, swap_forward, swap_processor
 
 
 def token_cat_reason(attn: nn.Module, attn_out: torch.Tensor, mlp_out: torch.Tensor) -> str | None:

@@ -18,12 +18,13 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.transformers import transformer_flux2 as flux2_module
 from torch import nn
 
-from ..hooks import call_changed_reason
+from ..module_hooks import call_changed_reason
 from ..ops.dispatch import triton_runs_on
 from ..ops.qk_norm_rotary import flux2_qk_norm_rotary
 from ..ops.rotary import rotary
 from ..ops.site import Site, SiteKind
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason
+from ..swaps import on_original
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # what the fused kernels take
 Sites = dict[SiteKind, Site]
@@ -139,13 +140,6 @@ def joint_qk(attn: Any, query: torch.Tensor, key: torch.Tensor, encoder_query: t
     out = fused_qk([(attn.norm_added_q, encoder_query, txt), (attn.norm_q, query, img),
                     (attn.norm_added_k, encoder_key, txt), (attn.norm_k, key, img)], sites)
     return None if out is None else (torch.cat(out[:2], dim=1), torch.cat(out[2:], dim=1))
-
-
-def on_original(name: str) -> property:
-    """An attribute read from and written to diffusers' processor that the fused one stands in for, so that
-    ``set_attention_backend`` / ``enable_parallelism`` while the fast paths are on outlive ``disable_fast_paths``."""
-    return property(lambda self: getattr(self._original, name, None),
-                    lambda self, value: setattr(self._original, name, value))
 
 
 class Flux2FusedAttnProcessor:

@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import apply_rotary_e
 from ..ops.qk_norm_rotary import qk_norm_rotary
 from ..ops.site import Site
 from ..ops.verify import COMPILED, count_fallback
-from .flux2_attention import on_original
+from ..swaps import on_original
 from .qwen_attention import qk_rotary_reason
 
 

@@ -17,12 +17,12 @@ from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
-from ..hooks import call_changed_reason
+from ..module_hooks import call_changed_reason
 from ..ops.dispatch import triton_runs_on
 from ..ops.qk_norm_rotary import matching_tree, qk_norm_rotary, qwen_rotary
 from ..ops.site import Site, SiteKind
 from ..ops.verify import count_fallback, failed_kind_reason
-from .flux2_attention import on_original
+from ..swaps import on_original
 
 
 def qk_rotary_reason(norm: Any, x: torch.Tensor, freqs: Any, kind: SiteKind = "qwen_qk_rotary") -> str | None:

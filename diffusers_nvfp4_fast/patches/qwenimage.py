@@ -23,19 +23,20 @@ from diffusers.models.activations import GELU
 from diffusers.models.transformers import transformer_qwenimage as qwen_module
 from torch import nn
 
-from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
+from ..module_hooks import call_changed_reason
 from ..ops.dispatch import triton_runs_on
 from ..ops.gelu_quantize import compiled_gelu_reason, gelu_mismatch
 from ..ops.layer_norm_quantize import ResNormInputs
 from ..ops.site import Site, SiteKind, sites_for
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
+from ..swaps import current_inner_forward, swap_forward, swap_processor
 from .adaln import SharedInputConsumers, fused_norm1_input
+from .consumers import consumer_reason, nvfp4_layer
 from .operands import AdaLNOperand, GeluOperand
 from .qwen_attention import QwenFusedAttnProcessor
 from .resnorm import fused_residual_norm, resnorm_reason
 from .state import BlockState, block_state, install_state, remove_state
-from .swap import current_inner_forward, swap_forward, swap_processor
 
 
 def _fc1(ff: nn.Module) -> nn.Module | None:

@@ -33,17 +33,18 @@ import torch
 from diffusers.models.transformers import transformer_qwenimage21 as qwen21_module
 from torch import nn
 
-from ..hooks import call_changed_reason, consumer_reason, nvfp4_layer
 from ..linear import NVFP4Linear
+from ..module_hooks import call_changed_reason
 from ..ops.layer_norm_quantize import ResNormInputs
 from ..ops.site import SiteKind, sites_for
 from ..ops.verify import COMPILED, count_fallback, failed_kind_reason, site_counter
+from ..swaps import swap_forward, swap_processor
 from .adaln import SharedInputConsumers, fused_norm1_input, modulation_reason
+from .consumers import consumer_reason, nvfp4_layer
 from .operands import SharedResNormOperand, SwiGLUGateUpOperand
 from .qwen21_attention import QwenImage21FusedAttnProcessor
 from .resnorm import resnorm_reason
 from .state import BlockState, block_state, install_state, remove_state
-from .swap import swap_forward, swap_processor
 
 KINDS: tuple[SiteKind, ...] = ("qwen21_adaln", "qwen21_resnorm", "qwen21_swiglu", "qwen21_qk_rotary")
 _HALF_DTYPES = (torch.bfloat16, torch.float16)

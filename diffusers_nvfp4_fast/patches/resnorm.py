@@ -10,11 +10,12 @@ from typing import cast
 import torch
 from torch import nn
 
-from ..hooks import call_changed_reason, consumer_reason
 from ..linear import NVFP4Linear
+from ..module_hooks import call_changed_reason
 from ..ops.layer_norm_quantize import ResNormInputs, kernel_runs_on
 from ..ops.site import Site, SiteKind
 from ..ops.verify import COMPILED, failed_kind_reason
+from .consumers import consumer_reason
 from .operands import ResNormOperand
 
 

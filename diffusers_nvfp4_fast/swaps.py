@@ -1,4 +1,5 @@
-"""Per-instance swaps with undo: a module's own ``forward`` (under any diffusers hooks) and an attention's processor.
+"""Per-instance swaps with undo: a module's own ``forward`` (under any diffusers hooks) and an attention's processor
+(ground floor: imports only torch; the patches and the graph runner use them, docs/design.md §5).
 
 Forwards: a diffusers ``HookRegistry`` captures the bound ``forward`` it finds when a hook is registered and writes
 it back on removal; accelerate's ``add_hook_to_module`` keeps it as ``module._old_forward`` and calls that at every
@@ -89,3 +90,11 @@ def swap_processor(attn: nn.Module, new_processor) -> Callable[[], None]:
             attn.processor = original
 
     return undo
+
+
+def on_original(name: str) -> property:
+    """A class attribute for a processor that stands in for another (``self._original``): ``name`` is read from and
+    written to the original, so ``set_attention_backend`` / ``enable_parallelism`` while the stand-in is installed
+    outlive its undo."""
+    return property(lambda self: getattr(self._original, name, None),
+                    lambda self, value: setattr(self._original, name, value))

@@ -1,15 +1,12 @@
 """What is hooked into a module's call (diffusers hooks, accelerate hooks, torch forward hooks), and whether a module
-is wrapped by a LoRA (peft) layer. Gates use them: a fused path must not skip a hook or change what a hook observes
-(docs/design.md §5)."""
+is wrapped by a LoRA (peft) layer (ground floor: imports only torch). The patches' gates use them (a fused path must
+not skip a hook or change what a hook observes, docs/design.md §5), so do the graph runner's keys and the loaders;
+what only NVFP4 layers need is in ``patches/consumers.py``."""
 
 from __future__ import annotations
 
-from typing import cast
-
 import torch
 from torch import nn
-
-from .linear import NVFP4Linear
 
 TORCH_FORWARD_HOOK = "torch forward hook"
 
@@ -58,13 +55,6 @@ def is_lora_layer(module: nn.Module) -> bool:
     return "base_layer" in module.__dict__["_modules"] and hasattr(module, "active_adapters")
 
 
-def nvfp4_layer(module: nn.Module | None) -> NVFP4Linear | None:
-    """The ``NVFP4Linear`` that ``module`` is, or that a LoRA layer wraps; None otherwise."""
-    if module is not None and is_lora_layer(module):
-        module = cast(nn.Module, module.base_layer)
-    return module if isinstance(module, NVFP4Linear) else None
-
-
 def call_changed_reason(label: str, module: nn.Module | None) -> str | None:
     """Why a fused path must not bypass or re-route the call of ``module`` (its diffusers name ``label``), or None."""
     if module is None:
@@ -73,18 +63,3 @@ def call_changed_reason(label: str, module: nn.Module | None) -> str | None:
         return "lora"
     names = hooks_on(module)
     return f"hook on {label}: {', '.join(names)}" if names else None
-
-
-def consumer_reason(consumer: nn.Module, label: str) -> str | None:
-    """Why an NVFP4 layer cannot take a pre-quantized activation through its call, or None: it is not an
-    ``NVFP4Linear``, a LoRA wraps it, it computes its activation scale per call, or a torch forward hook would
-    see the packed input instead of the BF16 one. Offloading hooks are fine: they run on the call."""
-    if is_lora_layer(consumer) and isinstance(consumer.base_layer, NVFP4Linear):
-        return "lora"
-    if not isinstance(consumer, NVFP4Linear):
-        return f"{label} is not an NVFP4Linear"
-    if consumer.dynamic_input_scale:
-        return f"{label} uses a dynamic input scale"
-    if consumer._forward_hooks or consumer._forward_pre_hooks:
-        return f"hook on {label}: torch forward hook"
-    return None
