@@ -4,7 +4,7 @@ fused kernels vs diffusers' chain (eager) vs ``torch.compile`` of it.
 Usage: python benchmarks/bench_qk_norm_rotary.py [--seq 512 4096] [--heads 24]
 Probe (exactness, before timing): each stage of the kernel's arithmetic against torch itself on this GPU: the mean of
 squares (reduction tree), ``torch.rsqrt`` on every positive finite FP32 value, the complex product for each FMA form,
-and the whole chain for each form (mismatching values; the kernel's default form, with the tree ``matching_tree``
+and the whole chain for each form (mismatching values; the kernel's default form, with the tree ``tree_match``
 found, must give 0). Bytes moved by the kernel: read x and write the result (BF16), read the FP32 rotary table once.
 Writes benchmarks/results/qk_norm_rotary-<device>.json.
 """
@@ -30,9 +30,9 @@ from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
     flux2_qk_norm_rotary,
     flux2_qk_norm_rotary_reference,
     flux2_tables,
-    matching_tree,
     qk_norm_rotary,
     qk_norm_rotary_reference,
+    tree_match,
 )
 from diffusers_nvfp4_fast.ops.qk_norm_rotary import probe_inputs as qk_inputs  # noqa: E402
 
@@ -59,13 +59,19 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> int:
                 != b.view(torch.int32 if b.element_size() == 4 else torch.int16)).sum())
 
 
+def _tree_or_reason(device: torch.device) -> int | str:
+    """The JSON's ``matching_tree``: the tree ``tree_match`` picked, or why none."""
+    match = tree_match(device)
+    return match.tree if match.tree is not None else str(match.reason)
+
+
 def probe() -> dict:
     """Mismatch counts per stage and per FMA form (0 = the kernel's arithmetic is torch's there)."""
     x, weight, freqs = qk_inputs(2, 4096, 24, device="cuda", seed=1)
     rows = x.numel() // 128
     mean = torch.empty(rows, device="cuda")
     torch_mean = x.float().pow(2).mean(-1).flatten()
-    result: dict = {"rows": rows, "matching_tree": matching_tree(x.device), "mean_of_squares_rows_differing": {}}
+    result: dict = {"rows": rows, "matching_tree": _tree_or_reason(x.device), "mean_of_squares_rows_differing": {}}
     for tree in (1, 0):
         qk_norm_rotary_triton(x, weight, freqs, EPS, mean_out=mean, tree=tree)
         result["mean_of_squares_rows_differing"][f"tree {tree}"] = _differ(mean, torch_mean)

@@ -238,12 +238,12 @@ def _unused_here(device: torch.device) -> dict[str, str]:
     """Kernels whose sites check a property of this GPU first and keep diffusers' ops where it fails (docs/design.md
     §6): name prefix -> why they are not used (their sites fall back, so no output depends on them)."""
     from .ops.gelu_quantize import gelu_mismatch
-    from .ops.qk_norm_rotary import matching_tree
+    from .ops.qk_norm_rotary import tree_match
 
     unused = {}
-    tree = matching_tree(device)
-    if isinstance(tree, str):
-        unused["Qwen-Image QK"] = tree
+    tree = tree_match(device)
+    if tree.reason is not None:
+        unused["Qwen-Image QK"] = tree.reason
     gelu = gelu_mismatch(device, torch.bfloat16)
     if gelu is not None:
         unused["GELU"] = gelu

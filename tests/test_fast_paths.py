@@ -638,7 +638,7 @@ def test_qwen_attention_bias_moves_into_the_kernel(modelopt_exports, monkeypatch
     monkeypatch.setattr(resnorm_quantize, "impl", lambda *args: seen_bias.append(args[2] is not None) or impl(*args))
     enable_fast_paths(pipe)
     assert all(isinstance(b.attn.processor, qwenimage.QwenDeferredBiasAttnProcessor) for b in blocks)
-    assert all(qwenimage.defers_bias(b.attn) for b in blocks)
+    assert all(qwenimage.bias_deferral_reason(b.attn) is None for b in blocks)
     assert _sha(pipe, kwargs) == off
     assert seen_bias and all(seen_bias)
 
@@ -646,7 +646,7 @@ def test_qwen_attention_bias_moves_into_the_kernel(modelopt_exports, monkeypatch
     for b in blocks:
         b.attn.to_out[1].train()
         b.attn.to_out[1].p = 0.5
-    assert not any(qwenimage.defers_bias(b.attn) for b in blocks)
+    assert all(qwenimage.bias_deferral_reason(b.attn) == "dropout in training mode" for b in blocks)
     for b in blocks:
         b.attn.to_out[1].eval()
         b.attn.to_out[1].p = 0.0
@@ -674,7 +674,7 @@ def test_processor_choices_made_while_enabled_are_kept(modelopt_exports):
     assert getattr(wrapper.processor._attention_backend, "value", None) == "native"
     user = QwenDoubleStreamAttnProcessor2_0()
     model.transformer_blocks[3].attn.processor = user
-    assert not qwenimage.defers_bias(model.transformer_blocks[3].attn)
+    assert qwenimage.bias_deferral_reason(model.transformer_blocks[3].attn) == "attention processor replaced"
     assert _sha(pipe, kwargs) == off
     disable_fast_paths(pipe)
     assert model.transformer_blocks[3].attn.processor is user

@@ -18,12 +18,12 @@ from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
     EPS,
     flux2_qk_norm_rotary_reference,
     flux2_tables,
-    matching_tree,
     qk_norm_rotary,
     qk_norm_rotary_reference,
     qwen_rotary,
     qwen_rotary_reference,
     rms_norm_reference,
+    tree_match,
 )
 from diffusers_nvfp4_fast.ops.qk_norm_rotary import probe_inputs as qk_inputs  # noqa: E402
 from support.emulation import fma32  # noqa: E402
@@ -228,10 +228,10 @@ def test_gpu_rotary_alone_equals_diffusers(seq, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq", [1, 17, 512, 4096])
 def test_gpu_equals_diffusers(seq):
-    """The op (the kernel with the tree ``matching_tree`` found for this GPU's torch) against diffusers' chain."""
+    """The op (the kernel with the tree ``tree_match`` found for this GPU's torch) against diffusers' chain."""
     x, weight, freqs = qk_inputs(1, seq, 24, device="cuda", seed=seq)
-    tree = matching_tree(x.device)
-    assert isinstance(tree, int), tree  # otherwise the op would run diffusers' chain and prove nothing
+    match = tree_match(x.device)
+    assert match.tree is not None, match.reason  # otherwise the op would run diffusers' chain and prove nothing
     for batch in (1, 2):
         x, weight, freqs = qk_inputs(batch, seq, 24, device="cuda", seed=seq)
         got = qk_norm_rotary(x, weight, freqs, EPS)

@@ -5,7 +5,7 @@ inductor computes the norm, take the rotary embedding alone (``qwen_rotary``, sa
 
 Reference: ``qk_norm_rotary_reference`` (diffusers' chain on the same device). Kernel: ``kernels.qk_norm_rotary_triton``
 (docs/design.md §6, "Qwen-Image QK norm and rotary"). The kernel's arithmetic is what torch 2.11's CUDA build
-compiles (read off its machine code); the warp tree changed between torch versions, so ``matching_tree`` picks the
+compiles (read off its machine code); the warp tree changed between torch versions, so ``tree_match`` picks the
 kernel's tree against torch once per process and GPU before the kernel runs there
 (``benchmarks/bench_qk_norm_rotary.py`` says which stage differs if none matches).
 """
@@ -13,6 +13,7 @@ kernel's tree against torch once per process and GPU before the kernel runs ther
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from types import ModuleType
 from typing import cast
 
@@ -26,7 +27,18 @@ from .rotary import rotary_reference
 
 EPS = 1e-6  # Qwen-Image's
 
-_TREE: dict[str, int | str] = {}  # device -> the kernel's tree that matches torch there, or why none does
+
+
+@dataclass(frozen=True)
+class TreeMatch:
+    """The kernel's warp-reduction ``tree`` whose bytes equal torch's on a device (1: lanes added at offsets 16, 8,
+    ..., 1; 0: at 1, 2, ..., 16), or None and the ``reason`` the kernel is not used there."""
+
+    tree: int | None
+    reason: str | None = None
+
+
+_TREE: dict[str, TreeMatch] = {}  # device -> its match (computed once per process and device)
 _lock = threading.Lock()
 
 
@@ -66,15 +78,15 @@ def flux2_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos(), angles.sin()
 
 
-def matching_tree(device: torch.device) -> int | str:
-    """The kernel's ``tree`` whose output equals diffusers' chain on this GPU for ``probe_inputs(1, 2048, 24)``, or
-    why none does. torch's warp reduction adds lanes at offsets 16, 8, ..., 1 in torch 2.11's CUDA builds (PR
-    #164790) and at 1, 2, ..., 16 before it, so both are tried. Computed once per process and device; while a CUDA
-    graph is being captured, before that check, it cannot run and says so (the caller falls back)."""
+def tree_match(device: torch.device) -> TreeMatch:
+    """The kernel's tree whose output equals diffusers' chain on this GPU for ``probe_inputs(1, 2048, 24)``, or why
+    none does. torch's warp reduction adds lanes at offsets 16, 8, ..., 1 in torch 2.11's CUDA builds (PR #164790)
+    and at 1, 2, ..., 16 before it, so both are tried. Computed once per process and device; while a CUDA graph is
+    being captured, before that check, it cannot run and says so (the caller falls back)."""
     key = str(device)
     if key not in _TREE:
         if torch.cuda.is_current_stream_capturing():
-            return "kernel not yet checked against torch's ops when captured into a CUDA graph"
+            return TreeMatch(None, "kernel not yet checked against torch's ops when captured into a CUDA graph")
         x, weight, freqs = probe_inputs(1, 2048, 24, device)
         want = qk_norm_rotary_reference(x, weight, freqs, EPS).view(torch.int16)
         differing = {}
@@ -85,9 +97,9 @@ def matching_tree(device: torch.device) -> int | str:
                 break
         counts = ", ".join(f"tree {t}: {n}" for t, n in differing.items())
         with _lock:
-            _TREE[key] = tree if not differing[tree] else (
+            _TREE[key] = TreeMatch(tree) if not differing[tree] else TreeMatch(None, (
                 f"kernel arithmetic differs from torch's on this GPU ({counts} of {want.numel()} probe values; "
-                "benchmarks/bench_qk_norm_rotary.py tells which stage)")
+                "benchmarks/bench_qk_norm_rotary.py tells which stage)"))
     return _TREE[key]
 
 
@@ -118,8 +130,8 @@ flux2_qk_norm_rotary = FusedOp("flux2_qk_norm_rotary", _flux2_impl, flux2_qk_nor
 
 
 def _qk_norm_rotary_impl(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
-    tree = matching_tree(x.device) if triton_runs_on(x) else None
-    if isinstance(tree, int):
+    tree = tree_match(x.device).tree if triton_runs_on(x) else None
+    if tree is not None:
         return cast(ModuleType, kernels).qk_norm_rotary_triton(x, weight, freqs, eps, tree=tree)
     return qk_norm_rotary_reference(x, weight, freqs, eps)  # CPU, or no tree equals torch's here (same bytes)
 

@@ -5,7 +5,7 @@ wrapper where that is installed). Under ``torch.compile`` diffusers' norm runs (
 its own way, and compiled on must equal compiled off) and only the rotary embedding is the kernel's
 (``ops.qk_norm_rotary.qwen_rotary``): inductor leaves diffusers' complex product to an eager kernel over FP32 copies.
 On a GPU the site first checks once which of the kernel's reduction trees is torch's there, if any
-(``ops.qk_norm_rotary.matching_tree``).
+(``ops.qk_norm_rotary.tree_match``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb
 
 from ..module_hooks import call_changed_reason
 from ..ops.dispatch import triton_runs_on
-from ..ops.qk_norm_rotary import matching_tree, qk_norm_rotary, qwen_rotary
+from ..ops.qk_norm_rotary import qk_norm_rotary, qwen_rotary, tree_match
 from ..ops.site import Site, SiteKind
 from ..ops.verify import count_fallback, failed_kind_reason
 from ..swaps import on_original
@@ -47,8 +47,7 @@ def qk_rotary_reason(norm: Any, x: torch.Tensor, freqs: Any, kind: SiteKind = "q
         return "no Triton kernel for this GPU"
     if failed_kind_reason(kind) is not None:
         return "verification failed earlier in this process"
-    tree = matching_tree(x.device) if x.is_cuda else 0
-    return tree if isinstance(tree, str) else None
+    return tree_match(x.device).reason if x.is_cuda else None
 
 
 def norm_and_rotate(norm: Any, x: torch.Tensor, freqs: Any, site: Site) -> torch.Tensor:

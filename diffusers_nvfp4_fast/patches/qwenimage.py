@@ -121,11 +121,6 @@ def bias_deferral_reason(attn: nn.Module) -> str | None:
     return None
 
 
-def defers_bias(attn: nn.Module) -> bool:
-    """Whether ``attn`` currently returns its projections without their bias (see ``bias_deferral_reason``)."""
-    return bias_deferral_reason(attn) is None
-
-
 def _bias_can_be_deferred(attn: nn.Module) -> bool:
     to_out = getattr(attn, "to_out", None)
     projections = (to_out[0] if to_out is not None and len(to_out) > 0 else None, getattr(attn, "to_add_out", None))
