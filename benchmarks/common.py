@@ -100,9 +100,10 @@ def header(benchmark: str, copy_gbps: float) -> dict:
     }
 
 
-def write_result(result: dict, name: str | None = None) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name or result['benchmark']}-{device_slug()}.json"
+def write_result(result: dict, name: str | None = None, folder: Path = RESULTS) -> Path:
+    """``result`` as ``<name or its benchmark>-<device>.json`` in ``folder`` (benchmarks/results by default)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name or result['benchmark']}-{device_slug()}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     return path
 

@@ -352,33 +352,6 @@ def fused_kernels(results: Results) -> list[str]:
             + ["", source(uses)])
 
 
-DETERMINISM_VARIANTS = ["", "caches-off", "sync", "fill", "deterministic-only"]  # compile_determinism.py's files
-# the runs' flags (files of 2026-12-03 name caches_off "caches_off_throughout")
-DETERMINISM_FLAGS = {"caches_off", "caches_off_throughout", "sync", "fill", "deterministic_only"}
-
-
-def compiled_bytes(results: Results) -> list[str]:
-    out: list[str] = []
-    variants = [(v, d) for v in DETERMINISM_VARIANTS if (d := results.get(f"compile_determinism{v and '-' + v}"))]
-    if variants:
-        questions = [k for k, v in field(variants[0][1], "cases")[0].items()
-                     if isinstance(v, bool) and k not in DETERMINISM_FLAGS]
-        rows = [[q.replace("_", " ")] + [fmt(field(d, "cases")[0].get(q)) for _, d in variants] for q in questions]
-        out += ["Repeatability of a compiled 6-block Qwen-Image model at full width (`compile_determinism.py`), one "
-                "column per run: plain, every compile with caches off, a device synchronize after every block, "
-                "torch's deterministic algorithms with fresh memory filled (NaN) and without the fill (docs/design.md "
-                "§1; the runs record whether their outputs are finite):", ""]
-        out += table(["question"] + [f"`{v or 'plain'}`" for v, _ in variants], rows, "l" + "l" * len(variants))
-        out += ["", source([(d, "`cases[0]`") for _, d in variants])]
-    d = results.get("compile_repeatability")
-    if d is not None:
-        rows = [[MODELS.get(c["model"], c["model"]), fmt(field(c, "weights")), fmt(field(c, "same_bytes"))]
-                for c in field(d, "cases")]
-        out += ["", "One full-size block compiled twice inside `exact_inductor` (`compile_repeatability.py`):", ""]
-        out += table(["model", "weights", "same bytes both compiles"], rows, "lll") + ["", source([(d, "`cases[]`")])]
-    return out or ["No compile results."]
-
-
 def native_goals(d: dict) -> list[tuple[str, Any, Any, Any]]:
     """bench_native.py's goals are targets; the step's speedup and the layer's peak memory are in its cases."""
     goals, rows = field(d, "goals"), []
@@ -455,7 +428,6 @@ SECTIONS: list[tuple[str, Callable[[Results], list[str]]]] = [
     ("Step times by model and mode", step_times),
     ("Pipeline seconds per image", pipeline_times),
     ("Fused kernels", fused_kernels),
-    ("Compiled bytes", compiled_bytes),
     ("What is left: goals not met", goals_left),
     ("The results files", results_files),
 ]

@@ -468,7 +468,7 @@ def test_quantize_kernel_builds_for_every_blackwell_target(capability, fast_math
     """SM100 and SM120 are compiled in tests/test_quantize.py; these are the other Blackwell GPUs FlashInfer's
     CUTLASS GEMM serves (B300, Thor, DGX Spark)."""
     pytest.importorskip("triton", reason="Triton is not installed, so the ahead-of-time builds did not run")
-    from sass_count import compile_kernel
+    from support.sass_count import compile_kernel
 
     compiled = compile_kernel("quantize", capability, fast_math)
     assert "cvt.rn.satfinite.e2m1x2.f32" in compiled.asm["ptx"] and f".target sm_{capability}a" in compiled.asm["ptx"]
@@ -479,7 +479,7 @@ def test_quantize_kernel_builds_for_every_blackwell_target(capability, fast_math
 def test_adaln_kernel_builds_packed_for_blackwell(capability):
     """The norm1 site's packed output (the decoded variant serves SM80-SM90 only) on both Blackwell families."""
     pytest.importorskip("triton", reason="Triton is not installed, so the ahead-of-time builds did not run")
-    from sass_count import compile_qwen_resnorm
+    from support.sass_count import compile_qwen_resnorm
 
     compiled = compile_qwen_resnorm(3072, capability, has_residual=False, decoded=False)
     assert "cvt.rn.satfinite.e2m1x2.f32" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 0

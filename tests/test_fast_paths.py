@@ -964,8 +964,8 @@ def test_gpu_full_size_qwen_block_inductor_on_equals_off():
     if not torch.equal(off, off_again):
         pytest.xfail("the on == off comparison did not run: compiled twice with fast paths off, this block gave "
                      "different bytes here (inductor's own run-to-run difference, see "
-                     "benchmarks/compile_repeatability.py); it runs where off repeats itself, as on the H200 with "
-                     "torch 2.11")
+                     "benchmarks/studies/20261202_compile_repeatability.py); it runs where off repeats itself, as on "
+                     "the H200 with torch 2.11")
     assert torch.equal(on, off)
 
 

@@ -84,7 +84,7 @@ def test_reference_is_diffusers_gelu():
 @pytest.mark.parametrize("capability", [90, 100, 120])
 @pytest.mark.parametrize("fast_math", [True, False])
 def test_compiles_ahead_of_time(capability, fast_math):
-    from sass_count import compile_kernel
+    from support.sass_count import compile_kernel
 
     compiled = compile_kernel("gelu", capability, fast_math, block_c=16)
     ptx = compiled.asm["ptx"]

@@ -212,7 +212,7 @@ def test_sm90_gemm_overlaps_decode_and_mma(even_k, block_m, has_bias):
     its SASS keeps one wgmma in flight while the next weight tile is decoded (wait until <= 1 group is pending, not
     0), with the decoded tile as the register A operand."""
     _need_gluon_hopper("SM90 GEMM compile check")
-    from sass_count import compile_gemm_sm90, disassemble
+    from support.sass_count import compile_gemm_sm90, disassemble
 
     sass = disassemble(compile_gemm_sm90(even_k=even_k, block_m=block_m, has_bias=has_bias))
     assert re.search(rf"HGMMA\.64x{block_m}x16\.F32 R\d+, R\d+, gdesc", sass), "the weight is not the A operand"
@@ -225,7 +225,7 @@ def test_sm90_gemm_never_overwrites_registers_of_a_running_wgmma(even_k, block_m
     """The decode of K step i must not write the A fragment (or accumulator) of wgmma(i - 1), which is still running:
     the hardware does not check it, and a loop that did it gave wrong, run-dependent bytes on an H200."""
     _need_gluon_hopper("SM90 GEMM SASS check")
-    from sass_count import compile_gemm_sm90, disassemble, wgmma_register_hazards
+    from support.sass_count import compile_gemm_sm90, disassemble, wgmma_register_hazards
 
     sass = disassemble(compile_gemm_sm90(even_k=even_k, block_m=block_m, has_bias=has_bias))
     assert wgmma_register_hazards(sass) == []
@@ -238,7 +238,7 @@ def test_sm90_gemm_decodes_a_k_step_in_few_instructions():
     Counted per thread: the uniform-datapath instructions (U*: the wgmma descriptors' shared-memory addresses) are
     Triton's choice, 7 / 6 / 13 of the 128 / 127 / 134 with Triton 3.6 / 3.8 / 3.9, and 121 per-thread ones in each."""
     _need_gluon_hopper("SM90 GEMM SASS check")
-    from sass_count import compile_gemm_sm90, disassemble, first_k_step
+    from support.sass_count import compile_gemm_sm90, disassemble, first_k_step
 
     step = first_k_step(disassemble(compile_gemm_sm90(block_m=128)))
     per_thread = [line for line in step if not _OPCODE.match(line).group(1).startswith("U")]
@@ -249,7 +249,7 @@ def test_sm90_gemm_decodes_a_k_step_in_few_instructions():
 def test_wgmma_hazard_check_finds_a_write_to_an_in_flight_fragment():
     """The checker above flags the pattern that broke the GEMM: a loop writing the A registers of the wgmma it left
     in flight (``DEPBAR.LE gsb0, 0x1``), and accepts the same loop once the write targets other registers."""
-    from sass_count import wgmma_register_hazards
+    from support.sass_count import wgmma_register_hazards
 
     def loop(decode_dst: str) -> str:
         return "\n".join([

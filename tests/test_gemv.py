@@ -149,7 +149,7 @@ def test_reference_order_is_not_the_plain_sum():
 def test_gemv_compiles_without_spills(arch):
     """Both activation forms compile for SM80 and SM90 ahead of time (no GPU needed) and keeps its accumulator in
     registers: no local-memory loads or stores in the SASS."""
-    from sass_count import compile_gemv, disassemble
+    from support.sass_count import compile_gemv, disassemble
 
     for packed in (True, False):
         sass = disassemble(compile_gemv(packed, arch))

@@ -23,7 +23,7 @@ GLOBAL_ACCESS = re.compile(r"^\s*(?:@%p\d+\s+)?(?:ld|st|red|atom)\.global|^\s*(?
 
 
 def _compile(kernel: str, arch: int):
-    import sass_count
+    from support import sass_count
 
     if kernel == "sm90_gemm":
         pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",

@@ -57,7 +57,7 @@ def test_compiles_ahead_of_time(capability, variant):
     """The fused Qwen kernel (whole-block and split-block quantize paths), with and without the residual add, packed
     or decoded, with or without the shift add (Qwen-Image 2.1), builds for Hopper and both Blackwell targets, with
     the hardware E2M1 conversion exactly on SM100+; it runs only where such a GPU exists."""
-    from sass_count import compile_qwen_resnorm
+    from support.sass_count import compile_qwen_resnorm
 
     compiled = compile_qwen_resnorm(3072, capability, has_residual=variant.startswith("resnorm"),
                                     decoded=variant.endswith("decoded"), has_shift="noshift" not in variant)
@@ -69,7 +69,7 @@ def test_sm90_build_prefetches_and_does_not_spill():
     """The fused Qwen kernel, compiled for sm_90 with its register cap, keeps every value in registers (no local
     memory) and issues the x/residual loads of several chunks before its first store (a load placed after a store
     that may alias it cannot be hoisted, which exposed one memory round trip per chunk)."""
-    from sass_count import compile_qwen_resnorm, disassemble
+    from support.sass_count import compile_qwen_resnorm, disassemble
 
     sass = disassemble(compile_qwen_resnorm(3072))
     ops = re.findall(r"\b(LDG|STG|LDL|STL)\.\S+", sass)

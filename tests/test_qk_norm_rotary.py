@@ -175,7 +175,7 @@ def test_flux2_reference_is_torch_rms_norm_and_diffusers_rotary():
 
 @pytest.mark.parametrize("capability", [90, 100, 120])
 def test_flux2_kernel_compiles_ahead_of_time_without_fma(capability):
-    from sass_count import compile_flux2_qk_norm_rotary
+    from support.sass_count import compile_flux2_qk_norm_rotary
 
     ptx = compile_flux2_qk_norm_rotary(capability).asm["ptx"]
     assert "rsqrt.approx.f32" in ptx and "cvt.rn.bf16" in ptx and "fma" not in ptx
@@ -184,7 +184,7 @@ def test_flux2_kernel_compiles_ahead_of_time_without_fma(capability):
 @pytest.mark.parametrize("capability", [90, 100, 120])
 @pytest.mark.parametrize("forms", [(0, 0, 0), (1, 1, 1), (2, 1, 0)], ids=["no-fma", "default", "fma21-tree0"])
 def test_compiles_ahead_of_time(capability, forms):
-    from sass_count import compile_qk_norm_rotary
+    from support.sass_count import compile_qk_norm_rotary
 
     ptx = compile_qk_norm_rotary(capability, *forms).asm["ptx"]
     assert "rsqrt.approx.f32" in ptx and "cvt.rn.bf16.f32" in ptx
@@ -194,7 +194,7 @@ def test_compiles_ahead_of_time(capability, forms):
 @pytest.mark.parametrize("capability", [90, 100])
 def test_rotary_alone_compiles_ahead_of_time(capability):
     """The kernel without its norm (``qwen_rotary_triton``): no rsqrt, and FMAs only where the form asks for them."""
-    from sass_count import compile_qk_norm_rotary
+    from support.sass_count import compile_qk_norm_rotary
 
     ptx = compile_qk_norm_rotary(capability, norm=False).asm["ptx"]
     assert "rsqrt" not in ptx and "cvt.rn.bf16" in ptx and "fma.rn.f32" in ptx

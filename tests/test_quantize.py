@@ -158,7 +158,7 @@ def test_e2m1_values_match_the_reference_codes_on_every_boundary():
 @pytest.mark.parametrize("capability", [90, 100, 120])
 @pytest.mark.parametrize("fast_math", [True, False])
 def test_compiles_ahead_of_time(capability, fast_math):
-    from sass_count import compile_kernel
+    from support.sass_count import compile_kernel
 
     compiled = compile_kernel("quantize", capability, fast_math)
     assert ("cvt.rn.satfinite.e2m1x2.f32" in compiled.asm["ptx"]) == (capability >= 100)

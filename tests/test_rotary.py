@@ -61,7 +61,7 @@ def test_interpreted_kernel_matches_diffusers():
 
 @pytest.mark.parametrize("capability", [90, 100, 120])
 def test_compiles_ahead_of_time_without_fma(capability):
-    from sass_count import compile_rotary
+    from support.sass_count import compile_rotary
 
     ptx = compile_rotary(capability).asm["ptx"]
     assert "fma" not in ptx and "mul.rn.f32" in ptx and "cvt.rn.bf16" in ptx

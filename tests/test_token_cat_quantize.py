@@ -59,7 +59,7 @@ def test_interpreted_kernel_matches_quantize_of_cat():
 @pytest.mark.parametrize("capability", [90, 100, 120])
 @pytest.mark.parametrize("fast_math", [True, False])
 def test_compiles_ahead_of_time(capability, fast_math):
-    from sass_count import compile_kernel
+    from support.sass_count import compile_kernel
 
     compiled = compile_kernel("token_cat", capability, fast_math)
     assert ("cvt.rn.satfinite.e2m1x2.f32" in compiled.asm["ptx"]) == (capability >= 100)

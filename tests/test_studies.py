@@ -1,11 +1,40 @@
-"""``benchmarks/compile_diagnose.py``'s pure parts on the CPU: the checksum that tells launches apart, the wrapper diff
-that masks what only a compile counter or a cache path changes, and the search for the first differing launch. The
-GPU run itself (about 5 minutes on an H200) is in the script's docstring."""
+"""The studies of ``benchmarks/studies/`` stay runnable: each imports, is named by the date of its last run and writes
+into that folder's results; and the compile diagnosis's pure parts on the CPU (the checksum that tells launches apart,
+the wrapper diff that masks what only a compile counter or a cache path changes, the search for the first differing
+launch). The GPU runs themselves are in each study's docstring."""
 
 from __future__ import annotations
 
-import compile_diagnose  # benchmarks/ is on the test path (pyproject.toml)
+import json
+import re
+
+import pytest
 import torch
+from studies import study  # benchmarks/ is on the test path (pyproject.toml)
+
+compile_diagnose = study.load("compile_diagnose")
+
+
+def test_every_study_is_dated_imports_and_writes_into_the_study_results():
+    pytest.importorskip("triton", reason="the kernel studies import Triton")
+    scripts = sorted(p for p in study.STUDIES.glob("*.py") if p.name != "study.py")
+    assert len(scripts) >= 6
+    for path in scripts:
+        date = re.fullmatch(r"(\d{4})(\d{2})(\d{2})_\w+\.py", path.name)
+        assert date, f"{path.name}: not YYYYMMDD_<name>.py"
+        text = path.read_text()
+        assert f"last run {'-'.join(date.groups())}" in text, f"{path.name}: its docstring names another date"
+        assert "study.write_result(" in text and "common.write_result(" not in text, path.name
+        study.load(path.stem.split("_", 1)[1])
+
+
+def test_every_study_result_names_a_study_that_writes_it():
+    scripts = [p.read_text() for p in study.STUDIES.glob("[0-9]*_*.py")]
+    results = sorted(study.RESULTS.glob("*.json"))
+    assert len(results) >= 16
+    for path in results:
+        benchmark = json.loads(path.read_text())["benchmark"]
+        assert any(f'"{benchmark}' in text for text in scripts), f"{path.name}: no study writes {benchmark!r}"
 
 
 def test_digest_sees_one_changed_element_and_a_moved_one():
@@ -74,7 +103,7 @@ def test_every_patch_names_settings_this_torch_has_and_restores_them():
 
 
 def test_block_recorder_keeps_checksums_of_inputs_and_outputs_and_passes_the_output_through():
-    import compile_determinism
+    compile_determinism = study.load("compile_determinism")
 
     torch.manual_seed(0)
     block, log = torch.nn.Linear(4, 3), []

@@ -1,4 +1,5 @@
-"""Host time per NVFP4 layer call and per fused site (GPU), launch plans on vs off, side by side in one process.
+"""Study, last run 2026-12-03: host time per NVFP4 layer call and per fused site (GPU), launch plans on vs off, side
+by side in one process (docs/performance.md, "Launch plans"; docs/history.md).
 
 An eager step is bound by host time where its kernels are short (Qwen-Image: 784 NVFP4 layer calls a step). This
 times, in microseconds of host time per call, what a transformer block's Python pays for each NVFP4 layer, with
@@ -13,9 +14,9 @@ through the kernel wrappers and Triton's launcher, as before plans existed), alt
 
 Each figure is the best of 5 runs of ``--calls`` back-to-back calls (host clock from the first call to the return of
 the last; few enough calls that the GPU's launch queue never fills, synchronized between runs). The outputs of both
-modes are compared byte for byte. Writes ``results/layer_host-<device>.json``.
+modes are compared byte for byte. Writes ``results/layer_host-<device>.json`` (in this folder).
 
-    python benchmarks/bench_layer_host.py
+    python benchmarks/studies/20261203_layer_host.py
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import importlib
 import time
 
 import common
+import study  # this folder's shared helpers; puts benchmarks/ on the path
 import torch
 
 from diffusers_nvfp4_fast import NVFP4Linear
@@ -113,7 +115,7 @@ def gelu_site_case(calls: int) -> dict:
 def qwen_block_case(calls: int) -> dict:
     """One full-size Qwen-Image block, NVFP4 with every fused site (as benchmarks/bench_transformer_step.py builds
     the model's blocks), per block call and per NVFP4 layer call in it."""
-    from compile_repeatability import _block
+    _block = study.load("compile_repeatability")._block
 
     from diffusers_nvfp4_fast import enable_fast_paths
 
@@ -182,7 +184,7 @@ def main() -> None:
         print(f"{c['case'][:58]:58s} {c['plans_us']:9.1f} {c['before_us']:10.1f} {c['before_over_plans']:6.2f} "
               f"{c['same_bytes']}")
     result["cases"] += op_calls
-    print("wrote", common.write_result(result))
+    print("wrote", study.write_result(result))
 
 
 if __name__ == "__main__":

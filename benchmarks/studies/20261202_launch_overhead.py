@@ -1,4 +1,5 @@
-"""Host time per call of the kernel wrappers (GPU): what an eager, host-bound step pays for each launch.
+"""Study, last run 2026-12-02: host time per call of the kernel wrappers (GPU), what an eager, host-bound step pays
+for each launch (docs/performance.md, "Host cost of eager steps"; docs/history.md).
 
 Eager NVFP4 steps launch a few thousand kernels, and on the H200 machine the Qwen-Image step is bound by host time
 rather than GPU time (README, "Measured"). This measures, in microseconds of host time per call (best of three runs
@@ -10,7 +11,8 @@ of back-to-back calls, the queue kept from filling by a sync between runs):
   ``decode_nvfp4_rows``, the SM90 GEMM and the whole ``nvfp4_gemm`` (decode + GEMM);
 * a few torch operations for scale (``torch.empty``, an add, ``chunk``).
 
-Usage: ``python benchmarks/bench_launch_overhead.py`` -> ``results/launch_overhead-<device>.json``.
+Usage: ``python benchmarks/studies/20261202_launch_overhead.py`` -> ``results/launch_overhead-<device>.json`` (in
+this folder).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import importlib
 import time
 
 import common
+import study  # this folder's shared helpers; puts benchmarks/ on the path
 import torch
 
 launch_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.launch")
@@ -109,7 +112,7 @@ def main() -> None:
                   timing="host microseconds per call: best of 3 runs of 2,000 back-to-back calls "
                          "after 100 warm-up calls")
     print(figures)
-    print("wrote", common.write_result(result))
+    print("wrote", study.write_result(result))
 
 
 if __name__ == "__main__":

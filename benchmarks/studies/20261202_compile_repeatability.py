@@ -1,23 +1,20 @@
-"""Does inductor give the same bytes when it compiles the same full-size block twice? Compiled fast paths on can only
-equal compiled off where compiled off equals itself, so this separates the two questions.
+"""Study, last run 2026-12-02: does inductor give the same bytes when it compiles the same full-size block twice?
+Compiled fast paths on can only equal compiled off where compiled off equals itself, so this separates the two
+questions (docs/history.md, "Tried: compiled, on == off for both models").
 
-    python benchmarks/compile_repeatability.py          # H200: about a minute
+    python benchmarks/studies/20261202_compile_repeatability.py          # H200: about a minute
 
 For one Qwen-Image and one FLUX.2-dev double-stream block (batch 1, 1024x1024 image tokens, 512 text tokens), each
 as BF16 and as NVFP4 with fast paths off: compile with ``torch.compile(fullgraph=True)`` inside ``exact_inductor``,
 run, reset dynamo, compile and run again, and compare bytes. Writes
-benchmarks/results/compile_repeatability-<device>.json.
+benchmarks/studies/results/compile_repeatability-<device>.json.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import study  # this folder's shared helpers; puts benchmarks/ on the path
 import torch
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 class _Holder(nn.Module):
@@ -84,7 +81,7 @@ def main() -> None:
             result["cases"].append(case)
             del block, args, kwargs
             torch.cuda.empty_cache()
-    print("wrote", common.write_result(result, "compile_repeatability"))
+    print("wrote", study.write_result(result, "compile_repeatability"))
 
 
 if __name__ == "__main__":

@@ -1,29 +1,28 @@
-"""Where do two compiles of the same NVFP4 Qwen-Image model differ: at run time, or in what inductor generates?
+"""Study, last run 2026-12-03: where do two compiles of the same NVFP4 Qwen-Image model differ, at run time or in
+what inductor generates? (docs/history.md, "Compile repeatability"; the answer is exact_inductor's, docs/design.md §1)
 
-    python benchmarks/compile_determinism.py               # H200: about two minutes
-    python benchmarks/compile_determinism.py --caches-off  # every compile with inductor's caches off
-    python benchmarks/compile_determinism.py --per-block   # three compiles: the first block whose bytes differ
-    python benchmarks/compile_determinism.py --per-block --caches-off  # the same, each compile generating afresh
-    python benchmarks/compile_determinism.py --sync        # a device synchronize after every block
-    python benchmarks/compile_determinism.py --fill        # torch's deterministic mode: fresh memory filled (NaN)
-    python benchmarks/compile_determinism.py --deterministic-only  # the mode without the fill
-    python benchmarks/compile_determinism.py --vs-deterministic    # what the mode changes in the generated code
+    cd benchmarks/studies
+    python 20261203_compile_determinism.py               # H200: about two minutes
+    python 20261203_compile_determinism.py --caches-off  # every compile with inductor's caches off
+    python 20261203_compile_determinism.py --per-block   # three compiles: the first block whose bytes differ
+    python 20261203_compile_determinism.py --per-block --caches-off  # the same, each compile generating afresh
+    python 20261203_compile_determinism.py --sync        # a device synchronize after every block
+    python 20261203_compile_determinism.py --fill        # torch's deterministic mode: fresh memory filled (NaN)
+    python 20261203_compile_determinism.py --deterministic-only  # the mode without the fill
+    python 20261203_compile_determinism.py --vs-deterministic    # what the mode changes in the generated code
 
 A 6-block Qwen-Image transformer at full width (blocks 0, 1, 4, 5 BF16 under the public exclusion rule, 2 and 3
 NVFP4, fast paths off), ``compile_repeated_blocks`` inside ``exact_inductor``: three runs of one compile, then a
 second compile with inductor's caches on (it may reuse the first's code), then a third with every cache off. Prints
-and writes benchmarks/results/compile_determinism-<device>.json.
+and writes benchmarks/studies/results/compile_determinism-<device>.json.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
+import study  # this folder's shared helpers; puts benchmarks/ on the path
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 VARIANTS = ("caches_off", "sync", "fill", "deterministic_only")  # the run's flags; its file name joins the set ones
 
@@ -106,7 +105,7 @@ def main() -> None:
     flags = {k: getattr(args, k) for k in VARIANTS}
     variant = "-".join(k.replace("_", "-") for k, on in flags.items() if on)
     result["cases"] = [{**flags, **cases}]
-    print("wrote", common.write_result(result, "compile_determinism" + (f"-{variant}" if variant else "")))
+    print("wrote", study.write_result(result, "compile_determinism" + (f"-{variant}" if variant else "")))
 
 
 class _Synchronized(torch.nn.Module):
@@ -131,7 +130,8 @@ class _Recorder(torch.nn.Module):
         self.block, self.log = block, log
 
     def forward(self, *args, **kwargs):
-        from compile_diagnose import _tensors, digest
+        diagnose = study.load("compile_diagnose")
+        _tensors, digest = diagnose._tensors, diagnose.digest
 
         ins = [digest(t) for t in _tensors((args, kwargs))]
         out = self.block(*args, **kwargs)
@@ -143,7 +143,8 @@ def per_block(model: torch.nn.Module, inputs: dict, caches_off: bool) -> None:
     """Three compiles of ``model`` (dynamo reset between): for each pair, the first block whose outputs differ,
     whether its inputs were equal, and how the generated wrappers of the two compiles differ."""
     import common
-    from compile_diagnose import _wrappers_loaded, code_diff
+    diagnose = study.load("compile_diagnose")
+    _wrappers_loaded, code_diff = diagnose._wrappers_loaded, diagnose.code_diff
 
     from diffusers_nvfp4_fast import NVFP4Linear, exact_inductor
 
@@ -182,7 +183,7 @@ def per_block(model: torch.nn.Module, inputs: dict, caches_off: bool) -> None:
     print("each compile's two calls equal:", repeat)
     result = common.header("compile_determinism", common.copy_bandwidth_gbps())
     result["cases"] = [{"per_block": True, "caches_off": caches_off, "calls_repeat": repeat}, *cases]
-    print("wrote", common.write_result(result, "compile_determinism-per-block" + ("-caches-off" if caches_off else "")))
+    print("wrote", study.write_result(result, "compile_determinism-per-block" + ("-caches-off" if caches_off else "")))
 
 
 def vs_deterministic(model: torch.nn.Module, inputs: dict) -> None:
@@ -190,7 +191,8 @@ def vs_deterministic(model: torch.nn.Module, inputs: dict) -> None:
     warn_only=True)``: whether each pair gives the same bytes, and how the generated code of the modes differs."""
     import common
     import torch._inductor.config as inductor_config
-    from compile_diagnose import _wrappers_loaded, code_diff
+    diagnose = study.load("compile_diagnose")
+    _wrappers_loaded, code_diff = diagnose._wrappers_loaded, diagnose.code_diff
 
     runs = []
     for deterministic in (False, False, True, True):
@@ -217,7 +219,7 @@ def vs_deterministic(model: torch.nn.Module, inputs: dict) -> None:
               *c["diff_head"], sep="\n    ", flush=True)
     result = common.header("compile_determinism", common.copy_bandwidth_gbps())
     result["cases"] = [case]
-    print("wrote", common.write_result(result, "compile_determinism-vs-deterministic"))
+    print("wrote", study.write_result(result, "compile_determinism-vs-deterministic"))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ Compiles a kernel ahead of time for ``--arch`` (default sm_90) with Triton, disa
 quantize kernels are straight-line code (one tile per program), so instructions / (elements per thread) is the
 per-element cost that bounds them when they are instruction-bound, as on Hopper.
 
-    python benchmarks/sass_count.py                      # standalone quantize, fast-math, sm_90
-    python benchmarks/sass_count.py --kernel token_cat --precise --block-r 16
+    python tests/support/sass_count.py                      # standalone quantize, fast-math, sm_90
+    python tests/support/sass_count.py --kernel token_cat --precise --block-r 16
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
-"""Where do two inductor compiles of the same BF16 block part? (issue 34 point 3, docs/design.md §1)
+"""Study, last run 2026-12-03: where do two inductor compiles of the same BF16 block part? (docs/history.md,
+"Compile repeatability"; the answer is exact_inductor's, docs/design.md §1)
 
-    python benchmarks/compile_diagnose.py            # H200: about 5 minutes (the patch matrix stops at --budget-s)
-    python benchmarks/compile_diagnose.py --quick    # about 2.5 minutes: the probes and two patches
-    python benchmarks/compile_diagnose.py --tiny     # small dims, CPU or GPU: the machinery only, no JSON
+    cd benchmarks/studies
+    python 20261203_compile_diagnose.py            # H200: about 5 minutes (the patch matrix stops at --budget-s)
+    python 20261203_compile_diagnose.py --quick    # about 2.5 minutes: the probes and two patches
+    python 20261203_compile_diagnose.py --tiny     # small dims, CPU or GPU: the machinery only, no JSON
 
-One full-size Qwen-Image BF16 block (``compile_repeatability._block``; ``--model flux2-dev`` for FLUX.2's), compiled
-twice inside ``exact_inductor`` with inductor's caches off (A, then ``torch._dynamo.reset()`` and B). The backend keeps
-inductor's compiled callable of each compile, so both can be called again, in any order, after the other exists.
+One full-size Qwen-Image BF16 block (``_block`` of the compile_repeatability study; ``--model flux2-dev`` for
+FLUX.2's), compiled twice inside ``exact_inductor`` with inductor's caches off (A, then ``torch._dynamo.reset()`` and
+B). The backend keeps inductor's compiled callable of each compile, so both can be called again, in any order, after
+the other exists.
 
 1. bytes: A's first call and a later one, B's, A called again after B, A under other stale memory (free allocator
    blocks overwritten), A on inputs at other addresses, and the eager block likewise. Which of them differ says
@@ -20,7 +23,7 @@ inductor's compiled callable of each compile, so both can be called again, in an
 4. patches: inductor settings on top of ``exact_inductor``, most likely first, each compiled twice: do the bytes then
    repeat? Stops before a patch that would end past ``--budget-s``.
 
-Writes benchmarks/results/compile_diagnose-<device>.json (``--tiny``: prints only) and the two wrappers under
+Writes benchmarks/studies/results/compile_diagnose-<device>.json (``--tiny``: prints only) and the two wrappers under
 ``--code-dir`` (default ``$OUT/compile_diagnose`` or /tmp/compile_diagnose), then prints a short table.
 """
 
@@ -32,15 +35,13 @@ import difflib
 import functools
 import os
 import re
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import study  # this folder's shared helpers; puts benchmarks/ on the path
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 # (name, settings on top of exact_inductor, the hypothesis it tests), most likely first. A key "torch.<...>" sets a
 # torch attribute instead of an inductor setting.
@@ -459,7 +460,7 @@ def memory_probes(a: Compiled, eager: Callable[[], Any]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from compile_repeatability import _block
+    _block = study.load("compile_repeatability")._block
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="qwen-image", choices=["qwen-image", "flux2-dev"])
@@ -552,7 +553,7 @@ def main(argv: list[str] | None = None) -> dict:
     result["seconds"] = round(time.perf_counter() - start, 1)
     _table(result)
     if not args.tiny:
-        print("wrote", common.write_result(result, "compile_diagnose"))
+        print("wrote", study.write_result(result, "compile_diagnose"))
     return result
 
 
