@@ -74,7 +74,7 @@ VEC = tl.constexpr(4)  # torch's vec_size: each thread reads 4 consecutive eleme
 CHUNK = tl.constexpr(512)  # one vector per thread: 512 consecutive elements of the row
 _THREADS, _CHUNK = 128, 512  # the same, for host code
 # How the combined mean is rounded (see _welford_combine); only subnormal means can tell the variants apart.
-TORCH_MEAN_FMA = 1  # torch 2.11 (cu130) on an H200: test_layer_norm_subnormal_means matched variant 1 only
+TORCH_MEAN_FMA = 1  # torch 2.11's (docs/design.md §6); test_layer_norm_subnormal_means checks the installed torch
 # 40 registers fit 12 programs per SM on Hopper without spilling, the fastest cap measured (docs/history.md, "Kernel
 # tuning constants").
 MAX_REGISTERS = 40
@@ -153,8 +153,9 @@ def _welford_combine(own_m, own_s, other_m, other_s, COUNT: tl.constexpr, MEAN_F
 def _shuffle_down_combine(m, s, lane, OFFSET: tl.constexpr, COUNT: tl.constexpr, MEAN_FMA: tl.constexpr):
     """One WARP_SHFL_DOWN level of torch's compute_stats on ``[4, 32]`` (warp, lane) states: every lane merges the
     state of lane + OFFSET, or its own where that is past lane 31 (the clamp of ``shfl.down``). A gather, not inline
-    ``shfl.sync.down``: which hardware lane holds which element is the compiler's choice (it differed between the
-    fused and the LayerNorm-only kernel at D=512 on an H200), and the gather is correct for every layout."""
+    ``shfl.sync.down``: which hardware lane holds which element is the compiler's choice (it has differed between two
+    kernels: docs/performance.md, "Measurements behind the kernels' design"), and the gather is correct for every
+    layout."""
     src = tl.where(lane + OFFSET < 32, lane + OFFSET, lane)
     return _welford_combine(m, s, tl.gather(m, src, 1), tl.gather(s, src, 1), COUNT, MEAN_FMA)
 

@@ -64,7 +64,7 @@ def decode_tile(packed, s16, ROWS: tl.constexpr, NB: tl.constexpr, USE_ASM: tl.c
     r = ((b * 0x00200200) & 0x0E000E00) | ((b * 0x01001000) & -0x7FFF8000)  # -0x7FFF8000 == 0x80008000 (int32)
     if USE_ASM:
         # Reinterpret the word as its two FP16 halves; written with shifts, the compiler splits the word and
-        # re-packs the pair with extra PRMTs (~10 % more instructions in the decode loop).
+        # re-packs the pair with extra PRMTs (docs/performance.md, "Measurements behind the kernels' design").
         lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [r], dtype=(tl.float16, tl.float16),
                                            is_pure=True, pack=1)
     else:

@@ -16,16 +16,16 @@ Shape of the work:
 * The weight stays packed in memory (N*K/2 bytes + scales); each K step decodes a ``[BLOCK_N, BLOCK_K]`` tile in
   registers. No BF16/FP16 weight copy exists at any time.
 * Large M (``M > PREDECODE_MAX_M``): X is decoded once per call into an FP16 ``[M, K]`` scratch (a memory-bound
-  pass, ~20 us for 4608x6144 on an H200, ~1-2 % of the GEMM) and the GEMM loads it like a dense operand. Decoding
-  X inside the GEMM instead would redo it for every one of the N/BLOCK_N weight tiles and double the ALU work per
-  MMA. The scratch has the size the activation had in BF16 before it was quantized; it is never the weight.
+  pass, a small fraction of the GEMM) and the GEMM loads it like a dense operand. Decoding X inside the GEMM instead
+  would redo it for every one of the N/BLOCK_N weight tiles and double the ALU work per MMA. The scratch has the size
+  the activation had in BF16 before it was quantized; it is never the weight.
   On SM90 this GEMM is ``nvfp4_gemm_sm90`` (Gluon, warp-specialized), which overlaps the weight decode with
-  asynchronous wgmma: 668-760 TFLOP/s = 0.96-1.14x cuBLAS BF16 on the FLUX.2-dev shapes at M=4608, decode of X included
-  (H200, benchmarks/results/gemm-h200.json).
+  asynchronous wgmma, the decode of X included about as fast as cuBLAS BF16.
   The Triton kernel below serves SM80/SM89, K % 32 != 0 and misaligned operands, with identical output bytes: its
   decoded tile is either the MMA's register A operand of ``W @ X^T`` (``W_IN_REGS``, 256 tokens per tile) or the
   shared-memory B operand of ``X @ W^T``; in both, Triton (3.6, SM90 SASS) waits for each wgmma before the next
-  tile is decoded, so decode and MMA do not overlap (0.5-0.7x cuBLAS BF16 on an H200).
+  tile is decoded, so decode and MMA do not overlap. Figures: docs/performance.md, "Measurements behind the
+  kernels' design".
 * One row: ``nvfp4_gemv`` (CUDA cores, its own fixed summation order; ``kernel="triton"`` keeps this module's).
 * Small M (``M <= PREDECODE_MAX_M``): X is decoded in the kernel too, and the kernel computes the transposed tile
   ``W @ X^T`` so that weight rows fill the MMA's 64-row side and the few tokens its cheap N side ("swap AB").
@@ -238,8 +238,8 @@ _PACKED_CONFIGS = [
     _cfg(16, 64, 256, 4, 4),
     _cfg(64, 128, 128, 8, 3),
 ]
-# Large M, X pre-decoded to FP16: the fastest configurations of the H200 sweep, register-A first (docs/history.md,
-# "Kernel tuning constants"; benchmarks/results/gemm_config_sweep-h200.json).
+# Large M, X pre-decoded to FP16: the fastest configurations of a sweep, register-A first (docs/history.md, "Kernel
+# tuning constants").
 _FP16_X_CONFIGS = [
     _cfg(256, 128, 64, 8, 4, w_in_regs=True),
     _cfg(256, 128, 64, 8, 5, w_in_regs=True),
@@ -293,7 +293,8 @@ _tuned_fp16_x = _make_tuned(False)
 def sm90_kernel_module():
     """The Gluon SM90 kernel module, or None (with one warning) when this Triton lacks the Gluon Hopper API.
 
-    Without it large-M GEMMs run the Triton kernel: same bytes, 0.55-0.65x cuBLAS BF16 instead of 0.96-1.14x (H200).
+    Without it large-M GEMMs run the Triton kernel: same bytes, slower (docs/performance.md, "Measurements behind
+    the kernels' design").
     """
     try:
         from . import nvfp4_gemm_sm90

@@ -2,8 +2,9 @@
 
 ``out[0, n] = out_dtype((sum_k x[k] * w[n, k]) * alpha)`` (+ bias) with the exact values of both NVFP4 operands, as
 ``nvfp4_gemm`` computes it (docs/design.md §7), for the layers that see one row per call (the modulation Linears).
-A tensor-core tile spends at least 16 rows on that one row, and the swap-AB kernel reached 15-27 % of the copy
-bandwidth there whatever its tile or K split (benchmarks/results/gemm_small_m-mma-h200.json). Here each thread decodes
+A tensor-core tile spends at least 16 rows on that one row, and the swap-AB kernel stayed far below the copy
+bandwidth there whatever its tile or K split (docs/performance.md, "Measurements behind the kernels' design"). Here
+each thread decodes
 its share of the weight tile to FP16 (``value * scale * 2^-7``, exact), widens it to FP32 and adds its product with
 the activation value by one FMA: both factors have at most 6 significant bits, so the product is exact and the FMA
 rounds once, like the MMA's FP32 accumulation.
@@ -17,8 +18,7 @@ shape) only, and ``gemv_reference`` reproduces them on any device:
   * split partial sums are added in split order, from the first (``nvfp4_decode.split_reduce_kernel``).
 The activation arrives packed (+ 128x4 scales; ``nvfp4_gemm``'s one-row calls) or as its exact FP16 decode
 (``quantize_nvfp4_decoded``; a layer's one-row calls), with the same FP32 values. Quantizing the BF16 row inside this
-kernel instead (every program redoing its K steps' blocks) was measured 1.6x slower than the FP16 row on the H200
-(docs/history.md, "the one-row product").
+kernel instead would have every program redo its K steps' blocks (slower, measured: docs/performance.md).
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ from .nvfp4_decode import (
 
 __all__ = ["GEMV_BLOCK_K", "GEMV_BLOCK_N", "GemvLaunch", "gemv_launch", "gemv_reference", "gemv_splits", "nvfp4_gemv"]
 
-# The one configuration (the order of the sums depends on BLOCK_K only; docs/design.md §7). 8 warps: 27.7 against
-# 30.4 µs with 4 at Qwen-Image's 18432 x 3072, 91.0 against 106.3 at 36864 x 6144, the same bytes (H200,
-# benchmarks/results/gemm_small_m-gemv-h200.json).
+# The one configuration (the order of the sums depends on BLOCK_K only; docs/design.md §7); 8 warps were faster than
+# 4 at the modulation shapes, with the same bytes (docs/performance.md, "Measurements behind the kernels' design").
 GEMV_BLOCK_N = 64
 GEMV_BLOCK_K = 128
 GEMV_WARPS = 8

@@ -124,7 +124,8 @@ def _quantize_nvfp4_decoded_kernel(
 
 
 # quantize_nvfp4_decoded's default tiles (rows, 16-blocks) and warps; decoded_quantize_launch finds its binary by them.
-# Wide and short: 80-95% of copy bandwidth on the H200 against 58-82% for 8 x 16 (quantize_decoded-h200.json).
+# Wide and short tiles: the row count, not the instruction count, limited the taller ones (docs/performance.md,
+# "Measurements behind the kernels' design").
 DECODED_TILES = (4, 32, 4)
 
 
