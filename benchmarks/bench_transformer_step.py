@@ -484,8 +484,8 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
-def _free(*objs) -> None:
-    del objs
+def _free() -> None:
+    """Collect garbage and hand the allocator's free blocks back to the device."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -496,23 +496,36 @@ def _free(*objs) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run(args) -> dict:
-    import importlib
-
-    from diffusers_nvfp4_fast import utils
-    from diffusers_nvfp4_fast.ops.dispatch import gemm_backend
-
+def _fast_path_verbs():
+    """(enable_fast_paths, disable_fast_paths), or (None, None) where this checkout has none: 'off' is timed alone."""
     try:
         from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths
-    except ImportError:  # fast paths not available in this checkout: time 'off' only
-        enable_fast_paths = disable_fast_paths = None
+    except ImportError:
+        return None, None
+    return enable_fast_paths, disable_fast_paths
 
-    device = torch.device("cpu" if args.tiny else "cuda")
+
+def _timing(args) -> str:
+    """The result's ``timing`` field: what was timed, how, in which mode."""
+    timing = (f"median of {args.steps_timed} forwards after {args.warmup} warm-up forwards (CUDA events); "
+              + ("NVFP4 fast paths off, then on (a compile each)" if args.compile else
+                 "NVFP4 fast paths off and on timed in alternating rounds")
+              + ("; each variant captured once in a CUDA graph and replayed" if args.cuda_graph
+                 else "" if args.compile else "; eager"))
+    if args.compile:  # main() runs this inside exact_inductor(): on == off holds there (docs/design.md §1)
+        timing += ("; torch.compile(transformer)" if args.compile == "model" else
+                   "; compile_repeated_blocks(fullgraph=True)") + (
+                       ", inductor inside exact_inductor() (emulate_precision_casts, deterministic)")
+    return timing
+
+
+def _header(args) -> dict:
+    """The result before any case: the run's device and versions, the model, the inputs and how they are timed."""
     if args.tiny:
-        common = None
         result = {"benchmark": "transformer_step", "device": "cpu (tiny dry run)", "cases": []}
     else:
-        common = importlib.import_module("common")
+        import common
+
         result = common.header("transformer_step", common.copy_bandwidth_gbps())
     result["model"] = args.model
     result["tiny"] = args.tiny
@@ -521,25 +534,89 @@ def run(args) -> dict:
                         "text_tokens": args.text_tokens, "batch": 1}
     if args.model == "qwen-image-2.1":
         result["inputs"]["step"] = "decode (kv_cache_mode='cached')" if args.kv_cached else "prefill (no KV cache)"
-    result["timing"] = (f"median of {args.steps_timed} forwards after {args.warmup} warm-up forwards (CUDA events); "
-                        + ("NVFP4 fast paths off, then on (a compile each)" if args.compile else
-                           "NVFP4 fast paths off and on timed in alternating rounds")
-                        + ("; each variant captured once in a CUDA graph and replayed" if args.cuda_graph
-                           else "" if args.compile else "; eager"))
+    result["timing"] = _timing(args)
     result["cuda_graph"] = args.cuda_graph
     result["compile"] = args.compile or False
-    if args.compile:  # main() runs this inside exact_inductor(): on == off holds there (docs/design.md §1)
-        result["timing"] += ("; torch.compile(transformer)" if args.compile == "model" else
-                             "; compile_repeated_blocks(fullgraph=True)") + (
-                                 ", inductor inside exact_inductor() (emulate_precision_casts, deterministic)")
     result["input_scale"] = f"fixed: amax {INPUT_AMAX} -> input_scale = {INPUT_AMAX}/2688"
-    shape = {"model": args.model, **result["inputs"]}
-    t_start = time.time()
+    return result
 
+
+def _logger(start: float):
     def log(msg: str) -> None:
-        print(f"[{time.time() - t_start:7.1f}s] {msg}", flush=True)
+        print(f"[{time.time() - start:7.1f}s] {msg}", flush=True)
 
-    # ---- NVFP4 model -----------------------------------------------------------------------------------------
+    return log
+
+
+def _step_case(shape: dict, variant: str, ms: float, host_ms: float, peak: float, weight_bytes: int, exact) -> dict:
+    """The fields every step case has, in the JSON's order."""
+    return {"shape": shape, "variant": variant, "ms_per_step": round(ms, 2), "host_ms_per_step": round(host_ms, 2),
+            "peak_mem_GB": round(peak, 2), "weight_GB": round(weight_bytes / 1e9, 3), "weight_bytes": weight_bytes,
+            "exact": exact}
+
+
+def _time_nvfp4(args, model: nn.Module, runner, inputs: dict, device, log) -> dict:
+    """Fast paths off (and on, where this checkout has them) in the mode ``args`` asks for: ``{"off": ..., "on":
+    ...}`` as ``time_off_on`` and its siblings return them; ``"off"`` alone without fast paths."""
+    enable, disable = _fast_path_verbs()
+    if enable is None:
+        log("enable_fast_paths is not available: timing 'off' only")
+        ms, host_ms, peak, out = time_steps(runner, inputs, args.warmup, args.steps_timed, device, args.cuda_graph)
+        return {"off": {"ms": ms, "host_ms": host_ms, "peak": peak, "out": out}}
+    switches = (lambda _: enable(model), lambda _: disable(model))
+    if args.compile:
+        return time_off_then_on(runner, inputs, args.warmup, args.steps_timed, device, *switches)
+    if args.cuda_graph:
+        return time_graph_phases(runner, inputs, args.warmup, args.steps_timed, device, *switches)
+    return time_off_on(runner, inputs, args.warmup, args.steps_timed, device, *switches,
+                       compare_launch=args.compare_launch)
+
+
+def _on_cases(runs: dict, shape: dict, out_off: torch.Tensor, out_off2: torch.Tensor, weight_bytes: int,
+              log) -> list[dict]:
+    """The fast-paths-on case (and, with ``--compare-launch``, the one with launch plans off)."""
+    on = runs["on"]
+    exact = same_bytes(on["out"], out_off) and same_bytes(out_off2, out_off)
+    log(f"fast paths on: {on['ms']:.1f} ms/step (host {on['host_ms']:.1f} ms), peak {on['peak']:.1f} GB, "
+        f"byte-identical to off: {exact}")
+    for entry in on["report"].values():  # what ran fused in the last round, and why the rest did not
+        log(f"fused calls {entry.get('fused_calls')}, fallbacks {entry.get('fallbacks')}")
+    cases = [_step_case(shape, "nvfp4_fast_on", on["ms"], on["host_ms"], on["peak"], weight_bytes, exact) | {
+        "times_ms": [round(t, 2) for t in on["times"]], "fast_path_report": _jsonable(on["report"])}]
+    if "on_before_plans" in runs:
+        before = runs["on_before_plans"]
+        log(f"fast paths on, launch plans off: {before['ms']:.1f} ms/step (host {before['host_ms']:.1f} ms)")
+        cases.append(_step_case(shape, "nvfp4_fast_on_before_plans", before["ms"], before["host_ms"], before["peak"],
+                                weight_bytes, same_bytes(before["out"], out_off)) | {
+            "times_ms": [round(t, 2) for t in before["times"]]})
+    return cases
+
+
+def _mode_fields(runs: dict, off: dict, on: dict, log) -> None:
+    """What the CUDA-graph and compiled modes add to the off and on cases, in the JSON's order."""
+    off["times_ms"] = [round(t, 2) for t in runs["off"]["times"]]
+    for case, mode in ((off, "off"), (on, "on")):
+        if "replay_equals_eager" in runs[mode]:
+            case["replay_equals_eager"] = runs[mode]["replay_equals_eager"]
+            case["cuda_graphs"] = _jsonable(runs[mode]["graphs"])
+            log(f"fast paths {mode} through the runner: replay == eager bytes: {case['replay_equals_eager']}, "
+                f"{case['cuda_graphs']}")
+    for case, mode in ((off, "off"), (on, "on")):
+        if runs[mode].get("gpu_bound_ms") is not None:
+            case["gpu_bound_ms"] = round(runs[mode]["gpu_bound_ms"], 2)
+            log(f"fast paths {mode}, the host given a head start: {case['gpu_bound_ms']:.1f} ms/step")
+    if "recompiled_identical" in runs["off"]:
+        off["recompiled_identical"] = runs["off"]["recompiled_identical"]
+        log(f"fast paths off, compiled a second time: byte-identical to the first: "
+            f"{runs['off']['recompiled_identical']}")
+
+
+def _nvfp4_cases(args, device, result: dict, shape: dict, log) -> tuple[list[dict], int]:
+    """Build the NVFP4 model, time it with fast paths off (and on), free it; returns its cases and the bytes its BF16
+    twin will take."""
+    from diffusers_nvfp4_fast import utils
+    from diffusers_nvfp4_fast.ops.dispatch import gemm_backend
+
     model = empty_model(args.model, args.tiny)
     bf16_bytes = bf16_param_bytes(model)
     counts = materialize(model, args.model, device, nvfp4=True)
@@ -550,103 +627,57 @@ def run(args) -> dict:
     result["gemm_backend"] = backend
     result["layers"] = counts
     inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device, args.kv_cached)
-
     runner = compiled(model, args.compile)  # the fast paths are switched on the model itself
-    if enable_fast_paths is not None:
-        switches = (lambda _: enable_fast_paths(model), lambda _: disable_fast_paths(model))
-        if args.compile:
-            runs = time_off_then_on(runner, inputs, args.warmup, args.steps_timed, device, *switches)
-        elif args.cuda_graph:
-            runs = time_graph_phases(runner, inputs, args.warmup, args.steps_timed, device, *switches)
-        else:
-            runs = time_off_on(runner, inputs, args.warmup, args.steps_timed, device, *switches,
-                               compare_launch=args.compare_launch)
-        ms_off, host_off = runs["off"]["ms"], runs["off"]["host_ms"]
-        peak_off, out_off = runs["off"]["peak"], runs["off"]["out"]
-    else:
-        log("enable_fast_paths is not available: timing 'off' only")
-        runs = None
-        ms_off, host_off, peak_off, out_off = time_steps(runner, inputs, args.warmup, args.steps_timed, device,
-                                                         args.cuda_graph)
-    log(f"fast paths off: {ms_off:.1f} ms/step (host {host_off:.1f} ms), peak {peak_off:.1f} GB")
+    runs = _time_nvfp4(args, model, runner, inputs, device, log)
+    off = runs["off"]
+    log(f"fast paths off: {off['ms']:.1f} ms/step (host {off['host_ms']:.1f} ms), peak {off['peak']:.1f} GB")
     out_off2 = forward(runner, inputs)  # fast paths are disabled again here
-    repeatable = same_bytes(out_off, out_off2)
-    finite = torch.isfinite(out_off.float()).float().mean().item()
-    cases = [{"shape": shape, "variant": "nvfp4_fast_off", "ms_per_step": round(ms_off, 2),
-              "host_ms_per_step": round(host_off, 2),
-              "peak_mem_GB": round(peak_off, 2), "weight_GB": round(weight_bytes / 1e9, 3),
-              "weight_bytes": weight_bytes, "exact": repeatable,
-              "finite_fraction": round(finite, 6)}]
-    if runs is not None:
-        on = runs["on"]
-        exact = same_bytes(on["out"], out_off) and same_bytes(out_off2, out_off)
-        log(f"fast paths on: {on['ms']:.1f} ms/step (host {on['host_ms']:.1f} ms), peak {on['peak']:.1f} GB, "
-            f"byte-identical to off: {exact}")
-        for entry in on["report"].values():  # what ran fused in the last round, and why the rest did not
-            log(f"fused calls {entry.get('fused_calls')}, fallbacks {entry.get('fallbacks')}")
-        cases.append({"shape": shape, "variant": "nvfp4_fast_on", "ms_per_step": round(on["ms"], 2),
-                      "host_ms_per_step": round(on["host_ms"], 2),
-                      "peak_mem_GB": round(on["peak"], 2), "weight_GB": round(weight_bytes / 1e9, 3),
-                      "weight_bytes": weight_bytes, "exact": exact, "times_ms": [round(t, 2) for t in on["times"]],
-                      "fast_path_report": _jsonable(on["report"])})
-        cases[0]["times_ms"] = [round(t, 2) for t in runs["off"]["times"]]
-        if "on_before_plans" in runs:
-            before = runs["on_before_plans"]
-            log(f"fast paths on, launch plans off: {before['ms']:.1f} ms/step (host {before['host_ms']:.1f} ms)")
-            cases.append({"shape": shape, "variant": "nvfp4_fast_on_before_plans",
-                          "ms_per_step": round(before["ms"], 2), "host_ms_per_step": round(before["host_ms"], 2),
-                          "peak_mem_GB": round(before["peak"], 2), "weight_GB": round(weight_bytes / 1e9, 3),
-                          "weight_bytes": weight_bytes, "exact": same_bytes(before["out"], out_off),
-                          "times_ms": [round(t, 2) for t in before["times"]]})
-        for case, mode in ((cases[0], "off"), (cases[1], "on")):
-            if "replay_equals_eager" in runs[mode]:
-                case["replay_equals_eager"] = runs[mode]["replay_equals_eager"]
-                case["cuda_graphs"] = _jsonable(runs[mode]["graphs"])
-                log(f"fast paths {mode} through the runner: replay == eager bytes: {case['replay_equals_eager']}, "
-                    f"{case['cuda_graphs']}")
-        for case, mode in ((cases[0], "off"), (cases[1], "on")):
-            if runs[mode].get("gpu_bound_ms") is not None:
-                case["gpu_bound_ms"] = round(runs[mode]["gpu_bound_ms"], 2)
-                log(f"fast paths {mode}, the host given a head start: {case['gpu_bound_ms']:.1f} ms/step")
-        if "recompiled_identical" in runs["off"]:
-            cases[0]["recompiled_identical"] = runs["off"]["recompiled_identical"]
-            log(f"fast paths off, compiled a second time: byte-identical to the first: "
-                f"{runs['off']['recompiled_identical']}")
-        runs = on = None
-    _free(model, runner, inputs, out_off, out_off2)
-    model = runner = inputs = out_off = out_off2 = None
+    finite = torch.isfinite(off["out"].float()).float().mean().item()
+    cases = [_step_case(shape, "nvfp4_fast_off", off["ms"], off["host_ms"], off["peak"], weight_bytes,
+                        same_bytes(off["out"], out_off2)) | {"finite_fraction": round(finite, 6)}]
+    if "on" in runs:
+        cases += _on_cases(runs, shape, off["out"], out_off2, weight_bytes, log)
+        _mode_fields(runs, cases[0], cases[1], log)
+    return cases, bf16_bytes  # the caller frees the model's memory, once nothing here holds it
 
-    # ---- BF16 model (built only after the NVFP4 model is gone) -------------------------------------------------
-    fits = True
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        fits = bf16_bytes + 12e9 < free  # weights + headroom for activations at these token counts
-    if fits and not args.skip_bf16:
-        model = empty_model(args.model, args.tiny)
-        materialize(model, args.model, device, nvfp4=False)
-        bf16_weight = utils.tensor_bytes(model)
-        inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device, args.kv_cached)
-        runner = compiled(model, args.compile)
-        for graph in (False, True) if args.cuda_graph else (False,):  # BF16 eager, and with the same runner
-            ms_bf16, host_bf16, peak_bf16, out_bf16 = time_steps(runner, inputs, args.warmup, args.steps_timed,
-                                                                 device, graph)
-            variant = "bf16_graph" if graph else "bf16"
-            log(f"{variant}: {ms_bf16:.1f} ms/step (host {host_bf16:.1f} ms), peak {peak_bf16:.1f} GB, "
-                f"weights {bf16_weight / 1e9:.2f} GB")
-            cases.append({"shape": shape, "variant": variant, "ms_per_step": round(ms_bf16, 2),
-                          "host_ms_per_step": round(host_bf16, 2),
-                          "peak_mem_GB": round(peak_bf16, 2), "weight_GB": round(bf16_weight / 1e9, 3),
-                          "weight_bytes": bf16_weight, "exact": None})
-            if graph:
-                cases[-1]["replay_equals_eager"] = same_bytes(out_bf16, forward(runner, inputs))
-            elif args.compile and device.type == "cuda":
-                bound = gpu_bound_ms(lambda: forward(runner, inputs), host_bf16)
-                cases[-1]["gpu_bound_ms"] = round(bound, 2) if bound is not None else None
-                log(f"{variant}, the host given a head start: {bound:.1f} ms/step")
-        _free(model, runner, inputs, out_bf16)
-    else:
+
+def _bf16_fits(device, bf16_bytes: int) -> bool:
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info()
+    return bf16_bytes + 12e9 < free  # weights + headroom for activations at these token counts
+
+
+def _bf16_cases(args, device, bf16_bytes: int, shape: dict, log) -> list[dict]:
+    """The BF16 model, built only after the NVFP4 model is gone: eager, and through the runner with --cuda-graph."""
+    if args.skip_bf16 or not _bf16_fits(device, bf16_bytes):
         log(f"BF16 model skipped ({'--skip-bf16' if args.skip_bf16 else f'needs {bf16_bytes / 1e9:.1f} GB'})")
+        return []
+    from diffusers_nvfp4_fast import utils
 
+    model = empty_model(args.model, args.tiny)
+    materialize(model, args.model, device, nvfp4=False)
+    bf16_weight = utils.tensor_bytes(model)
+    inputs = make_inputs(args.model, model, args.height, args.width, args.text_tokens, device, args.kv_cached)
+    runner = compiled(model, args.compile)
+    cases = []
+    for graph in (False, True) if args.cuda_graph else (False,):  # BF16 eager, and with the same runner
+        ms, host_ms, peak, out = time_steps(runner, inputs, args.warmup, args.steps_timed, device, graph)
+        variant = "bf16_graph" if graph else "bf16"
+        log(f"{variant}: {ms:.1f} ms/step (host {host_ms:.1f} ms), peak {peak:.1f} GB, "
+            f"weights {bf16_weight / 1e9:.2f} GB")
+        cases.append(_step_case(shape, variant, ms, host_ms, peak, bf16_weight, None))
+        if graph:
+            cases[-1]["replay_equals_eager"] = same_bytes(out, forward(runner, inputs))
+        elif args.compile and device.type == "cuda":
+            bound = gpu_bound_ms(lambda: forward(runner, inputs), host_ms)
+            cases[-1]["gpu_bound_ms"] = round(bound, 2) if bound is not None else None
+            log(f"{variant}, the host given a head start: {bound:.1f} ms/step")
+    return cases
+
+
+def _summarize(result: dict, cases: list[dict], args, device) -> None:
+    """Speedups between the cases, the goals, the host's speed and, compiled, dynamo's counters."""
     times = {c["variant"]: c["ms_per_step"] for c in cases}
     for c in cases:
         c["speedup_vs"] = {o: round(t / c["ms_per_step"], 3) for o, t in times.items() if o != c["variant"]}
@@ -658,6 +689,20 @@ def run(args) -> dict:
         import common
 
         result["shared_quantize_nodes"] = common.shared_quantize_nodes()
+
+
+def run(args) -> dict:
+    """Time one step of ``args.model``: NVFP4 with fast paths off and on, then BF16; the result JSON."""
+    device = torch.device("cpu" if args.tiny else "cuda")
+    result = _header(args)
+    shape = {"model": args.model, **result["inputs"]}
+    t_start = time.time()
+    log = _logger(t_start)
+    cases, bf16_bytes = _nvfp4_cases(args, device, result, shape, log)
+    _free()  # the NVFP4 model's memory back to the device before the BF16 model is sized and built
+    cases += _bf16_cases(args, device, bf16_bytes, shape, log)
+    _free()
+    _summarize(result, cases, args, device)
     result["wall_s"] = round(time.time() - t_start, 1)
     return result
 
