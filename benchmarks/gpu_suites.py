@@ -28,7 +28,10 @@ STEP = [PY, "benchmarks/bench_transformer_step.py"]
 KERNEL_TESTS = ["tests/test_quantize.py", "tests/test_token_cat_quantize.py", "tests/test_swiglu_quantize.py",
                 "tests/test_rotary.py", "tests/test_launch.py", "tests/test_gelu_quantize.py",
                 "tests/test_qk_norm_rotary.py", "tests/test_kernel_source.py"]
-MODEL_TESTS = ["tests/test_fast_paths.py", "tests/test_offload.py", "tests/test_lora.py", "tests/test_hygiene.py",
+# the fast-path tests by subject: pipelines, hooks and processors, verification, compile and graphs, per-model sites
+FAST_PATH_TESTS = ["tests/test_fast_paths.py", "tests/test_hooks_and_processors.py", "tests/test_verification.py",
+                   "tests/test_compiled_fast_paths.py", "tests/test_flux2_sites.py", "tests/test_qwen_sites.py"]
+MODEL_TESTS = [*FAST_PATH_TESTS, "tests/test_offload.py", "tests/test_lora.py", "tests/test_hygiene.py",
                "tests/test_diffusers_native.py", "tests/test_cache_hooks.py", "tests/test_budget.py"]
 
 SUITES: dict[str, list[tuple[str, list[str], int]]] = {
@@ -65,7 +68,7 @@ SUITES: dict[str, list[tuple[str, list[str], int]]] = {
     "steps_klein": [("graph_klein4", STEP + ["--model", "flux2-klein-4b", "--cuda-graphs", "--steps-timed", "11"], 150),
                     ("graph_klein9", STEP + ["--model", "flux2-klein-9b", "--cuda-graphs", "--steps-timed", "11"], 170),
                     ("step_klein4", STEP + ["--model", "flux2-klein-4b", "--steps-timed", "11"], 120)],
-    "compiled": [("t_inductor", GPU_TESTS + ["tests/test_fast_paths.py", "tests/test_compile.py"], 240),
+    "compiled": [("t_inductor", GPU_TESTS + FAST_PATH_TESTS + ["tests/test_compile.py"], 240),
                  ("compile_qwen", STEP + ["--model", "qwen-image", "--compile", "blocks", "--steps-timed", "11"], 300),
                  ("compile_flux2", STEP + ["--model", "flux2-dev", "--compile", "blocks"], 300)],
     "compile_exact": [("t_compile", GPU_TESTS + ["tests/test_compile.py"], 400)],
