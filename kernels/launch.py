@@ -117,7 +117,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` for a ``@triton.jit`` kernel, with less host work per call.
 
     Triton's launch path costs 22 us (9 runtime arguments) to 40 us (24) of host time per call on the H200
-    machine's CPU, against 18 and 23 us here (benchmarks/results/launch_overhead-h200.json), and an eager
+    machine's CPU, against 18 and 23 us here (benchmarks/studies/results/launch_overhead-h200.json), and an eager
     Qwen-Image step, which launches a few thousand kernels, is bound by host time. Triton's own binder still
     decides which binary runs (the argument specialization: dtypes, 16-byte alignment, integers equal to 1 or
     divisible by 16); the binary compiled for that specialization is then launched directly, without the per-call
@@ -321,7 +321,7 @@ class DescriptorEncoding:
 
 _BY_SITE: dict = {}
 # False keeps every launch on the path that ran before DirectLaunch and launch plans existed (read per call), so a
-# benchmark can time both in one process (benchmarks/bench_layer_host.py).
+# benchmark can time both in one process (benchmarks/studies/20261203_layer_host.py).
 DIRECT_LAUNCH = True
 _CONSTANT_TYPES = (int, bool, float, str, type(None))
 
