@@ -453,6 +453,9 @@ def test_diffusers_single_file_table_has_the_converters_used_here():
 
 # Qwen-Image 2.1's pipeline passes its KV cache object to every transformer call: the runner runs those eagerly.
 KV_CACHE_CALLS = {"qwen21": "argument kwargs['kv_cache'] is a QwenImage21KVCache"}
+# With zero_cond_t (Edit-2511), diffusers 0.42.1's forward builds modulate_index with torch.tensor(list, device=...)
+# at every call, a host-to-device copy that a CUDA graph cannot capture: the runner runs those calls eagerly.
+UNCAPTURABLE = {"qwen_edit_2511"}
 
 
 @pytest.mark.gpu
@@ -478,6 +481,11 @@ def test_gpu_comfy_files_with_fast_paths_and_cuda_graphs(family, tmp_path):
     graphs = report["cuda_graphs"]
     if family in KV_CACHE_CALLS:
         assert set(graphs["eager_calls"]) == {KV_CACHE_CALLS[family]} and graphs["replays"] == 0, graphs
+    elif family in UNCAPTURABLE:
+        reasons = graphs["eager_calls"]
+        print("eager calls:", reasons)
+        assert graphs["graphs"] == graphs["replays"] == 0 and reasons, graphs
+        assert all(reason.startswith("capture failed: ") for reason in reasons), reasons
     else:
         assert graphs["replays"] > 0 and graphs["eager_calls"] == {}, graphs
     assert report["verifications"]["failed"] == 0, report
