@@ -9,6 +9,8 @@ import torch
 from diffusers_nvfp4_fast.switches import CHECK_OPS
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # an xdist worker: its share of the cores, not all of them each
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 os.environ.setdefault(CHECK_OPS, "1")  # every op call through the dispatcher checks its outputs
 
 _DURATIONS: dict[str, float] = defaultdict(float)
