@@ -47,7 +47,6 @@ _E2M1_THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2
 ScaleLayout = Literal["128x4", "linear"]
 
 
-
 def round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
@@ -242,16 +241,18 @@ def decode_nvfp4(
     m, half_k = packed.shape
     k = half_k * 2
     sf = _linear_scales(scales, m, k, scale_layout)
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    values = lut[_codes(packed, nibble_order).long()].reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
+    values = _e2m1_blocks(packed, nibble_order, torch.float32)
     return (values * e4m3_value(sf).unsqueeze(-1)).reshape(m, k).to(dtype)
 
 
-def _codes(packed: torch.Tensor, nibble_order: str) -> torch.Tensor:
+def _e2m1_blocks(packed: torch.Tensor, nibble_order: str, dtype: torch.dtype) -> torch.Tensor:
+    """The E2M1 values of packed ``[M, K/2]`` in ``dtype``, as ``[M, K/16, 16]`` blocks."""
     if nibble_order not in ("lo_first", "hi_first"):
         raise ValueError(f"nibble_order must be 'lo_first' or 'hi_first', got {nibble_order!r}")
     p = packed.view(torch.uint8)
-    return unpack_nibbles(swap_nibbles(p) if nibble_order == "hi_first" else p)
+    codes = unpack_nibbles(swap_nibbles(p) if nibble_order == "hi_first" else p)
+    lut = torch.tensor(E2M1_VALUES, dtype=dtype, device=packed.device)
+    return lut[codes.long()].reshape(p.shape[0], -1, BLOCK_SIZE)
 
 
 def _linear_scales(scales: torch.Tensor, m: int, k: int, scale_layout: str) -> torch.Tensor:
@@ -305,6 +306,4 @@ def dequantize_nvfp4(
     m, k = packed.shape[0], packed.shape[1] * 2
     sf = e4m3_value(_linear_scales(scales, m, k, scale_layout)).to(compute)
     scale = sf * _as_global_scale(weight_scale_2, packed.device, "weight_scale_2").to(compute)
-    lut = torch.tensor(E2M1_VALUES, dtype=compute, device=packed.device)
-    values = lut[_codes(packed, nibble_order).long()].reshape(m, k // BLOCK_SIZE, BLOCK_SIZE)
-    return (values * scale.unsqueeze(-1)).reshape(m, k).to(dtype)
+    return (_e2m1_blocks(packed, nibble_order, compute) * scale.unsqueeze(-1)).reshape(m, k).to(dtype)

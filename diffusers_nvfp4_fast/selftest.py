@@ -468,12 +468,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     parser.add_argument("--json", action="store_true", help="machine-readable output (attach it to bug reports)")
     args = parser.parse_args(argv)
-    try:
-        if args.device is not None:
+    if args.device is not None:
+        try:
             check_device(args.device)
-    except ValueError as e:
-        print(f"diffusers-nvfp4-fast selftest: {e}", file=sys.stderr)
-        return 2
+        except ValueError as e:
+            print(f"diffusers-nvfp4-fast selftest: {e}", file=sys.stderr)
+            return 2
     result = run_selftest(args.device)
     print(json.dumps(result, indent=1) if args.json else format_report(result))
     return 0 if result["passed"] else 1

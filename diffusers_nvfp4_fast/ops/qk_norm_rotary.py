@@ -28,7 +28,6 @@ from .rotary import rotary_reference
 EPS = 1e-6  # Qwen-Image's
 
 
-
 @dataclass(frozen=True)
 class TreeMatch:
     """The kernel's warp-reduction ``tree`` whose bytes equal torch's on a device (1: lanes added at offsets 16, 8,

@@ -18,7 +18,7 @@ from ..loaders.common import is_excluded, qkv_group, quantization_config
 from ..utils import check_device
 from .calibration import DEFAULT_PROMPTS, calibrate_pipeline, free, load_pipeline
 from .layers import nvfp4_layer_tensors, weight_amax
-from .recipes import RECIPE_SOURCES, exclude_patterns, qwen_rule_applies
+from .recipes import RECIPE_SOURCES, exclude_patterns, kept_bf16, qwen_rule_applies
 from .source import BF16Source, open_source
 from .workdir import remove_stale_work_dirs, terminate_raises, work_dir_for
 from .writer import ShardWriter, check_target, parse_size, publish
@@ -177,20 +177,19 @@ def _package_scale_method(quant: Sequence[str], dynamic: bool) -> str:
 def _nothing_to_quantize(src: BF16Source, patterns: Sequence[str], given: bool) -> str:
     """Why no Linear of ``src`` would become NVFP4: which option or recipe rule kept how many of them BF16."""
     linears = src.linears
-    excluded = [n for n in linears if is_excluded(n, list(patterns))]
-    narrow = len(linears) - len(excluded)
+    excluded, narrow = kept_bf16(list(linears), patterns)
     what = f"{src.model_dir}: no Linear would become NVFP4, so the checkpoint would be all BF16: "
     if not linears:
         return what + f"this {src.class_name} has no Linear layers"
     if given:
-        why = f"--exclude / exclude= ({' '.join(patterns)}) matches {len(excluded)} of its {len(linears)} Linears"
+        why = f"--exclude / exclude= ({' '.join(patterns)}) matches {excluded} of its {len(linears)} Linears"
     elif qwen_rule_applies(src.class_name):
         why = (f"the recipe for {src.class_name} keeps everything outside transformer_blocks and the first two and "
                f"the last two of them in BF16, and this model has num_layers={src.config.get('num_layers')} "
-               f"transformer_blocks (5 or more leave one to quantize); {len(excluded)} of its {len(linears)} Linears "
+               f"transformer_blocks (5 or more leave one to quantize); {excluded} of its {len(linears)} Linears "
                "match the recipe")
     else:
-        why = (f"the recipe for {src.class_name} ({', '.join(patterns)}) matches {len(excluded)} of its "
+        why = (f"the recipe for {src.class_name} ({', '.join(patterns)}) matches {excluded} of its "
                f"{len(linears)} Linears")
     if narrow:
         why += f", and the other {narrow} have in_features that are not a multiple of 16"

@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from ..format import BLOCK_SIZE
-from ..loaders.common import is_excluded, qkv_group, raise_scale_problems, record_load_summary, replace_linear
+from ..loaders.common import qkv_group, raise_scale_problems, record_load_summary, replace_linear
 from ..loaders.errors import NVFP4CheckpointError
 from ..loaders.finish import finish_model
 from ..loaders.modelopt_export import QuantizationInfo, build_nvfp4_layer
 from .command import quantizable
 from .layers import nvfp4_layer_tensors, weight_amax
-from .recipes import RECIPE_SOURCES, exclude_patterns
+from .recipes import RECIPE_SOURCES, exclude_patterns, kept_bf16
 
 
 @dataclass
@@ -67,8 +67,7 @@ def plan_layers(model: nn.Module, exclude: Sequence[str] | None, input_scales: M
     quantized = [n for n, m in linears.items() if quantizable(n, m, patterns)]
     kept = [n for n in linears if n not in set(quantized)]
     if not quantized:
-        excluded = sum(is_excluded(n, list(patterns)) for n in linears)
-        narrow = len(linears) - excluded
+        excluded, narrow = kept_bf16(list(linears), patterns)
         raise ValueError(f"{source}: no Linear of this {class_name} would become NVFP4: the BF16-kept patterns "
                          f"({recipe}: {', '.join(patterns)}) match {excluded} of its {len(linears)} Linears"
                          + (f", and the other {narrow} have in_features that are not multiples of 16" if narrow else "")

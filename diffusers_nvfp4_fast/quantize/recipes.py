@@ -14,8 +14,10 @@ is_excluded``). Sources (NVIDIA/TensorRT-Model-Optimizer, ``examples/diffusers/q
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+from ..loaders.common import is_excluded
 
 FLUX2_EXCLUDE = (
     "x_embedder", "context_embedder", "proj_out", "norm_out*", "time_guidance_embed*",
@@ -36,6 +38,13 @@ def qwen_exclude(num_layers: int, top: tuple[str, ...] = QWEN_EXCLUDE_TOP) -> tu
     """Qwen-Image's rule: everything outside ``transformer_blocks`` and the first two and last two blocks stay BF16."""
     keep = sorted({0, 1, num_layers - 2, num_layers - 1} & set(range(num_layers)))
     return top + tuple(f"transformer_blocks.{i}" for i in keep)
+
+
+def kept_bf16(linear_names: Sequence[str], patterns: Sequence[str]) -> tuple[int, int]:
+    """(how many of the Linears ``patterns`` keep BF16, how many others): where no Linear is quantized, the others are
+    those whose in_features are not a multiple of 16. The counts behind every "nothing would become NVFP4" refusal."""
+    excluded = sum(is_excluded(n, list(patterns)) for n in linear_names)
+    return excluded, len(linear_names) - excluded
 
 
 def qwen_rule_applies(class_name: str) -> bool:
