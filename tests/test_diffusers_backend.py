@@ -324,7 +324,8 @@ def test_a_refused_pipeline_save_writes_nothing(modelopt_exports, tmp_path):
 
 
 def test_a_pipeline_holding_a_lora_refuses_to_save_before_writing(modelopt_exports, tmp_path):
-    pytest.importorskip("peft", reason="peft is not installed, so the LoRA save test did not run")
+    pytest.importorskip("peft", reason="peft is not installed, so the LoRA save test did not run; "
+                                       "it runs wherever peft is installed, as in CI (pip install -e '.[test]')")
     from test_lora import SINGLE_TO_OUT, lora_state_dict
 
     pipe, _ = tiny.tiny_flux2_pipeline(load_nvfp4_transformer(modelopt_exports("flux2")))

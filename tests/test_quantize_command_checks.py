@@ -113,7 +113,8 @@ def test_zero_steps_and_reserved_call_kwargs_are_refused_first(tmp_path, capsys)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a CUDA GPU")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine there is no refusal to check; "
+                                                      "this runs in the CPU suite (CI)")
 def test_cuda_without_a_gpu_is_one_line(klein_pipeline_dir, tmp_path, capsys):
     err = _refused(capsys, klein_pipeline_dir / "transformer", tmp_path / "out", "--dynamic", "--device", "cuda")
     assert "device='cuda': torch sees no CUDA GPU here" in err and not (tmp_path / "out").exists()

@@ -185,7 +185,8 @@ def test_bin_save_is_refused_before_anything_is_written(export, tmp_path):
 
 
 def test_lora_wrapped_model_is_refused_at_save_and_named_at_reload(export, tmp_path):
-    pytest.importorskip("peft", reason="peft is not installed, so the LoRA save test did not run")
+    pytest.importorskip("peft", reason="peft is not installed, so the LoRA save test did not run; "
+                                       "it runs wherever peft is installed, as in CI (pip install -e '.[test]')")
     from diffusers.models.modeling_utils import ModelMixin
     from test_lora import SINGLE_TO_OUT, lora_state_dict
 

@@ -31,11 +31,13 @@ def test_env_value_reads_what_os_environ_holds_at_each_call(monkeypatch):
 
 
 def test_the_no_asm_switch_the_decode_kernel_reads_is_the_declared_one(monkeypatch):
-    pytest.importorskip("triton", reason="the kernels import Triton")
+    pytest.importorskip("triton", reason="the kernels import Triton, so they were not checked; "
+                                         "this runs wherever Triton is installed, as in CI")
     from diffusers_nvfp4_fast.kernels import launch, nvfp4_decode
 
     if launch.INTERPRETING:
-        pytest.skip("under TRITON_INTERPRET the decode never takes the PTX split, whatever the switch says")
+        pytest.skip("under TRITON_INTERPRET the decode never takes the PTX split, so the switch was not checked; "
+                    "this runs without TRITON_INTERPRET, as in CI")
     assert nvfp4_decode.NO_ASM_VAR == switches.TRITON_NO_ASM
     cuda_tensor = types.SimpleNamespace(is_cuda=True)  # use_asm_split reads only this of its tensor
     monkeypatch.delenv(switches.TRITON_NO_ASM, raising=False)
@@ -46,7 +48,8 @@ def test_the_no_asm_switch_the_decode_kernel_reads_is_the_declared_one(monkeypat
 
 def test_the_pdl_switch_the_launcher_reads_is_the_declared_one():
     """kernels/launch.py reads it once, at import: in a fresh process, the declared name set to 0 turns PDL off."""
-    pytest.importorskip("triton", reason="the kernels import Triton")
+    pytest.importorskip("triton", reason="the kernels import Triton, so they were not checked; "
+                                         "this runs wherever Triton is installed, as in CI")
     code = ("import importlib, os, sys\n"
             "from diffusers_nvfp4_fast.kernels import launch\n"
             "off = launch.PDL\n"
