@@ -77,7 +77,9 @@ def write_flux2_dev_file(path: Path) -> dict:
     import bench_transformer_step as step
 
     from diffusers_nvfp4_fast.loaders.common import is_excluded
-    from diffusers_nvfp4_fast.testing.bfl_writer import write_bfl_file
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the BFL writer is a test tool
+    from support.bfl_writer import write_bfl_file
 
     model = step.empty_model("flux2-dev", tiny=False)
     config = dict(model.config)

@@ -1,5 +1,5 @@
 """``python -m diffusers_nvfp4_fast``: the ``diffusers-nvfp4-fast`` command line."""
 
-from .cli import main
+from .commands.cli import main
 
 raise SystemExit(main())

@@ -21,9 +21,9 @@ import torch
 from diffusers_nvfp4_fast import load_nvfp4_transformer
 from diffusers_nvfp4_fast.linear import NVFP4Linear
 from diffusers_nvfp4_fast.testing import tiny
-from diffusers_nvfp4_fast.testing.comfy_writer import COMFY_PREFIX
 from support.bfl_files import write_bfl_file
 from support.comfy_files import FAMILIES, FileCase, make_source, write_case
+from support.comfy_writer import COMFY_PREFIX
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(?:<!-- docs-test: (?P<mode>compile|modelopt) \((?P<why>[^)]+)\) -->\n)?"

@@ -168,7 +168,7 @@ def test_no_import_cycles_between_package_modules():
 
 
 def test_cli_help_imports_neither_torch_nor_diffusers():
-    code = ("import sys; from diffusers_nvfp4_fast.cli import main\n"
+    code = ("import sys; from diffusers_nvfp4_fast.commands.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
             "print('HEAVY', sorted(m for m in ('torch', 'diffusers', 'triton') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diffusers_nvfp4_fast.cli import main as cli_main
+from diffusers_nvfp4_fast.commands.cli import main as cli_main
 from diffusers_nvfp4_fast.linear import NVFP4Linear
 from diffusers_nvfp4_fast.loaders import NVFP4CheckpointError, load_nvfp4_transformer, load_summary
 from diffusers_nvfp4_fast.loaders.bfl import plan_bfl_checkpoint

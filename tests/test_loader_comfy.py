@@ -8,7 +8,7 @@ comfy-kitchen's ``dequantize_nvfp4`` gives for the stored bytes, mapped by diffu
 (float64: exact on both sides). BF16 tensors arrive unchanged; pipelines give the same PNG with fast paths off, on and
 off again. diffusers' BFL files are written by diffusers' own ``quantize_nvfp4`` and must load to the tensors
 diffusers' own loader builds. ``inspect`` exits 1 exactly when the loader refuses. This package's writer
-(``testing.comfy_writer``) writes comfy-kitchen's bytes, so the GPU test can write its files without comfy-kitchen.
+(``support.comfy_writer``) writes comfy-kitchen's bytes, so the GPU test can write its files without comfy-kitchen.
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ from diffusers_nvfp4_fast import (
     load_nvfp4_transformer,
     load_summary,
 )
-from diffusers_nvfp4_fast.cli import main as cli_main
+from diffusers_nvfp4_fast.commands.cli import main as cli_main
 from diffusers_nvfp4_fast.format import decode_nvfp4, dequantize_nvfp4, unswizzle_scales
 from diffusers_nvfp4_fast.linear import NVFP4Linear
 from diffusers_nvfp4_fast.loaders.bfl.naming import single_file_converter
-from diffusers_nvfp4_fast.testing.comfy_writer import comfy_quantize
-from diffusers_nvfp4_fast.testing.tiny_family import generate, images_sha256
 from support.comfy_files import FAMILIES, FILE_MATRIX, FileCase, ck_dequantize, make_source, write_case
+from support.comfy_writer import comfy_quantize
+from support.tiny_family import generate, images_sha256
 
 CASES = {case.id: case for case in FILE_MATRIX}
 CLASS = {"flux2": "Flux2Transformer2DModel", "klein": "Flux2Transformer2DModel",
@@ -462,7 +462,7 @@ UNCAPTURABLE = {"qwen_edit_2511"}
 @pytest.mark.usefixtures("fresh_verdicts")
 @pytest.mark.parametrize("family", ["flux2", "klein", "qwen", "qwen_edit_2511", "qwen21"])
 def test_gpu_comfy_files_with_fast_paths_and_cuda_graphs(family, tmp_path):
-    """Written by ``testing.comfy_writer.comfy_quantize`` (the CPU tests prove its bytes are comfy-kitchen's), loaded
+    """Written by ``support.comfy_writer.comfy_quantize`` (the CPU tests prove its bytes are comfy-kitchen's), loaded
     onto the GPU; the same PNG with fast paths off, on with every transformer call replayed from a CUDA graph
     (Qwen-Image 2.1: eager, its KV cache), and off again."""
     case = FileCase(f"{family}-gpu", family, prefix="model.diffusion_model.")

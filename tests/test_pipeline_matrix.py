@@ -1,5 +1,5 @@
 """Every FLUX.2 and Qwen-Image pipeline class of diffusers 0.42.1 with a tiny NVFP4 transformer
-(``testing/tiny_family.MATRIX``): the same PNG bytes with fast paths off, on and off again; every fused site kind
+(``support/tiny_family.MATRIX``): the same PNG bytes with fast paths off, on and off again; every fused site kind
 installed runs (``fused_calls``), nothing falls back, no verification fails. The "Pipeline classes" table of
 docs/pipelines.md lists exactly the classes covered here."""
 
@@ -14,7 +14,7 @@ import pytest
 from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report, load_nvfp4_transformer
 from diffusers_nvfp4_fast.linear import NVFP4Linear
 from diffusers_nvfp4_fast.report import SITE_OF
-from diffusers_nvfp4_fast.testing.tiny_family import (
+from support.tiny_family import (
     MATRIX,
     MatrixCase,
     generate,

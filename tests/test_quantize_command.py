@@ -19,7 +19,7 @@ from diffusers_nvfp4_fast import (
     quantize_nvfp4,
     quantize_transformer,
 )
-from diffusers_nvfp4_fast.cli import main
+from diffusers_nvfp4_fast.commands.cli import main
 from diffusers_nvfp4_fast.loaders.common import is_excluded, qkv_group
 from diffusers_nvfp4_fast.quantize import recipes
 from diffusers_nvfp4_fast.quantize.calibration import CalibrationError, check_input_amax, record_input_amax
@@ -171,7 +171,7 @@ def test_calibration_refuses_layers_without_a_usable_amax():
 
 
 def test_failed_write_leaves_the_target_as_it_was(tmp_path_factory, tmp_path, monkeypatch):
-    from diffusers_nvfp4_fast.quantize import command
+    from diffusers_nvfp4_fast.quantize import transformer as command
 
     src = _quantized("klein", tmp_path_factory)[0]
     (tmp_path / "out").mkdir()

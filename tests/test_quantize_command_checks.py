@@ -14,9 +14,10 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from diffusers_nvfp4_fast import load_nvfp4_transformer, load_summary, quantize_transformer
-from diffusers_nvfp4_fast.cli import _call_kwargs, main
-from diffusers_nvfp4_fast.quantize.command import EmptyPlanError
-from diffusers_nvfp4_fast.testing import tiny, tiny_family
+from diffusers_nvfp4_fast.commands.cli import _call_kwargs, main
+from diffusers_nvfp4_fast.quantize.transformer import EmptyPlanError
+from diffusers_nvfp4_fast.testing import tiny
+from support import tiny_family
 
 
 def _cli(capsys, *args) -> tuple[int, str, str]:

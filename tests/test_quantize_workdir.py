@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from diffusers_nvfp4_fast.cli import main
-from diffusers_nvfp4_fast.quantize import command, workdir
+from diffusers_nvfp4_fast.commands.cli import main
+from diffusers_nvfp4_fast.quantize import transformer as command
+from diffusers_nvfp4_fast.quantize import workdir
 from diffusers_nvfp4_fast.quantize.workdir import OWNER_FILE
 from diffusers_nvfp4_fast.testing import tiny
 
@@ -27,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # The child quantizes with its layer quantizer held up after the first layer, so the signal lands mid-write.
 _CHILD = """
 import pathlib, sys, time
-from diffusers_nvfp4_fast.cli import main
-from diffusers_nvfp4_fast.quantize import command
+from diffusers_nvfp4_fast.commands.cli import main
+from diffusers_nvfp4_fast.quantize import transformer as command
 real = command.nvfp4_layer_tensors
 def held(*args, **kwargs):
     tensors = real(*args, **kwargs)

@@ -34,7 +34,7 @@ from diffusers_nvfp4_fast.ops.verify import new_stats
 from diffusers_nvfp4_fast.patches.qwen21_attention import QwenImage21FusedAttnProcessor
 from diffusers_nvfp4_fast.patches.qwenimage21 import patch_qwenimage21
 from diffusers_nvfp4_fast.testing import export
-from diffusers_nvfp4_fast.testing.tiny_family import QWEN21_EXCLUDE, tiny_qwen21_transformer
+from support.tiny_family import QWEN21_EXCLUDE, tiny_qwen21_transformer
 
 pytestmark = pytest.mark.usefixtures("fresh_verdicts")
 

@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 from test_lora import SINGLE_TO_OUT, lora_state_dict
 
 from diffusers_nvfp4_fast.testing import tiny
-from diffusers_nvfp4_fast.testing.comfy_writer import COMFY_PREFIX
 from support.bfl_files import write_bfl_file
 from support.comfy_files import FAMILIES, FileCase, make_source, write_case
+from support.comfy_writer import COMFY_PREFIX
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

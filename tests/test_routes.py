@@ -351,7 +351,7 @@ def _set_byte(tensors, key, value):
 ], ids=["missing-key", "wrong-shape", "nan-weight-scale-2", "e4m3-nan-byte"])
 def test_inspect_of_a_modelopt_export_refuses_what_the_loader_refuses(export, tmp_path, capsys, edit, says,
                                                                       needs_block_scales):
-    from diffusers_nvfp4_fast.cli import main
+    from diffusers_nvfp4_fast.commands.cli import main
 
     bad = _edited_export(export, tmp_path / "bad", edit)
     with pytest.raises(NVFP4CheckpointError, match=says):
@@ -405,7 +405,7 @@ def test_broken_config_and_missing_shard_name_the_file(export, tmp_path):
     (b"import torch\nprint('hello')\n", "does not begin with a safetensors header"),
 ], ids=["zip", "pickle", "python"])
 def test_inspect_on_a_non_safetensors_file_says_so(tmp_path, capsys, content, says):
-    from diffusers_nvfp4_fast.cli import main
+    from diffusers_nvfp4_fast.commands.cli import main
 
     path = tmp_path / "model.bin"
     path.write_bytes(content)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from diffusers_nvfp4_fast import cli, selftest
+from diffusers_nvfp4_fast.commands import cli, selftest
 from diffusers_nvfp4_fast.format import decode_nvfp4
 from diffusers_nvfp4_fast.ops import dispatch
 from diffusers_nvfp4_fast.ops import linear as linear_op

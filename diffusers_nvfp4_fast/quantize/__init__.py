@@ -4,6 +4,6 @@
 through the user's pipeline or computed per call, the BF16-kept layers from ModelOpt's per-model recipes.
 """
 
-from .command import QuantizedCheckpoint, quantize_transformer
+from .transformer import QuantizedCheckpoint, quantize_transformer
 
 __all__ = ["QuantizedCheckpoint", "quantize_transformer"]

@@ -22,9 +22,9 @@ from ..loaders.common import qkv_group, raise_scale_problems, record_load_summar
 from ..loaders.errors import NVFP4CheckpointError
 from ..loaders.finish import finish_model
 from ..loaders.modelopt_export import QuantizationInfo, build_nvfp4_layer
-from .command import quantizable
 from .layers import nvfp4_layer_tensors, weight_amax
 from .recipes import RECIPE_SOURCES, exclude_patterns, kept_bf16
+from .transformer import quantizable
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Test helpers: a real ModelOpt NVFP4 quantization of the tiny FLUX.2 transformer, its export, and a writer that
 re-lays an export out as the (inferred) BFL / ComfyUI single-file format.
 
-The BFL writer itself is ``diffusers_nvfp4_fast.testing.bfl_writer`` (independent of the loaders).
+The BFL writer itself is ``support.bfl_writer`` (independent of the loaders).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from diffusers_nvfp4_fast.testing import bfl_writer
-from diffusers_nvfp4_fast.testing.bfl_writer import cublas_swizzle, marker  # noqa: F401 (the tests use them)
+from support import bfl_writer
+from support.bfl_writer import cublas_swizzle, marker  # noqa: F401 (the tests use them)
 
 # ModelOpt's FLUX filter (examples/diffusers/quantization/utils.py::filter_func_flux_dev), plus the text-stream q/k/v:
 # the real BFL file keeps txt_attn.qkv in BF16 (docs/design.md §4), so the export used for comparison does too.
@@ -87,7 +87,7 @@ def load_export_state(export_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def write_bfl_file(export_dir: Path, out_file: Path, **kwargs) -> dict[str, list[str]]:
-    """``testing.bfl_writer.write_bfl_file`` of a ModelOpt export directory of the tiny FLUX.2 model."""
+    """``support.bfl_writer.write_bfl_file`` of a ModelOpt export directory of the tiny FLUX.2 model."""
     cfg = json.loads((export_dir / "config.json").read_text())
     return bfl_writer.write_bfl_file(load_export_state(export_dir), cfg["num_layers"], cfg["num_single_layers"],
                                      out_file, **kwargs)

@@ -1,7 +1,7 @@
 """Tiny NVFP4 single files of every family member, in the formats people download, written by the producers' own
 quantizers: comfy-kitchen 0.2.40 (ComfyUI's format; ``comfy_kitchen`` is imported only where a file is written with
 it, so the GPU tests run without it), diffusers' ``quantize_nvfp4`` (its BFL files), and this package's
-``testing.comfy_writer.comfy_quantize`` (the same bytes as comfy-kitchen's, which the CPU tests prove)."""
+``support.comfy_writer.comfy_quantize`` (the same bytes as comfy-kitchen's, which the CPU tests prove)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from torch import nn
 from diffusers_nvfp4_fast.loaders.common import is_excluded
 from diffusers_nvfp4_fast.quantize.recipes import QWEN_EXCLUDE_TOP
 from diffusers_nvfp4_fast.testing import tiny
-from diffusers_nvfp4_fast.testing import tiny_family as tf
-from diffusers_nvfp4_fast.testing.comfy_writer import (
+from support import tiny_family as tf
+from support.comfy_writer import (
     COMFY_PREFIX,
     FileStyle,
     Quantizer,

@@ -25,10 +25,10 @@ from torch import nn
 from transformers import Qwen2VLProcessor, Qwen3VLProcessor
 from transformers.processing_utils import ProcessorMixin
 
-from ..loaders.common import is_excluded
-from ..utils import png_sha256
-from . import tiny
-from .export import calibrate_input_amax, export_nvfp4
+from diffusers_nvfp4_fast.loaders.common import is_excluded
+from diffusers_nvfp4_fast.testing import tiny
+from diffusers_nvfp4_fast.testing.export import calibrate_input_amax, export_nvfp4
+from diffusers_nvfp4_fast.utils import png_sha256
 
 AREA_DIVISOR = 256  # 1024x1024 -> 64x64: Qwen-Image's fixed target areas, scaled for a 4x-downsampling tiny VAE
 _AREA_MODULES = (

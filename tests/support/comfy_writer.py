@@ -23,8 +23,16 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..format import BLOCK_SIZE, E2M1_MAX, E4M3_MAX, e2m1_round, pack_nibbles, swap_nibbles, swizzle_scales
-from .bfl_writer import bfl_modules, marker
+from diffusers_nvfp4_fast.format import (
+    BLOCK_SIZE,
+    E2M1_MAX,
+    E4M3_MAX,
+    e2m1_round,
+    pack_nibbles,
+    swap_nibbles,
+    swizzle_scales,
+)
+from support.bfl_writer import bfl_modules, marker
 
 Quantizer = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 StoredKind = Literal["linear", "scale", "swap"]

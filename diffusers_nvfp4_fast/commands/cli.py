@@ -124,9 +124,9 @@ def _quantize(args: argparse.Namespace) -> int:
     call_kwargs.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
     import torch
 
-    from .quantize import quantize_transformer
-    from .quantize.modelopt_route import ModelOptUnavailableError
-    from .quantize.workdir import Terminated
+    from ..quantize import quantize_transformer
+    from ..quantize.modelopt_route import ModelOptUnavailableError
+    from ..quantize.workdir import Terminated
 
     try:
         result = quantize_transformer(
@@ -153,7 +153,7 @@ def _inspect(path: Path, as_json: bool, check_scales: bool) -> int:
     if not path.exists():
         print(f"diffusers-nvfp4-fast inspect: {path}: no such file or directory", file=sys.stderr)
         return 2
-    from .loaders.inspect import format_report, inspect_checkpoint
+    from ..loaders.inspect import format_report, inspect_checkpoint
 
     try:
         facts = inspect_checkpoint(path, check_scales=check_scales)

@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from . import format as nvfp4
-from .ops import dispatch
-from .ops.layer_norm_quantize import AdaLNInputs, ResNormInputs
-from .ops.verify import bytes_equal, describe_mismatch, exact_fast_math_reference
-from .utils import check_device
+from .. import format as nvfp4
+from ..ops import dispatch
+from ..ops.layer_norm_quantize import AdaLNInputs, ResNormInputs
+from ..ops.verify import bytes_equal, describe_mismatch, exact_fast_math_reference
+from ..utils import check_device
 
 Outputs = tuple[torch.Tensor, ...]
 REPEATS = 5
@@ -123,14 +123,14 @@ def _reference_recipe(fast_math: bool, device: torch.device) -> Iterator[None]:
 
 
 def _quantize_reference(x: torch.Tensor, g: torch.Tensor, fast_math: bool, device: torch.device) -> Outputs:
-    from .ops.quantize import quantize_reference
+    from ..ops.quantize import quantize_reference
 
     with _reference_recipe(fast_math, device):
         return quantize_reference(x, g, fast_math)
 
 
 def _quantize_checks(device: torch.device, gen: torch.Generator) -> list[dict[str, Any]]:
-    from .ops.quantize import quantize
+    from ..ops.quantize import quantize
 
     x = _randn(gen, device, 4096, 6144, scale=3.0)
     g = _global_scale(x)
@@ -145,12 +145,12 @@ def _quantize_checks(device: torch.device, gen: torch.Generator) -> list[dict[st
 
 def _fused_cases(device: torch.device, gen: torch.Generator, fast_math: bool) -> dict[str, tuple[Callable, Callable]]:
     """name -> (fused kernel call, the unfused torch path it replaces), at FLUX.2-dev / Qwen-Image widths."""
-    from .ops import gelu_quantize as gelu
-    from .ops import layer_norm_quantize as norm
-    from .ops import qk_norm_rotary as qk
-    from .ops import rotary as rot
-    from .ops import swiglu_quantize as swiglu
-    from .ops import token_cat_quantize as token_cat
+    from ..ops import gelu_quantize as gelu
+    from ..ops import layer_norm_quantize as norm
+    from ..ops import qk_norm_rotary as qk
+    from ..ops import rotary as rot
+    from ..ops import swiglu_quantize as swiglu
+    from ..ops import token_cat_quantize as token_cat
 
     rows, eps = 512, 1e-6
     attn, mlp = _randn(gen, device, rows, 6144), _randn(gen, device, rows, 18432, scale=0.3)
@@ -194,9 +194,9 @@ def _decoded_cases(device, res: ResNormInputs, ada: AdaLNInputs, fc1, g, gs, eps
     """The kernels that write the decoded FP16 operand of the SM80-SM90 GEMM (only where that GEMM runs)."""
     if dispatch.gemm_backend(device) != "triton":
         return {}
-    from .ops import gelu_quantize as gelu
-    from .ops import layer_norm_quantize as norm
-    from .ops.quantize import quantize
+    from ..ops import gelu_quantize as gelu
+    from ..ops import layer_norm_quantize as norm
+    from ..ops.quantize import quantize
 
     k = dispatch.kernels
     assert k is not None
@@ -237,8 +237,8 @@ def kernel_checks(device: torch.device) -> list[dict[str, Any]]:
 def _unused_here(device: torch.device) -> dict[str, str]:
     """Kernels whose sites check a property of this GPU first and keep diffusers' ops where it fails (docs/design.md
     §6): name prefix -> why they are not used (their sites fall back, so no output depends on them)."""
-    from .ops.gelu_quantize import gelu_mismatch
-    from .ops.qk_norm_rotary import tree_match
+    from ..ops.gelu_quantize import gelu_mismatch
+    from ..ops.qk_norm_rotary import tree_match
 
     unused = {}
     tree = tree_match(device)
@@ -280,7 +280,7 @@ def _exact_expected(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
 
 def gemm_checks(device: torch.device) -> list[dict[str, Any]]:
     """The NVFP4 GEMM of the backend that runs on ``device`` (the M > 64 FP16-operand entry too, on SM80-SM90)."""
-    from .ops.linear import linear_fp16_x, nvfp4_linear
+    from ..ops.linear import linear_fp16_x, nvfp4_linear
 
     backend = dispatch.gemm_backend(device)  # raises for a forced backend that cannot run here
     shapes = GPU_GEMM_SHAPES if device.type == "cuda" else CPU_GEMM_SHAPES
@@ -351,11 +351,11 @@ def _no_tf32() -> Iterator[None]:
 
 def pipeline_check(device: torch.device) -> dict[str, Any]:
     """The tiny FLUX.2 pipeline (quantized here to NVFP4, loaded back) with fast paths off and on: same PNG."""
-    from .api import disable_fast_paths, enable_fast_paths, fast_path_report
-    from .loaders import load_nvfp4_transformer
-    from .testing.export import quantize_tiny_pipeline
-    from .testing.tiny import TINY_PIPELINES
-    from .utils import png_sha256, run_pipeline
+    from ..api import disable_fast_paths, enable_fast_paths, fast_path_report
+    from ..loaders import load_nvfp4_transformer
+    from ..testing.export import quantize_tiny_pipeline
+    from ..testing.tiny import TINY_PIPELINES
+    from ..utils import png_sha256, run_pipeline
 
     size, steps = (64, 2) if device.type == "cuda" else (32, 1)
     record: dict[str, Any] = {"name": f"tiny FLUX.2 pipeline {size}x{size}, {steps} step(s)",

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from .api import disable_fast_paths, enable_fast_paths, fast_path_report
-from .loaders import load_nvfp4_transformer, load_summary
-from .testing.export import quantize_tiny_pipeline
-from .testing.tiny import TINY_PIPELINES
-from .utils import png_sha256, run_pipeline
+from ..api import disable_fast_paths, enable_fast_paths, fast_path_report
+from ..loaders import load_nvfp4_transformer, load_summary
+from ..testing.export import quantize_tiny_pipeline
+from ..testing.tiny import TINY_PIPELINES
+from ..utils import png_sha256, run_pipeline
 
 
 def _imports_seconds() -> float:
