@@ -1,0 +1,229 @@
+"""The first image in a fresh process: an empty Triton cache (a new user's first run), the cache that run left, BF16.
+
+    python benchmarks/bench_first_image.py --model flux2-klein-4b          # 4 steps, CFG
+    python benchmarks/bench_first_image.py --model qwen-image flux2-dev    # 30 steps true CFG; 28 steps
+    python benchmarks/bench_first_image.py --model qwen-image --tiny       # CPU dry run of the logic
+
+Each case runs in a new Python process (``--child``) with ``TRITON_CACHE_DIR`` set: ``cold`` to a new empty
+directory, ``warm`` to the directory the cold run filled, and BF16 (fast paths off) to another empty one. The child
+times the imports, building the pipeline (``bench_pipeline.build``: real-size components, random weights),
+``enable_fast_paths``, the first and the second 1024x1024 image, and splits the first image's extra time: Triton
+compiles by kernel (``JITFunction._do_compile``), autotune timing (``Autotuner._bench`` less the compiles inside it),
+first-use verification (``verify.run_checked`` calls that verified, less their compiles), launch-plan building, and
+``other`` (the rest of first minus second). Those hooks are Triton and project internals, read here only.
+Writes benchmarks/results/first_image-<device>.json (cases of other models are kept, each dated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+T_START = time.perf_counter()
+sys.path.insert(0, str(Path(__file__).parent))
+
+STEPS = {"flux2-klein-4b": 4, "qwen-image": 30, "flux2-dev": 28}
+CASES = (("nvfp4", "cold"), ("nvfp4", "warm"), ("bf16", "cold"))
+
+
+class FirstUseClock:
+    """Seconds spent in Triton compiles (by kernel), autotune timing, verification and plan building, each less the
+    compiles nested in it."""
+
+    def __init__(self) -> None:
+        self.compiles: dict[str, list[float]] = defaultdict(list)
+        self.spent: dict[str, float] = defaultdict(float)
+        self._compile_depth = 0
+        self._compile_total = 0.0
+
+    def _timed(self, what: str, fn):
+        clock = self
+
+        def wrapper(*args, **kwargs):
+            start, compiled_before = time.perf_counter(), clock._compile_total
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock.spent[what] += time.perf_counter() - start - (clock._compile_total - compiled_before)
+        return wrapper
+
+    def _compile(self, fn):
+        clock = self
+
+        def wrapper(jit, *args, **kwargs):
+            start = time.perf_counter()
+            clock._compile_depth += 1
+            try:
+                return fn(jit, *args, **kwargs)
+            finally:
+                clock._compile_depth -= 1
+                seconds = time.perf_counter() - start
+                if clock._compile_depth == 0:
+                    clock._compile_total += seconds
+                    name = getattr(jit, "__name__", None) or getattr(getattr(jit, "fn", None), "__name__", "?")
+                    clock.compiles[name].append(seconds)
+        return wrapper
+
+    @contextlib.contextmanager
+    def installed(self):
+        """The hooks, on whatever of them this Triton and this project have (a missing one reads as 0)."""
+        from triton.runtime import autotuner, jit
+
+        patches = [(jit.JITFunction, "_do_compile", self._compile),
+                   (autotuner.Autotuner, "_bench", lambda f: self._timed("autotune_s", f))]
+        with contextlib.suppress(ImportError):
+            from diffusers_nvfp4_fast.ops import fused, verify
+
+            patches.append((fused, "run_checked", self._verifying(verify)))
+        with contextlib.suppress(ImportError):
+            from diffusers_nvfp4_fast import kernels
+
+            patches += [(kernels, name, lambda f: self._timed("plan_build_s", f)) for name in ("linear_plan",
+                                                                                                "row_plan")]
+        saved = []
+        for owner, name, wrap in patches:
+            if callable(getattr(owner, name, None)):
+                saved.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, wrap(getattr(owner, name)))
+        try:
+            yield self
+        finally:
+            for owner, name, original in saved:
+                setattr(owner, name, original)
+
+    def _verifying(self, verify):
+        """``run_checked`` timed only where it verifies (its first call per call class)."""
+        def wrap(run_checked):
+            timed = self._timed("verification_s", run_checked)
+
+            def wrapper(site, call_key, *rest):
+                seen = f"{site.kind}|{call_key}" in getattr(verify, "_VERDICTS", {})
+                return run_checked(site, call_key, *rest) if seen else timed(site, call_key, *rest)
+            return wrapper
+        return wrap
+
+    def breakdown(self, extra_s: float) -> dict:
+        compile_s = sum(sum(v) for v in self.compiles.values())
+        named = compile_s + sum(self.spent.values())
+        return {"extra_s": round(extra_s, 2), "triton_compile_s": round(compile_s, 2),
+                "triton_compiles": sum(len(v) for v in self.compiles.values()),
+                "compiles_by_kernel": {k: {"n": len(v), "s": round(sum(v), 2)}
+                                       for k, v in sorted(self.compiles.items(), key=lambda kv: -sum(kv[1]))},
+                **{k: round(v, 2) for k, v in sorted(self.spent.items())},
+                "other_s": round(extra_s - named, 2)}
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
+    """One case in this fresh process: times, PNG hashes and the first image's breakdown."""
+    import bench_pipeline
+    import diffusers  # noqa: F401  (the import is part of what a user waits for)
+    import torch
+
+    from diffusers_nvfp4_fast import enable_fast_paths, fast_path_report
+    from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+
+    record: dict = {"import_s": time.perf_counter() - T_START}
+    t = time.perf_counter()
+    pipe, call = bench_pipeline.build(model, dtype, tiny)
+    pipe.set_progress_bar_config(disable=True)
+    _sync()
+    record["build_s"] = time.perf_counter() - t
+    clock = FirstUseClock()
+    with clock.installed():
+        t = time.perf_counter()
+        if dtype == "nvfp4":
+            enable_fast_paths(pipe)
+        _sync()
+        record["enable_s"] = time.perf_counter() - t
+        hashes = []
+        for which in ("first_image_s", "second_image_s"):
+            t = time.perf_counter()
+            with torch.inference_mode():
+                hashes.append(png_sha256(run_pipeline(pipe, call, size=size, steps=steps)))
+            _sync()
+            record[which] = time.perf_counter() - t
+    record = {k: round(v, 3) for k, v in record.items()}
+    record["png_sha256"], record["png_equal_second"] = hashes[0], hashes[0] == hashes[1]
+    record["breakdown"] = clock.breakdown(record["first_image_s"] - record["second_image_s"])
+    if dtype == "nvfp4":
+        record["report"] = {k: v for k, v in fast_path_report(pipe).items() if "prepar" in k or "cache" in k}
+    return record
+
+
+def run_case(model: str, dtype: str, cache: str, cache_dir: Path, args) -> dict:
+    command = [sys.executable, __file__, "--child", "--model", model, "--dtype", dtype, "--size", str(args.size),
+               "--steps", str(args.steps or STEPS[model])] + (["--tiny"] if args.tiny else [])
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{model} {dtype} {cache}: the child failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    return {"model": model, "dtype": dtype, "cache": cache, "steps": args.steps or STEPS[model], "size": args.size,
+            **json.loads(lines[-1])}
+
+
+def save(cases: list[dict], wall_s: float) -> None:
+    import common
+
+    path = common.RESULTS / f"first_image-{common.device_slug()}.json"
+    before = json.loads(path.read_text()) if path.exists() else {"cases": []}
+    result = common.header("first_image", common.copy_bandwidth_gbps())
+    fresh = {c["model"] for c in cases}  # cases of other models stay, each with the date of its run
+    result["cases"] = [{"date": before.get("date"), **c} for c in before["cases"] if c["model"] not in fresh]
+    result["cases"] += [{**c, "date": result["date"]} for c in cases]
+    result["wall_s"] = round(wall_s, 1)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print("wrote", path, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", nargs="+", choices=list(STEPS), required=True)
+    ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's usual count)")
+    ap.add_argument("--size", type=int, default=1024)
+    ap.add_argument("--tiny", action="store_true", help="tiny pipelines on CPU: checks the logic, no timing value")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="nvfp4", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.tiny:
+        args.size = 64
+    if args.child:
+        print(json.dumps(child(args.model[0], args.dtype, args.steps, args.size, args.tiny)), flush=True)
+        return
+    t0, cases = time.time(), []
+    with tempfile.TemporaryDirectory() as tmp:
+        for model in args.model:
+            nvfp4_dir = Path(tmp, model, "nvfp4")
+            for dtype, cache in CASES:
+                cache_dir = nvfp4_dir if dtype == "nvfp4" else Path(tmp, model, dtype)
+                cases.append(run_case(model, dtype, cache, cache_dir, args))
+                c = cases[-1]
+                print(f"[{time.time() - t0:6.1f}s] {model} {dtype} {cache}: first {c['first_image_s']:.2f} s, second "
+                      f"{c['second_image_s']:.2f} s, breakdown {json.dumps(c['breakdown'])}", flush=True)
+            mine = [c for c in cases if c["model"] == model]
+            shas = {c["png_sha256"] for c in mine if c["dtype"] == "nvfp4"}
+            for c in mine:
+                c["png_equal_cold_warm"] = len(shas) == 1 if c["dtype"] == "nvfp4" else None
+            if not args.tiny:
+                save(cases, time.time() - t0)
+    if args.tiny:
+        print(json.dumps(cases, indent=1))
+
+
+if __name__ == "__main__":
+    main()
