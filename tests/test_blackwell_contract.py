@@ -1,21 +1,24 @@
-"""The Blackwell GEMM path, proven on a CPU: ``NVFP4Linear`` -> ``ops/linear.py`` -> ``ops/blackwell.py`` ->
-``flashinfer.mm_fp4(..., backend="cutlass")`` (or torch's cuBLASLt ``scaled_mm``), as ``ops/dispatch.py`` picks it on
-SM100+.
+"""The Blackwell GEMM path, proven on a CPU: ``NVFP4Linear`` -> ``ops/linear.py`` -> ``ops/blackwell.py`` -> torch's
+cuBLASLt ``scaled_mm`` (the automatic choice on SM100+: it ships compiled, no nvcc) or, when forced,
+``flashinfer.mm_fp4(..., backend="cutlass")``, as ``ops/dispatch.py`` picks them.
 
 What runs where. The ``blackwell`` fixture makes the GEMM dispatch believe it is on an SM100 / SM120 GPU while the
 tensors stay on the CPU: it replaces ``dispatch.gemm_device_capability`` (the one question the GEMM dispatch asks; in
-production it answers None for CPU tensors, so nothing there is weakened) and puts ``support.blackwell_fakes``'s
-``FakeFlashInfer`` into ``sys.modules``. Everything else takes its CPU path, because it asks about the tensors, not
-about the GEMM: the activation quantize and the fused sites run their torch references (on a real Blackwell GPU they
-are Triton kernels with the hardware E2M1 conversion, which a CPU cannot run; they are compiled ahead of time for
-sm_100 / sm_103 / sm_110 / sm_120 / sm_121 at the end of this file and in the kernels' own test files). The Hopper
-GEMM kernels are made to fail if anything calls them. So each test here runs the real call path into a stand-in that
-checks every ``mm_fp4`` call against FlashInfer 0.7.2.post1's contract (support/blackwell_fakes.py says which source
-line each check comes from) and computes the result with its own decoder from docs/design.md §3.
+production it answers None for CPU tensors, so nothing there is weakened) and installs ``support.blackwell_fakes``'s
+stand-ins: ``FakeScaledMM`` as ``torch.nn.functional.scaled_mm`` and, for the automatic choice, a
+``CompilingFlashInfer`` whose GEMM entry raises as a machine without nvcc would (or, with ``backend="flashinfer"``,
+``FakeFlashInfer`` forced by ``DIFFUSERS_NVFP4_GEMM_BACKEND``). Everything else takes its CPU path, because it asks
+about the tensors, not about the GEMM: the activation quantize and the fused sites run their torch references (on a
+real Blackwell GPU they are Triton kernels with the hardware E2M1 conversion, which a CPU cannot run; they are
+compiled ahead of time for sm_100 / sm_103 / sm_110 / sm_120 / sm_121 at the end of this file and in the kernels' own
+test files). The Hopper GEMM kernels are made to fail if anything calls them. So each test here runs the real call
+path into a stand-in that checks every call against torch 2.14.1's or FlashInfer 0.7.2.post1's contract
+(support/blackwell_fakes.py says which source line each check comes from) and computes the result with its own
+decoder from docs/design.md §3.
 
-Not proven here (docs/blackwell.md): that FlashInfer's kernel computes what its contract says, its FP32 summation
-order, and the Triton kernels' results on SM100+; ``diffusers-nvfp4-fast selftest`` checks those on a Blackwell GPU.
-"""
+Not proven here (docs/blackwell.md): that cuBLASLt's or FlashInfer's kernel computes what its contract says, its FP32
+summation order and output rounding, and the Triton kernels' results on SM100+; ``diffusers-nvfp4-fast selftest``
+checks those on a Blackwell GPU."""
 
 from __future__ import annotations
 
@@ -41,28 +44,42 @@ from support import blackwell_fakes as fakes
 SM100, SM120 = (10, 0), (12, 0)
 
 
+AUTOMATIC, FLASHINFER = "automatic", "flashinfer"
+BACKENDS = [AUTOMATIC, FLASHINFER]  # the default (cuBLASLt, nothing set) and the forced FlashInfer
+
+
 @pytest.fixture
 def blackwell(monkeypatch):
-    """``install(capability, backend)`` -> the stand-in GEMM ('flashinfer': FakeFlashInfer, 'cublaslt':
-    FakeScaledMM); the Hopper GEMM kernels raise if called."""
+    """``install(capability, backend)`` -> the stand-in GEMM that serves the calls. 'automatic' (nothing forced):
+    FakeScaledMM, with a CompilingFlashInfer importable whose GEMM raises; 'flashinfer' / 'cublaslt': that backend
+    forced by DIFFUSERS_NVFP4_GEMM_BACKEND (FakeFlashInfer / FakeScaledMM). The Hopper GEMM kernels raise if called."""
 
-    def install(capability=SM100, backend="flashinfer", version="0.7.2.post1"):
+    def install(capability=SM100, backend=AUTOMATIC, version="0.7.2.post1"):
         monkeypatch.setattr(dispatch, "gemm_device_capability", lambda device: capability)
         if dispatch.kernels is not None:
             for name in ("nvfp4_gemm", "nvfp4_gemm_fp16_x", "quantize_nvfp4_decoded"):
                 monkeypatch.setattr(dispatch.kernels, name, _no_hopper_gemm)
-        if backend == "cublaslt":
-            monkeypatch.setenv(dispatch.GEMM_BACKEND_VAR, "cublaslt")
-            fake: fakes._LayerContract = fakes.FakeScaledMM(capability)
-            monkeypatch.setattr(torch.nn.functional, "scaled_mm", fake)
-        else:
-            fake = fakes.FakeFlashInfer(capability, version)
+        monkeypatch.delenv(dispatch.GEMM_BACKEND_VAR, raising=False)
+        if backend == FLASHINFER:
+            monkeypatch.setenv(dispatch.GEMM_BACKEND_VAR, "flashinfer")
+            fake: fakes._LayerContract = fakes.FakeFlashInfer(capability, version)
             monkeypatch.setitem(sys.modules, "flashinfer", fake)
+        else:
+            if backend == "cublaslt":
+                monkeypatch.setenv(dispatch.GEMM_BACKEND_VAR, "cublaslt")
+            fake = fakes.FakeScaledMM(capability)
+            monkeypatch.setattr(torch.nn.functional, "scaled_mm", fake)
+            monkeypatch.setitem(sys.modules, "flashinfer", fakes.CompilingFlashInfer(capability))
         dispatch.reset_backend_choice()
         return fake
 
     yield install
     dispatch.reset_backend_choice()
+
+
+def _name(backend: str) -> str:
+    """The report's name of the backend a ``blackwell`` install runs."""
+    return "flashinfer" if backend == FLASHINFER else "cublaslt"
 
 
 def _no_hopper_gemm(*args, **kwargs):
@@ -105,42 +122,119 @@ def _reference(layer, x):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Dispatch, versions, signature.
+# The automatic choice, forced backends, versions, signatures.
 # ----------------------------------------------------------------------------------------------------------------
+
+NO_NVCC = "no nvcc needed"
 
 
 @pytest.mark.parametrize("capability", [(10, 0), (10, 3), (11, 0), (12, 0), (12, 1)])
-def test_blackwell_dispatch_picks_flashinfer(blackwell, capability):
+def test_every_blackwell_family_gets_cublaslt_which_ships_compiled(blackwell, capability):
     blackwell(capability)
     cpu = torch.device("cpu")
-    assert dispatch.gemm_backend(cpu) == "flashinfer"
-    assert dispatch.backend_choice(cpu)[0] == "flashinfer"
+    assert dispatch.gemm_backend(cpu) == "cublaslt"
+    backend, why = dispatch.backend_choice(cpu)
+    assert backend == "cublaslt" and "ships compiled, no nvcc needed" in why and torch.__version__ in why
+
+
+@pytest.mark.parametrize("installed", ["nothing", "flashinfer", "flashinfer + flashinfer-jit-cache",
+                                       "flashinfer, DIFFUSERS_NVFP4_GEMM_BACKEND=''"])
+def test_the_automatic_choice_does_not_depend_on_what_else_is_installed(blackwell, monkeypatch, installed):
+    """Whether FlashInfer, its prebuilt kernels or nothing is installed (another package may pull FlashInfer in), two
+    runs on one machine choose the same backend with the same reason: cuBLASLt."""
+    blackwell(SM100)
+    if installed == "nothing":
+        monkeypatch.setitem(sys.modules, "flashinfer", None)  # import flashinfer raises ImportError
+    if "jit-cache" in installed:
+        monkeypatch.setattr(dispatch, "flashinfer_prebuilt", lambda: "0.7.2.post1")
+    if "''" in installed:
+        monkeypatch.setenv(dispatch.GEMM_BACKEND_VAR, "")
+    dispatch.reset_backend_choice()
+    cpu = torch.device("cpu")
+    assert dispatch.backend_choice(cpu) == ("cublaslt", dispatch._chosen_because("cublaslt"))
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (8, 0), (9, 0), (10, 0), (12, 1)])
+def test_the_automatic_choice_per_capability(blackwell, capability):
+    """cuBLASLt from SM100 on, never below (there the Triton GEMM runs, on CUDA tensors: with the seam's CPU tensors
+    the choice below SM100 is the emulation, and the reason names both refusals)."""
+    blackwell(capability)
+    backend, why = dispatch.backend_choice(torch.device("cpu"))
+    if capability >= (10, 0):
+        assert backend == "cublaslt"
+    else:
+        assert backend == "emulated" and why.startswith(
+            f"not cublaslt: the FP4 tensor-core GEMM (cublaslt) needs SM100 or newer, this GPU is SM{capability[0]}"
+            f"{capability[1]}; not triton: ")
+
+
+def _no_scaled_mm(monkeypatch):
+    monkeypatch.delattr(torch.nn.functional, "scaled_mm")
+
+
+@pytest.mark.parametrize("torch_build,needle", [
+    (_no_scaled_mm, "has no two-level NVFP4 torch.nn.functional.scaled_mm"),
+    (lambda mp: mp.setattr(torch.version, "cuda", "12.6"), "is built with CUDA 12.6; cuBLASLt's FP4 GEMM needs a torch "
+                                                           "built with CUDA >= 12.8"),
+    (lambda mp: mp.setattr(torch.version, "cuda", None), "is not built with CUDA"),
+])
+def test_a_torch_without_cublaslt_fp4_gets_the_emulation_with_a_warning_never_flashinfer(
+        blackwell, monkeypatch, caplog, torch_build, needle):
+    """No silent change of backend: where torch cannot run cuBLASLt's FP4 GEMM, the automatic choice is the exact
+    emulation with a warning that says why and names the way to FlashInfer; it never compiles FlashInfer's GEMM."""
+    blackwell(SM100)
+    torch_build(monkeypatch)
+    dispatch.reset_backend_choice()
+    cpu = torch.device("cpu")
+    with caplog.at_level(logging.WARNING, logger="diffusers_nvfp4_fast"):
+        assert dispatch.gemm_backend(cpu) == "emulated"
+    assert needle in caplog.text and "emulation" in caplog.text and "=flashinfer" in caplog.text
+    assert needle in dispatch.backend_choice(cpu)[1]
+    monkeypatch.setenv(dispatch.GEMM_BACKEND_VAR, "cublaslt")
+    with pytest.raises(dispatch.BackendUnavailableError, match="cublaslt cannot run here"):
+        dispatch.gemm_backend(cpu)
+
+
+@pytest.mark.parametrize("prebuilt", [None, "0.7.2.post1"])
+def test_forced_flashinfer_says_whether_it_compiles_with_nvcc(blackwell, monkeypatch, prebuilt):
+    blackwell(SM100, backend=FLASHINFER)
+    monkeypatch.setattr(dispatch, "flashinfer_prebuilt", lambda: prebuilt)
+    backend, why = dispatch.backend_choice(torch.device("cpu"))
+    assert backend == "flashinfer" and why.startswith(f"forced by {dispatch.GEMM_BACKEND_VAR}")
+    if prebuilt is None:
+        assert "no flashinfer-jit-cache installed: its CUTLASS FP4 GEMM compiles with nvcc at the first call" in why
+    else:
+        assert f"prebuilt kernels are installed (flashinfer-jit-cache {prebuilt}), no nvcc needed" in why
 
 
 @pytest.mark.parametrize("capability,version,floor", [((12, 0), "0.3.0", "0.3.1"), ((11, 0), "0.5.2", "0.5.3"),
                                                       ((10, 0), "0.2.8", "0.2.9")])
-def test_flashinfer_older_than_the_family_floor_is_refused_with_the_version(blackwell, monkeypatch, caplog,
-                                                                             capability, version, floor):
-    blackwell(capability, version=version)
-    with caplog.at_level(logging.WARNING, logger="diffusers_nvfp4_fast"):
-        assert dispatch.gemm_backend(torch.device("cpu")) == "emulated"
-    assert f"FlashInfer {version} predates {floor}" in caplog.text and "emulation" in caplog.text
-    monkeypatch.setenv(dispatch.GEMM_BACKEND_VAR, "flashinfer")
-    with pytest.raises(dispatch.BackendUnavailableError, match=f"flashinfer-python>={floor}"):
+def test_forced_flashinfer_older_than_the_family_floor_is_refused_with_the_version(blackwell, capability, version,
+                                                                                  floor):
+    blackwell(capability, backend=FLASHINFER, version=version)
+    with pytest.raises(dispatch.BackendUnavailableError, match=f"FlashInfer {version} predates {floor}.*"
+                                                               f"flashinfer-python>={floor}"):
         dispatch.gemm_backend(torch.device("cpu"))
 
 
-def test_production_dispatch_never_sends_cpu_tensors_to_flashinfer(monkeypatch):
-    """Without the seam, CPU tensors get the emulation even with a FlashInfer importable."""
+def test_production_dispatch_never_sends_cpu_tensors_to_a_tensor_core_gemm(monkeypatch):
+    """Without the seam, CPU tensors get the emulation even with FlashInfer and torch's scaled_mm importable."""
     monkeypatch.setitem(sys.modules, "flashinfer", fakes.FakeFlashInfer(SM100))
     dispatch.reset_backend_choice()
     try:
         assert dispatch.gemm_backend(torch.device("cpu")) == "emulated"
-        monkeypatch.setenv(dispatch.GEMM_BACKEND_VAR, "flashinfer")
-        with pytest.raises(dispatch.BackendUnavailableError, match="the tensors are on cpu"):
-            dispatch.gemm_backend(torch.device("cpu"))
+        for backend in ("flashinfer", "cublaslt"):
+            monkeypatch.setenv(dispatch.GEMM_BACKEND_VAR, backend)
+            with pytest.raises(dispatch.BackendUnavailableError, match="the tensors are on cpu"):
+                dispatch.gemm_backend(torch.device("cpu"))
     finally:
         dispatch.reset_backend_choice()
+
+
+def test_scaled_mm_stand_in_has_the_installed_torchs_signature():
+    """The drift guard of the default backend's stand-in (``fakes.SCALED_MM_SOURCE``): parameter names, kinds and
+    defaults of the installed torch's ``torch.nn.functional.scaled_mm``, which every supported torch has."""
+    assert fakes.signature_problems(fakes.FakeScaledMM(SM100).__call__, torch.nn.functional.scaled_mm) == []
 
 
 def test_stand_in_has_flashinfers_signature_where_flashinfer_imports():
@@ -168,16 +262,26 @@ def test_signature_guard_finds_a_drift():
     problems = fakes.signature_problems(fake.mm_fp4, drifted)
     assert any(p.startswith("block_size") for p in problems) and any(p.startswith("backend") for p in problems)
 
+    def scaled_mm_drifted(mat_a, mat_b, scale_a, scale_recipe_a, scale_b, scale_recipe_b, swizzle_a=None,
+                          swizzle_b=None, bias=None, output_dtype=None, use_fast_accum=False):
+        raise NotImplementedError
+
+    problems = fakes.signature_problems(fakes.FakeScaledMM(SM100).__call__, scaled_mm_drifted)
+    assert any(p.startswith("parameters") for p in problems) and any(p.startswith("output_dtype") for p in problems)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # The call contract and the values.
 # ----------------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("capability", [SM100, SM120])
 @pytest.mark.parametrize("dtype,bias", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, True)])
-def test_pass_through_equals_linear_reference(blackwell, capability, dtype, bias):
-    fake = blackwell(capability)
+def test_pass_through_equals_linear_reference(blackwell, backend, capability, dtype, bias):
+    """Argument order, dtypes, views and out_dtype (checked by the stand-in); the bias added by torch after the GEMM
+    (the stand-ins refuse a bias argument); the bytes of the recipe."""
+    fake = blackwell(capability, backend)
     layer, packed, scales = _layer(96, 160, bias=bias, dtype=dtype)
     fake.register(layer)
     x = _input(15, 160, dtype=dtype).reshape(3, 5, 160)
@@ -188,10 +292,11 @@ def test_pass_through_equals_linear_reference(blackwell, capability, dtype, bias
     assert torch.equal(out.reshape(15, 96), _truth(layer, packed, scales, x))
 
 
-def test_semantic_probes_with_scales_far_from_one(blackwell):
-    """input_scale 2^-13-ish, weight_scale_2 ~ 2^6: every plausible mistake in alpha or in the activation's global
-    scale gives other bytes than the recipe, and the recipe is what comes out."""
-    fake = blackwell(SM100)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_semantic_probes_with_scales_far_from_one(blackwell, backend):
+    """input_scale 2^-13-ish, weight_scale_2 ~ 2^6: every plausible mistake in alpha (cuBLASLt: the two global
+    scales) or in the activation's global scale gives other bytes than the recipe, and the recipe is what comes out."""
+    fake = blackwell(SM100, backend)
     layer, packed, scales = _layer(64, 128, weight_scale_2=71.3, input_scale=1.3e-4)
     fake.register(layer)
     x = _input(9, 128, scale=0.2)
@@ -209,10 +314,11 @@ def test_semantic_probes_with_scales_far_from_one(blackwell):
         assert not torch.equal(out, _truth(layer, packed, scales, x, **mistake)), name
 
 
-def test_nibble_probes_one_nonzero_per_row(blackwell):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nibble_probes_one_nonzero_per_row(blackwell, backend):
     """Row r of the activation holds one nonzero value, at column r: even columns sit in a byte's low nibble. Any
     nibble-order mistake on either operand moves the product onto the neighbouring column's weights."""
-    fake = blackwell(SM100)
+    fake = blackwell(SM100, backend)
     k = 64
     layer, packed, scales = _layer(32, k, seed=3)
     fake.register(layer)
@@ -227,11 +333,12 @@ def test_nibble_probes_one_nonzero_per_row(blackwell):
     assert not torch.equal(wrong[0::2], even) and not torch.equal(wrong[1::2], odd)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n,k", [(n, k) for n in (32, 160, 3072) for k in (32, 96, 3072)])
-def test_layout_probes(blackwell, n, k):
+def test_layout_probes(blackwell, backend, n, k):
     """M in {1, 7, 129, 300} (one, under, just over and well over a 128-row scale tile), a distinct random scale per
     block: the 128x4 reading of both scale operands and the transposed weight view."""
-    fake = blackwell(SM100)
+    fake = blackwell(SM100, backend)
     layer, packed, scales = _layer(n, k, seed=n + k)
     fake.register(layer)
     w_values = fakes.decode(packed, scales)
@@ -243,8 +350,9 @@ def test_layout_probes(blackwell, n, k):
     assert [c.m for c in fake.calls] == [1, 7, 129, 300] and all(c.layer is layer for c in fake.calls)
 
 
-def test_dynamic_input_scale_alpha_is_computed_per_call(blackwell):
-    fake = blackwell(SM100)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dynamic_input_scale_alpha_is_computed_per_call(blackwell, backend):
+    fake = blackwell(SM100, backend)
     layer, _, _ = _layer(32, 64)
     layer.dynamic_input_scale = True
     fake.register(layer)
@@ -259,9 +367,11 @@ def test_dynamic_input_scale_alpha_is_computed_per_call(blackwell):
     assert not torch.equal(fake.calls[0].alpha, fake.calls[1].alpha)
 
 
-def test_fp32_output_is_computed_by_the_reference(blackwell):
-    """FlashInfer writes BF16/FP16 only; an FP32 request never reaches it."""
-    fake = blackwell(SM100)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp32_output_is_computed_by_the_reference(blackwell, backend):
+    """Both tensor-core backends are asked for BF16/FP16 only (FlashInfer writes no other); an FP32 request never
+    reaches them."""
+    fake = blackwell(SM100, backend)
     layer, _, _ = _layer(32, 64)
     fake.register(layer)
     xq, xs = quantize_nvfp4(_input(5, 64), layer.input_scale_inv, fast_math=True)
@@ -271,8 +381,9 @@ def test_fp32_output_is_computed_by_the_reference(blackwell):
                                              torch.float32))
 
 
-def test_torch_compile_calls_the_gemm_at_run_time(blackwell):
-    fake = blackwell(SM100)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_compile_calls_the_gemm_at_run_time(blackwell, backend):
+    fake = blackwell(SM100, backend)
     layer, _, _ = _layer(64, 96, bias=True)
     fake.register(layer)
     model = nn.Sequential(layer)
@@ -289,16 +400,18 @@ def test_torch_compile_calls_the_gemm_at_run_time(blackwell):
 # Shapes the kernel cannot take: padded with exact zeros.
 # ----------------------------------------------------------------------------------------------------------------
 
-MISALIGNED = [(200, 48), (40, 80), (72, 96), (24, 32)]  # N % 32, K % 32 in every combination (N % 8 == 0 for 72, 24)
+# N % 32, K % 32 in every combination (N % 8 == 0 for 72, 24, 48); N = 48: padded for FlashInfer SM100 only
+MISALIGNED = [(200, 48), (40, 80), (72, 96), (24, 32), (48, 96)]
 
 
-@pytest.mark.parametrize("capability", [SM100, SM120])
+@pytest.mark.parametrize("backend,capability", [(AUTOMATIC, SM100), (FLASHINFER, SM100), (FLASHINFER, SM120)])
 @pytest.mark.parametrize("n,k", MISALIGNED)
-def test_misaligned_shapes_are_padded_with_exact_zeros(blackwell, capability, n, k):
+def test_misaligned_shapes_are_padded_with_exact_zeros(blackwell, backend, capability, n, k):
     """Without padding the stand-in (like FlashInfer's binding) refuses these shapes. With it: the padded operands
     decode to the layer's values plus exact +0 entries, the exact sums are unchanged, a K-ordered FP32 accumulation
-    gives the same bytes, and the layer returns the padded GEMM's first N columns plus the bias."""
-    fake = blackwell(capability)
+    gives the same bytes, and the layer returns the padded GEMM's first N columns plus the bias. cuBLASLt pads to
+    K % 32, N % 16 on every family, FlashInfer to K % 32 and N % 32 (SM100) or N % 8 (SM120)."""
+    fake = blackwell(capability, backend)
     layer, packed, scales = _layer(n, k, bias=True, seed=n)
     fake.register(layer)
     x = _input(11, k, seed=k)
@@ -323,13 +436,16 @@ def test_misaligned_shapes_are_padded_with_exact_zeros(blackwell, capability, n,
 def test_padding_leaves_aligned_operands_alone():
     x = torch.zeros(3, 48, dtype=torch.uint8)
     w = torch.zeros(64, 48, dtype=torch.uint8)
-    assert all(a is b for a, b in zip(padded_operands("flashinfer", SM100, x, w), (x, w)))
+    for backend in ("flashinfer", "cublaslt"):
+        assert all(a is b for a, b in zip(padded_operands(backend, SM100, x, w), (x, w)))
     assert padded_operands("flashinfer", SM120, x, torch.zeros(40, 48, dtype=torch.uint8))[1].shape == (40, 48)
     assert padded_operands("flashinfer", SM100, x, torch.zeros(40, 48, dtype=torch.uint8))[1].shape == (64, 48)
+    assert padded_operands("cublaslt", SM100, x, torch.zeros(48, 48, dtype=torch.uint8))[1].shape == (48, 48)
+    assert padded_operands("cublaslt", SM120, x, torch.zeros(40, 48, dtype=torch.uint8))[1].shape == (48, 48)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# enable_fast_paths: warm-up, set-up errors, scale padding.
+# enable_fast_paths: warm-up, set-up errors, scale padding, and no compiler.
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -340,40 +456,76 @@ def _three_shape_model():
     return model
 
 
-def test_enable_fast_paths_warms_up_every_layer_shape(blackwell):
-    fake = blackwell(SM100)
+@pytest.mark.parametrize("backend,padded_shape,reason", [
+    (AUTOMATIC, (208, 64), "cublaslt SM100: K % 32 != 0 and N % 16 != 0, padded with exact zeros"),
+    (FLASHINFER, (224, 64), "flashinfer SM100: K % 32 != 0 and N % 32 != 0, padded with exact zeros"),
+])
+def test_enable_fast_paths_warms_up_every_layer_shape(blackwell, backend, padded_shape, reason):
+    fake = blackwell(SM100, backend)
     model = _three_shape_model()
     report = enable_fast_paths(model)["Sequential"]
     warm = [c for c in fake.calls if c.layer is None]
-    assert sorted((c.n, c.k) for c in warm) == [(64, 96), (96, 64), (224, 64)]  # [200, 48] padded
+    assert sorted((c.n, c.k) for c in warm) == [(64, 96), (96, 64), padded_shape]  # [200, 48] padded
     assert all(c.m == 1 for c in warm)
-    assert report["gemm_backend"] == "flashinfer" and report["gemm_warm_up"]["shapes"] == 3
-    assert report["gemm_padded_layers"] == {"flashinfer SM100: K % 32 != 0 and N % 32 != 0, padded with exact "
-                                            "zeros": 1}
+    assert report["gemm_backend"] == _name(backend) and report["gemm_warm_up"]["shapes"] == 3
+    assert report["gemm_padded_layers"] == {reason: 1}
     disable_fast_paths(model)
 
 
-def test_a_failing_first_call_is_one_error_at_enable_time_naming_what_to_install(blackwell, monkeypatch):
+def test_the_default_backend_never_reaches_flashinfers_compile(blackwell):
+    """A machine without a CUDA toolkit, FlashInfer installed: the stand-in's GEMM entry raises as FlashInfer's nvcc
+    build would (``fakes.MM_FP4_JIT_ENTRY``). Enabling the fast paths (the warm-up calls) and the first calls of
+    every layer run cuBLASLt and never get there."""
     fake = blackwell(SM100)
-
-    def no_toolkit(*args, **kwargs):
-        raise RuntimeError("Could not find nvcc and default cuda_home='/usr/local/cuda' doesn't exist")
-
-    monkeypatch.setattr(fake, "mm_fp4", no_toolkit)
+    compiling = sys.modules["flashinfer"]
     model = _three_shape_model()
-    with pytest.raises(GemmSetupError) as error:
+    enable_fast_paths(model)
+    fake.register(model)
+    for layer in model:
+        layer(_input(5, layer.in_features))
+    assert compiling.compile_attempts == 0
+    assert len([c for c in fake.calls if c.layer is None]) == 3 and len(fake.layer_calls()) == 4
+    assert fast_path_report(model)["Sequential"]["gemm_backend"] == "cublaslt"
+    disable_fast_paths(model)
+    with pytest.raises(RuntimeError, match="nvcc"):  # the guard is live: a call raises, and is counted
+        compiling.mm_fp4()
+    assert compiling.compile_attempts == 1
+
+
+@pytest.mark.parametrize("backend,error,needles", [
+    (AUTOMATIC, "CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul",
+     ("warm-up call", "CUBLAS_STATUS_NOT_SUPPORTED", "no CUDA toolkit", "CUDA >= 12.8",
+      "DIFFUSERS_NVFP4_GEMM_BACKEND=flashinfer")),
+    (FLASHINFER, "Could not find nvcc and default cuda_home='/usr/local/cuda' doesn't exist",
+     ("warm-up call", "Could not find nvcc", "CUDA toolkit", "flashinfer install-jit-cache-wheel",
+      "unset DIFFUSERS_NVFP4_GEMM_BACKEND (cuBLASLt through torch, no toolkit)")),
+])
+def test_a_failing_first_call_is_one_error_at_enable_time_naming_what_to_install(blackwell, monkeypatch, backend,
+                                                                                  error, needles):
+    fake = blackwell(SM100, backend)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError(error)
+
+    if backend == FLASHINFER:
+        monkeypatch.setattr(fake, "mm_fp4", failing)
+    else:
+        monkeypatch.setattr(torch.nn.functional, "scaled_mm", failing)
+    model = _three_shape_model()
+    with pytest.raises(GemmSetupError) as raised:
         enable_fast_paths(model)
-    message = str(error.value)
-    for needle in ("warm-up call", "Could not find nvcc", "CUDA toolkit", "flashinfer install-jit-cache-wheel",
-                   "DIFFUSERS_NVFP4_GEMM_BACKEND=cublaslt"):
+    message = str(raised.value)
+    for needle in needles:
         assert needle in message, (needle, message)
     assert not hasattr(model, "_nvfp4_fast_paths")
 
 
-def test_nonzero_scale_padding_is_zeroed_before_the_tensor_core_gemm_reads_it(blackwell, caplog):
-    """FlashInfer multiplies the 128x4 padding by the zero codes beyond K (0 x NaN = NaN); no other backend reads it,
-    so a checkpoint's garbage there is zeroed when the fast paths are enabled on SM100+."""
-    fake = blackwell(SM100)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonzero_scale_padding_is_zeroed_before_the_tensor_core_gemm_reads_it(blackwell, caplog, backend):
+    """FlashInfer multiplies the 128x4 padding by the zero codes beyond K (0 x NaN = NaN), and nothing says that
+    cuBLASLt does not; the Hopper kernels and the emulation never read it, so a checkpoint's garbage there is zeroed
+    when the fast paths are enabled for either tensor-core backend."""
+    fake = blackwell(SM100, backend)
     layer, packed, scales = _layer(40, 48, seed=5)
     layer.weight_scale.data[-1, -1] = 0x7F
     with caplog.at_level(logging.WARNING, logger="diffusers_nvfp4_fast"):
@@ -386,14 +538,14 @@ def test_nonzero_scale_padding_is_zeroed_before_the_tensor_core_gemm_reads_it(bl
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The cuBLASLt backend (torch.nn.functional.scaled_mm, two-level NVFP4).
+# cuBLASLt forced by the variable: the same calls as the automatic choice.
 # ----------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("n,k,bias", [(96, 160, True), (40, 48, False)])
-def test_cublaslt_backend_contract(blackwell, n, k, bias):
+def test_forced_cublaslt_makes_the_calls_of_the_automatic_choice(blackwell, n, k, bias):
     fake = blackwell(SM100, backend="cublaslt")
-    assert dispatch.gemm_backend(torch.device("cpu")) == "cublaslt"
+    assert dispatch.backend_choice(torch.device("cpu")) == ("cublaslt", f"forced by {dispatch.GEMM_BACKEND_VAR}")
     layer, packed, scales = _layer(n, k, bias=bias, seed=n)
     fake.register(layer)
     x = _input(7, k)
@@ -405,11 +557,6 @@ def test_cublaslt_backend_contract(blackwell, n, k, bias):
     assert torch.equal(call.b_values[:n, :k], fakes.decode(packed, scales))
     if not call.padded_b:
         assert torch.equal(out, _truth(layer, packed, scales, x))
-
-
-def test_cublaslt_is_never_chosen_automatically(blackwell):
-    blackwell(SM100)
-    assert dispatch.gemm_backend(torch.device("cpu")) == "flashinfer"
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -433,13 +580,17 @@ def _png(pipe, kwargs):
     return png_sha256(run_pipeline(pipe, kwargs, size=32, steps=1))
 
 
-@pytest.mark.parametrize("which,capability", [("flux2", SM100), ("flux2", SM120), ("klein", SM120), ("qwen", SM100)])
+@pytest.mark.parametrize("which,capability,backend", [
+    ("flux2", SM100, AUTOMATIC), ("klein", SM120, AUTOMATIC), ("qwen", SM100, AUTOMATIC),
+    ("flux2", SM120, FLASHINFER), ("qwen", SM100, FLASHINFER)])
 def test_tiny_pipelines_on_and_off_make_only_valid_calls_and_the_emulated_png(blackwell, checkpoints, which,
-                                                                              capability):
+                                                                              capability, backend):
+    """Fast paths off and on give the same PNG with the default backend (and with FlashInfer forced), and it is the
+    emulated backend's PNG: a GEMM computing its contract with FP32 sums in the stand-in's order gives those bytes."""
     pipe, kwargs = tiny.TINY_PIPELINES[which](load_nvfp4_transformer(checkpoints(which)))
     pipe.set_progress_bar_config(disable=True)
     emulated = _png(pipe, kwargs)
-    fake = blackwell(capability)
+    fake = blackwell(capability, backend)
     fake.register(pipe.transformer)
     off = _png(pipe, kwargs)
     off_calls = len(fake.layer_calls())
@@ -453,8 +604,10 @@ def test_tiny_pipelines_on_and_off_make_only_valid_calls_and_the_emulated_png(bl
     assert off_calls > 0 and len(fake.layer_calls()) > off_calls
     assert not any(c.copied_b for c in fake.calls[on_start:]), "a weight copied per call after enabling"
     assert {c.out_dtype for c in fake.calls} == {torch.bfloat16}
-    assert report["gemm_backend"] == "flashinfer" and sum(report["fused_calls"].values()) > 0
+    assert report["gemm_backend"] == _name(backend) and sum(report["fused_calls"].values()) > 0
     assert report["verifications"]["failed"] == 0
+    if backend == AUTOMATIC:
+        assert sys.modules["flashinfer"].compile_attempts == 0
 
 
 # ----------------------------------------------------------------------------------------------------------------

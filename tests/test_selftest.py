@@ -93,25 +93,62 @@ def test_exact_operands_keep_every_partial_sum_exact_at_the_largest_k():
     assert selftest._exact_expected(x, w) is not None
 
 
-def test_selftest_gemm_checks_drive_the_blackwell_path(monkeypatch):
-    """With the dispatch believing it is on an SM100 GPU and the stand-ins installed, the self-test's GEMM checks pass
-    through ``mm_fp4`` (the unaligned shape padded), and its optional checks through cuBLASLt's ``scaled_mm``."""
+@pytest.fixture
+def sm100(monkeypatch):
+    """The dispatch believes it is on an SM100 GPU; torch's ``scaled_mm`` (cuBLASLt) and ``flashinfer`` are the
+    contract-checking stand-ins of tests/test_blackwell_contract.py."""
     fake, cublaslt = fakes.FakeFlashInfer((10, 0)), fakes.FakeScaledMM((10, 0))
     fake.any_weight = cublaslt.any_weight = True  # the self-test multiplies operands of no layer
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(torch.nn.functional, "scaled_mm", cublaslt)
     monkeypatch.setattr(dispatch, "gemm_device_capability", lambda device: (10, 0))
+    monkeypatch.delenv(dispatch.GEMM_BACKEND_VAR, raising=False)
     dispatch.reset_backend_choice()
-    try:
-        checks = selftest.gemm_checks(torch.device("cpu"))
-        optional = selftest.optional_backend_checks(torch.device("cpu"))
-    finally:
-        dispatch.reset_backend_choice()
-    assert all(c["equal"] is True and c["compared"].startswith("flashinfer") for c in checks), checks
-    assert len(fake.calls) >= len(checks) and {(c.n, c.k) for c in fake.calls} >= {(224, 192), (3072, 3072)}
+    yield fake, cublaslt
+    dispatch.reset_backend_choice()
+
+
+def test_selftest_gemm_checks_drive_the_blackwell_path(sm100):
+    """With the dispatch believing it is on an SM100 GPU and the stand-ins installed, the self-test's GEMM checks pass
+    through cuBLASLt's ``scaled_mm`` (the default; the unaligned shape padded), and its optional checks through
+    FlashInfer's ``mm_fp4``."""
+    fake, cublaslt = sm100
+    checks = selftest.gemm_checks(torch.device("cpu"))
+    optional = selftest.optional_backend_checks(torch.device("cpu"))
+    assert all(c["equal"] is True and c["compared"].startswith("cublaslt") for c in checks), checks
+    assert len(cublaslt.calls) >= len(checks) and {(c.n, c.k) for c in cublaslt.calls} >= {(208, 192), (3072, 3072)}
     assert len(optional) == len(checks) and all(c["optional"] and c["equal"] is True for c in optional), optional
-    assert all(c["compared"].startswith("cublaslt") for c in optional) and len(cublaslt.calls) >= len(optional)
+    assert all(c["compared"].startswith("flashinfer") and "[flashinfer, optional]" in c["name"] for c in optional)
+    assert len(fake.calls) >= len(optional) and {(c.n, c.k) for c in fake.calls} >= {(224, 192), (3072, 3072)}
     assert dispatch.GEMM_BACKEND_VAR not in os.environ
+
+
+def test_selftest_optional_flashinfer_line_says_why_where_it_is_not_installed(sm100, monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    dispatch.reset_backend_choice()
+    optional = selftest.optional_backend_checks(torch.device("cpu"))
+    assert [(c["name"], c["equal"], c["optional"]) for c in optional] == [
+        ("GEMM (flashinfer) [flashinfer, optional]", None, True)]
+    assert "FlashInfer is not installed" in optional[0]["detail"]
+
+
+@pytest.mark.parametrize("forced,prebuilt,needle", [
+    (None, None, "cublaslt: cuBLASLt's NVFP4 GEMM through torch"),
+    (None, "0.7.2.post1", "ships compiled, no nvcc needed; the automatic choice on SM100+ whatever else is installed"),
+    ("flashinfer", None, "flashinfer: forced by DIFFUSERS_NVFP4_GEMM_BACKEND; no flashinfer-jit-cache installed: its "
+                         "CUTLASS FP4 GEMM compiles with nvcc at the first call"),
+    ("flashinfer", "0.7.2.post1", "its prebuilt kernels are installed (flashinfer-jit-cache 0.7.2.post1), no nvcc"),
+])
+def test_selftest_reports_the_blackwell_backend_and_why(sm100, monkeypatch, cpu_result, forced, prebuilt, needle):
+    """The report's GEMM line on an SM100 GPU: the backend, and whether its first call needs nvcc."""
+    if forced:
+        monkeypatch.setenv(dispatch.GEMM_BACKEND_VAR, forced)
+    monkeypatch.setattr(dispatch, "flashinfer_prebuilt", lambda: prebuilt)
+    env = selftest.environment(torch.device("cpu"))
+    assert env["flashinfer_jit_cache"] == prebuilt
+    text = selftest.format_report({**cpu_result, "environment": env})
+    line = next(line for line in text.splitlines() if line.startswith("  GEMM "))
+    assert needle in line, line
 
 
 @pytest.mark.gpu

@@ -6,12 +6,13 @@ with the reason it was chosen; then it checks
 - on a GPU with Triton: the activation quantize in both recipes (fast-math against a reference that uses the GPU's
   own approximate reciprocal, docs/design.md §3), each fused kernel against the unfused path it replaces, and on
   SM80-SM90 the variants that write decoded FP16 operands;
-- everywhere: the NVFP4 GEMM (whichever backend runs here: FlashInfer or cuBLASLt on Blackwell, Triton / Gluon on
-  Hopper, the torch emulation on a CPU) at a small and at real FLUX.2 / Qwen-Image shapes, on operands built so that
-  every partial sum is exact in FP32 whatever the summation order: the only correct output is then one set of bytes,
-  computed here in float64 from the values the operands were built from (no decoder involved);
+- everywhere: the NVFP4 GEMM (whichever backend runs here: cuBLASLt, or FlashInfer where forced, on Blackwell,
+  Triton / Gluon on Hopper, the torch emulation on a CPU) at a small and at real FLUX.2 / Qwen-Image shapes, on
+  operands built so that every partial sum is exact in FP32 whatever the summation order: the only correct output is
+  then one set of bytes, computed here in float64 from the values the operands were built from (no decoder involved);
 - a tiny FLUX.2 pipeline with fast paths off and on: the same PNG bytes;
-- on SM100+, the GEMM checks again with the opt-in cuBLASLt backend (reported, not counted).
+- on SM100+, the GEMM checks again with FlashInfer, the other Blackwell backend, where it is installed (reported, not
+  counted; without flashinfer-jit-cache its first call compiles with nvcc).
 Each line gives microseconds per call (median of a few, after a warm-up). The exit status is 1 if anything differs
 or fails to run; ``--json`` prints the whole record for a bug report.
 """
@@ -307,18 +308,23 @@ def gemm_checks(device: torch.device) -> list[dict[str, Any]]:
     return checks
 
 
+OPTIONAL_BACKEND = "flashinfer"  # the Blackwell backend that runs only when forced (docs/blackwell.md)
+
+
 def optional_backend_checks(device: torch.device) -> list[dict[str, Any]]:
-    """On SM100+ GPUs, the GEMM checks once more with the opt-in cuBLASLt backend, marked optional: they decide
-    whether it computes the recipe on this GPU (docs/blackwell.md), without failing the self-test."""
+    """On SM100+ GPUs, the GEMM checks once more with FlashInfer (forced only), marked optional: they decide whether
+    it computes the recipe on this GPU (docs/blackwell.md), without failing the self-test. Where it is not installed
+    one line says so; without flashinfer-jit-cache its first call compiles with nvcc (minutes, or an error)."""
     capability = dispatch.gemm_device_capability(device)
     if capability is None or capability[0] < 10 or dispatch.forced_gemm_backend() is not None:
         return []
-    with _forced_backend("cublaslt"):
+    with _forced_backend(OPTIONAL_BACKEND):
         try:
             checks = gemm_checks(device)
         except dispatch.BackendUnavailableError as error:
-            checks = [{"name": "GEMM (cublaslt)", "equal": None, "detail": str(error)}]
-    return [{**check, "name": f"{check['name']} [cublaslt, optional]", "optional": True} for check in checks]
+            checks = [{"name": f"GEMM ({OPTIONAL_BACKEND})", "equal": None, "detail": str(error)}]
+    return [{**check, "name": f"{check['name']} [{OPTIONAL_BACKEND}, optional]", "optional": True}
+            for check in checks]
 
 
 @contextlib.contextmanager
@@ -412,7 +418,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         info.update(name=torch.cuda.get_device_name(device), capability=list(torch.cuda.get_device_capability(device)))
     info.update(
         torch=torch.__version__, cuda=torch.version.cuda, triton=_version("triton"),
-        flashinfer=_version("flashinfer-python"), diffusers=_version("diffusers"),
+        flashinfer=_version("flashinfer-python"), flashinfer_jit_cache=dispatch.flashinfer_prebuilt(),
+        diffusers=_version("diffusers"),
         diffusers_nvfp4_fast=_version("diffusers-nvfp4-fast"), gemm_backend=backend, gemm_backend_why=why,
         launch=launch_path(device),
         activation_recipe="fast-math" if nvfp4.fast_math_from_env() else "precise",

@@ -1,13 +1,14 @@
-"""The FP4 tensor-core GEMM of Blackwell GPUs (SM100+): FlashInfer's CUTLASS ``mm_fp4``, or cuBLASLt through torch's
-two-level scaled ``torch.nn.functional.scaled_mm`` (docs/blackwell.md).
+"""The FP4 tensor-core GEMM of Blackwell GPUs (SM100+): cuBLASLt through torch's two-level scaled
+``torch.nn.functional.scaled_mm`` (the automatic choice: it ships compiled with torch), or FlashInfer's CUTLASS
+``mm_fp4`` when forced (docs/blackwell.md).
 
 Both compute ``out_dtype(fp32_sum * alpha)`` from the packed operands and their 128x4 scales; ``ops/linear.py`` adds
-the bias afterwards. A shape a kernel cannot take (FlashInfer SM100: K and N multiples of 32) is padded with zero
-codes whose block scales are the zero padding the 128x4 layout already has, so every added product is an exact +0
-and the padded columns are cut off again (proof: tests/test_blackwell_contract.py). ``warm_up`` runs one call per
-layer shape when the fast paths are enabled: a first call that compiles (FlashInfer JIT-compiles its GEMM with nvcc)
-or fails does so there, with one error that says what to install, not inside the first denoising step.
-"""
+the bias afterwards. A shape a kernel cannot take (cuBLASLt: K % 32, N % 16; FlashInfer SM100: K and N multiples of
+32) is padded with zero codes whose block scales are the zero padding the 128x4 layout already has, so every added
+product is an exact +0 and the padded columns are cut off again (proof: tests/test_blackwell_contract.py).
+``warm_up`` runs one call per layer shape when the fast paths are enabled: a first call that fails (or, for
+FlashInfer without its prebuilt kernels, compiles with nvcc) does so there, with one error that says what to install,
+not inside the first denoising step."""
 
 from __future__ import annotations
 
@@ -162,13 +163,23 @@ def tensor_core_gemm(
 
 def _install_hint(backend: str) -> str:
     if backend == "cublaslt":
-        return (f"cuBLASLt's NVFP4 GEMM needs torch built with CUDA >= 12.8 on an SM100+ GPU; "
-                f"{GEMM_BACKEND_VAR}=flashinfer or =emulated (slow, exact) avoid it")
+        return ("cuBLASLt's NVFP4 GEMM ships with torch and needs no CUDA toolkit, but a torch built with CUDA >= 12.8 "
+                "(torch.version.cuda) on an SM100+ GPU; or set "
+                f"{GEMM_BACKEND_VAR}=flashinfer (FlashInfer's CUTLASS GEMM) or =emulated (slow, exact); "
+                "docs/blackwell.md")
     return ("FlashInfer compiles its CUTLASS FP4 GEMM with nvcc at its first call: install a CUDA toolkit whose "
             "nvcc lists this GPU's target (`nvcc --list-gpu-arch`; CUDA 12.8+ for SM100/SM120, 12.9+ for SM121) and a "
             "host C++ compiler, put it on PATH or in CUDA_HOME, and keep ~/.cache/flashinfer writable; or install the "
-            "prebuilt kernels with `flashinfer install-jit-cache-wheel`; or set "
-            f"{GEMM_BACKEND_VAR}=cublaslt (no toolkit) or =emulated (slow, exact); docs/blackwell.md")
+            "prebuilt kernels with `flashinfer install-jit-cache-wheel`; or unset "
+            f"{GEMM_BACKEND_VAR} (cuBLASLt through torch, no toolkit) or set it to emulated (slow, exact); "
+            "docs/blackwell.md")
+
+
+_FIRST_CALL = {
+    "cublaslt": "cuBLASLt ships compiled with torch (no nvcc); the first call per shape picks its algorithm",
+    "flashinfer": ("FlashInfer's first call builds or loads its kernel (without flashinfer-jit-cache: an nvcc "
+                   "compile of a few minutes, cached in ~/.cache/flashinfer)"),
+}
 
 
 def zero_scale_padding_(layer: NVFP4LayerShape) -> int:
@@ -211,8 +222,9 @@ def _warm_up_call(backend: str, n: int, k: int, dtype: torch.dtype, device: torc
 
 def warm_up(layers: Sequence[NVFP4LayerShape], device: torch.device) -> dict[str, Any]:
     """Where a tensor-core backend runs on ``device``: zero the layers' scale padding, align their storage, and run
-    one GEMM per distinct (N, K, dtype), so that FlashInfer builds or loads its kernel now. Returns {"backend",
-    "shapes", "seconds"} (empty where nothing ran); raises ``GemmSetupError`` naming what to install if a call fails."""
+    one GEMM per distinct (N, K, dtype), so that a shape the kernel refuses fails now and FlashInfer builds or loads
+    its kernel now. Returns {"backend", "shapes", "seconds"} (empty where nothing ran); raises ``GemmSetupError``
+    naming what to install if a call fails."""
     backend = gemm_backend(device)
     if backend not in TENSOR_CORE_BACKENDS:
         return {}
@@ -223,8 +235,7 @@ def warm_up(layers: Sequence[NVFP4LayerShape], device: torch.device) -> dict[str
     moved = sum(realign_(layer) for layer in layers)
     if moved:
         logger.info("copied %d weight tensors to 16-byte aligned storage for the %s GEMM", moved, backend)
-    logger.info("%s: the first FP4 GEMM call builds or loads its kernel (FlashInfer without flashinfer-jit-cache: "
-                "an nvcc compile of a few minutes, cached in ~/.cache/flashinfer)", backend)
+    logger.info("%s GEMM warm-up: %s", backend, _FIRST_CALL[backend])
     start = time.perf_counter()
     shapes = sorted({(m.out_features, m.in_features, m.compute_dtype) for m in layers}, key=str)
     for n, k, dtype in shapes:

@@ -1,4 +1,5 @@
-"""The one place that decides which implementation of an op runs: Triton kernel, FlashInfer or torch reference.
+"""The one place that decides which implementation of an op runs: Triton kernel, cuBLASLt / FlashInfer or torch
+reference.
 
 Every op in this package is a ``torch.library`` op with a fake implementation (``define_op``), so
 ``torch.compile(fullgraph=True)`` traces it as one opaque node and CUDA graphs capture it. ``call_op`` runs the
@@ -9,6 +10,7 @@ compilation.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import logging
 import re
@@ -45,6 +47,11 @@ kernels, KERNELS_UNAVAILABLE = _import_kernels()
 GEMM_BACKENDS = ("flashinfer", "triton", "emulated", "cublaslt")
 # The first FlashInfer release whose CUTLASS mm_fp4 serves each Blackwell family (docs/blackwell.md, "Versions").
 FLASHINFER_MINIMUM = {10: "0.2.9", 11: "0.5.3", 12: "0.3.1"}
+# The first CUDA whose cuBLASLt multiplies NVFP4 (block-scaled E2M1) operands; torch.version.cuda of the build.
+CUBLASLT_CUDA_MINIMUM = (12, 8)
+# The automatic order: cuBLASLt ships compiled inside torch, FlashInfer's CUTLASS GEMM needs nvcc (or its prebuilt
+# cache) at the first call, so FlashInfer runs only when forced (docs/design.md §7, "Selection").
+AUTOMATIC_BACKENDS = ("cublaslt", "triton")
 
 
 class BackendUnavailableError(RuntimeError):
@@ -158,13 +165,36 @@ def flashinfer_problem(major: int, minor: int) -> str | None:
     return None
 
 
-def _cublaslt_problem() -> str | None:
-    """Why torch's cuBLASLt NVFP4 GEMM (two-level scaled ``scaled_mm``) is not available in this torch."""
+def _cuda_release(version: str | None) -> tuple[int, ...]:
+    """torch.version.cuda '12.8' -> (12, 8); () for a build without CUDA (None)."""
+    return _release(version) if version else ()
+
+
+def cublaslt_problem() -> str | None:
+    """Why torch's cuBLASLt NVFP4 GEMM (two-level scaled ``scaled_mm``) cannot run in this torch, or None where it can.
+
+    It needs the two-level recipe in torch (``torch.nn.functional.scaled_mm`` with ``ScalingType`` and the FP4 dtype:
+    every torch this project supports) and a torch built against CUDA 12.8 or newer, whose cuBLASLt first has block-
+    scaled FP4 GEMMs (docs/blackwell.md, "Installing")."""
     functional = torch.nn.functional
     if not (hasattr(functional, "scaled_mm") and hasattr(functional, "ScalingType")
             and hasattr(torch, "float4_e2m1fn_x2")):
         return f"torch {torch.__version__} has no two-level NVFP4 torch.nn.functional.scaled_mm"
+    cuda = torch.version.cuda
+    if _cuda_release(cuda) < CUBLASLT_CUDA_MINIMUM:
+        built = f"built with CUDA {cuda}" if cuda else "not built with CUDA"
+        return (f"torch {torch.__version__} is {built}; cuBLASLt's FP4 GEMM needs a torch built with CUDA "
+                f">= {'.'.join(map(str, CUBLASLT_CUDA_MINIMUM))}")
     return None
+
+
+def flashinfer_prebuilt() -> str | None:
+    """The installed ``flashinfer-jit-cache`` version (FlashInfer's prebuilt kernels, its CUTLASS FP4 GEMM among
+    them), or None: then FlashInfer compiles that GEMM with nvcc at its first call."""
+    try:
+        return importlib.metadata.version("flashinfer-jit-cache")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def forced_gemm_backend() -> str | None:
@@ -189,7 +219,7 @@ def _why_not(backend: str, device: torch.device) -> str | None:
     if backend in ("flashinfer", "cublaslt"):
         if major < 10:
             return f"the FP4 tensor-core GEMM ({backend}) needs SM100 or newer, this GPU is SM{major}{minor}"
-        return flashinfer_problem(major, minor) if backend == "flashinfer" else _cublaslt_problem()
+        return flashinfer_problem(major, minor) if backend == "flashinfer" else cublaslt_problem()
     if kernels is None:
         return KERNELS_UNAVAILABLE
     if not 8 <= major < 10:
@@ -200,25 +230,44 @@ def _why_not(backend: str, device: torch.device) -> str | None:
 @functools.cache
 def _automatic_backend(device_type: str, index: int | None) -> str:
     device = torch.device(device_type, index) if index is not None else torch.device(device_type)
-    for backend in ("flashinfer", "triton"):
+    for backend in AUTOMATIC_BACKENDS:
         if _why_not(backend, device) is None:
             return backend
     capability = gemm_device_capability(device)
     if capability is not None and capability[0] >= 10:  # cached: said once per device
         logger.warning(
-            "NVFP4 GEMMs on this SM%d%d GPU run in the exact but slow torch emulation: %s. Install FlashInfer, or "
-            "try %s=cublaslt (docs/blackwell.md).", *capability, _why_not("flashinfer", device), GEMM_BACKEND_VAR)
+            "NVFP4 GEMMs on this SM%d%d GPU run in the exact but slow torch emulation: %s. Install a torch built with "
+            "CUDA >= 12.8, or set %s=flashinfer (docs/blackwell.md).", *capability, _why_not("cublaslt", device),
+            GEMM_BACKEND_VAR)
     return "emulated"
+
+
+def _chosen_because(backend: str) -> str:
+    """Why the automatic choice is ``backend``, in the words ``selftest`` prints."""
+    if backend == "cublaslt":
+        return (f"cuBLASLt's NVFP4 GEMM through torch {torch.__version__} (CUDA {torch.version.cuda}): ships "
+                f"compiled, no nvcc needed; the automatic choice on SM100+ whatever else is installed (FlashInfer "
+                f"only with {GEMM_BACKEND_VAR}=flashinfer)")
+    return "the exact W4A4 Triton / Gluon kernels of SM80-SM90 (compiled by Triton at first use, no nvcc needed)"
+
+
+def _forced_because(backend: str) -> str:
+    if backend != "flashinfer":
+        return f"forced by {GEMM_BACKEND_VAR}"
+    prebuilt = flashinfer_prebuilt()
+    how = (f"its prebuilt kernels are installed (flashinfer-jit-cache {prebuilt}), no nvcc needed" if prebuilt
+           else "no flashinfer-jit-cache installed: its CUTLASS FP4 GEMM compiles with nvcc at the first call")
+    return f"forced by {GEMM_BACKEND_VAR}; {how}"
 
 
 def backend_choice(device: torch.device) -> tuple[str, str]:
     """(the GEMM backend for ``device``, why it was chosen): what ``diffusers-nvfp4-fast selftest`` reports."""
     backend = gemm_backend(device)
     if forced_gemm_backend() is not None:
-        return backend, f"forced by {GEMM_BACKEND_VAR}"
+        return backend, _forced_because(backend)
     if backend != "emulated":
-        return backend, "the fastest backend that runs on this device"
-    reasons = {b: _why_not(b, device) for b in ("flashinfer", "triton")}
+        return backend, _chosen_because(backend)
+    reasons = {b: _why_not(b, device) for b in AUTOMATIC_BACKENDS}
     return backend, "; ".join(f"not {b}: {why}" for b, why in reasons.items())
 
 
@@ -229,8 +278,8 @@ def reset_backend_choice() -> None:
 
 
 def gemm_backend(device: torch.device) -> str:
-    """The GEMM backend for tensors on ``device``: 'flashinfer' (SM100+), 'triton' (SM80-SM90) or 'emulated' (torch);
-    'cublaslt' (SM100+, torch's cuBLASLt NVFP4 GEMM) only when forced.
+    """The GEMM backend for tensors on ``device``: 'cublaslt' (SM100+, torch's cuBLASLt NVFP4 GEMM), 'triton'
+    (SM80-SM90) or 'emulated' (torch); 'flashinfer' (SM100+, FlashInfer's CUTLASS ``mm_fp4``) only when forced.
 
     ``DIFFUSERS_NVFP4_GEMM_BACKEND`` forces one; a forced backend that cannot run here raises
     ``BackendUnavailableError`` naming the variable, the backend and the reason. The automatic choice is cached per

@@ -1,6 +1,6 @@
 """NVFP4 linear: ``bf16(fp4_gemm(x, w) * alpha)``, then ``bf16(+ bias)`` (docs/design.md §3, §7).
 
-Reference: ``linear_reference`` (exact W4A4 emulation in torch). Kernels: FlashInfer ``mm_fp4`` on SM100+,
+Reference: ``linear_reference`` (exact W4A4 emulation in torch). Kernels: cuBLASLt (or FlashInfer) on SM100+,
 ``kernels.nvfp4_gemm`` (Triton / Gluon) on SM80-SM90; ``dispatch.gemm_backend`` picks. On SM80-SM90 the bias is
 added in the GEMM's epilogue (same bytes as ``out + bias``), and ``quantized_linear`` quantizes a large-M activation
 straight to the FP16 values the GEMM multiplies (as it does a one-row activation for the one-row kernel,

@@ -1,5 +1,10 @@
 """Stand-ins for the Blackwell GEMMs, for CPU contract tests (tests/test_blackwell_contract.py).
 
+``FakeScaledMM`` is torch's ``torch.nn.functional.scaled_mm`` (the automatic backend, cuBLASLt) with torch 2.14.1's
+exact signature (``SCALED_MM_SOURCE``; compared with the installed torch's by the contract test);
+``CompilingFlashInfer`` is a FlashInfer whose GEMM entry raises, standing for the nvcc compile that the real one
+starts at its first call.
+
 ``FakeFlashInfer`` is a ``flashinfer`` module with ``mm_fp4`` of FlashInfer 0.7.2.post1's exact signature
 (flashinfer/gemm/gemm_base.py of the ``flashinfer-python==0.7.2.post1`` wheel, line 9538; the ``skip_check`` keyword
 that its ``@backend_requirement`` wrapper pops is not part of ``inspect.signature``). Each call is checked against
@@ -33,6 +38,11 @@ from typing import Any, Literal
 import torch
 
 MM_FP4_SOURCE = "flashinfer-python 0.7.2.post1, flashinfer/gemm/gemm_base.py:9538"
+SCALED_MM_SOURCE = "torch 2.14.1, torch/nn/functional.py:7195"
+# FlashInfer 0.7.2.post1: mm_fp4(backend="cutlass") -> get_cutlass_fp4_gemm_module (gemm_base.py:2895) ->
+# gen_gemm_sm100_module_cutlass_fp4().build_and_load() (gemm_base.py:2871), which compiles with nvcc unless a
+# flashinfer-jit-cache or ~/.cache/flashinfer holds the module (jit/core.py:337, build_and_load).
+MM_FP4_JIT_ENTRY = "flashinfer-python 0.7.2.post1, flashinfer/gemm/gemm_base.py:2871 (build_and_load)"
 E4M3_NAN_BYTES = (0x7F, 0xFF)
 SUPPORTED_CAPABILITIES = (100, 103, 107, 110, 120, 121)  # _cutlass_gemm_fp4_requirement
 
@@ -321,14 +331,33 @@ class FakeFlashInfer(ModuleType, _LayerContract):
                 f"{a_descale.stride()}")
         check_scale_bytes("a_descale", a_descale.view(torch.uint8), m, k)
 
+class CompilingFlashInfer(FakeFlashInfer):
+    """A ``flashinfer`` whose ``mm_fp4`` (the call that JIT-compiles the CUTLASS GEMM, ``MM_FP4_JIT_ENTRY``) raises and
+    counts: a machine without a CUDA toolkit. The default backend must never get there."""
+
+    def __init__(self, capability: tuple[int, int]) -> None:
+        super().__init__(capability)
+        self.compile_attempts = 0
+
+        def mm_fp4(*args, **kwargs):
+            self.compile_attempts += 1
+            raise RuntimeError("Could not find nvcc and default cuda_home='/usr/local/cuda' doesn't exist "
+                               f"(stand-in for {MM_FP4_JIT_ENTRY})")
+
+        self.mm_fp4 = mm_fp4
+
+
 class FakeScaledMM(_LayerContract):
     """``torch.nn.functional.scaled_mm`` for the ``cublaslt`` backend (monkeypatched in; ``ScalingType`` and
-    ``SwizzleType`` stay torch's). Checks the two-level NVFP4 recipe as torch's ``_scaled_mm_v2`` accepts it
-    (aten/src/ATen/native/ScaledBlasUtils.cpp ``check_nvfp4_recipe``; cuda/ScaledBlas.cpp ``_scaled_nvfp4_nvfp4``,
-    pytorch main, 2026): FP4 operands, A row-major and B column-major, per operand ``[E4M3 block scales of
-    round_up(rows,128) * round_up(K/16,4) elements, contiguous, SWIZZLE_32_4_4; one FP32 global scale, NO_SWIZZLE]``,
-    no bias (cuBLASLt would add it before the output rounding), no fast accumulation. torch multiplies the two global
-    scales into cuBLASLt's alpha; the stand-in computes ``out_dtype(fp32(A @ B) * (g_a * g_b))``."""
+    ``SwizzleType`` stay torch's), with the signature of ``SCALED_MM_SOURCE``. Checks the two-level NVFP4 recipe as
+    torch's ``_scaled_mm_v2`` accepts it (aten/src/ATen/native/ScaledBlasUtils.cpp ``check_nvfp4_recipe``;
+    cuda/ScaledBlas.cpp ``_scaled_nvfp4_nvfp4``, pytorch main, 2026) and as torch 2.14.1's
+    ``_check_scaled_mm_sizes`` (torch/_meta_registrations.py:7158-7175, 7223-7248) states it: FP4 operands, A
+    row-major and B column-major, packed K (``mat_a.size(1)``) and both dimensions of B divisible by 16 (so K % 32,
+    N % 16), per operand ``[E4M3 block scales of round_up(rows,128) * round_up(K/16,4) elements, contiguous,
+    SWIZZLE_32_4_4; one FP32 global scale, NO_SWIZZLE]``, no bias (cuBLASLt would add it before the output rounding),
+    no fast accumulation. torch multiplies the two global scales into cuBLASLt's alpha; the stand-in computes
+    ``out_dtype(fp32(A @ B) * (g_a * g_b))``."""
 
     def n_multiple(self) -> int:
         return 16
@@ -344,9 +373,15 @@ class FakeScaledMM(_LayerContract):
         require(output_dtype in (torch.bfloat16, torch.float16), f"output_dtype {output_dtype}")
         fp4 = torch.float4_e2m1fn_x2
         require(mat_a.dtype == fp4 and mat_b.dtype == fp4, f"operands {mat_a.dtype}, {mat_b.dtype}")
-        require(mat_a.is_contiguous() and mat_b.t().is_contiguous(), "A row-major, B column-major ('TN')")
+        require(mat_a.dim() == 2 and mat_b.dim() == 2, f"2-D operands, got {tuple(mat_a.shape)}, {tuple(mat_b.shape)}")
+        require(mat_a.is_contiguous() and mat_a.stride(0) > mat_a.stride(1) == 1 and mat_b.t().is_contiguous()
+                and mat_b.stride(1) > mat_b.stride(0) == 1,
+                f"A row-major, B column-major ('TN'): strides {mat_a.stride()}, {mat_b.stride()}")
+        for name, t in (("mat_a", mat_a), ("mat_b", mat_b)):
+            require(t.data_ptr() % 16 == 0, f"{name} is not 16-byte aligned (address % 16 = {t.data_ptr() % 16})")
         m, k, n = mat_a.shape[0], mat_a.shape[1] * 2, mat_b.shape[1]
-        require(mat_b.shape[0] * 2 == k and k % 32 == 0 and n % 16 == 0, f"shapes M={m} K={k} N={n}")
+        require(mat_b.shape[0] * 2 == k and mat_a.shape[1] % 16 == 0 and mat_b.shape[0] % 16 == 0 and n % 16 == 0,
+                f"shapes M={m} K={k} N={n}: packed K and N must be multiples of 16")
         (sa, ga), (sb, gb) = scale_a, scale_b
         for name, s, rows in (("scale_a", sa, m), ("scale_b", sb, n)):
             require(s.dtype == torch.float8_e4m3fn and s.is_contiguous()
