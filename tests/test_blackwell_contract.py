@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import shutil
 import sys
 
 import pytest
@@ -608,6 +609,30 @@ def test_tiny_pipelines_on_and_off_make_only_valid_calls_and_the_emulated_png(bl
     assert report["verifications"]["failed"] == 0
     if backend == AUTOMATIC:
         assert sys.modules["flashinfer"].compile_attempts == 0
+
+
+@pytest.mark.gpu
+def test_on_a_blackwell_gpu_the_default_backend_runs_without_a_toolkit_or_flashinfer(monkeypatch):
+    """On an SM100+ GPU with no nvcc on PATH, no CUDA_HOME and FlashInfer unimportable: the automatic backend is
+    cuBLASLt, and the self-test's GEMM checks and tiny FLUX.2 pipeline (fast paths off == on) pass with it."""
+    from diffusers_nvfp4_fast.commands import selftest
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
+        pytest.skip("needs a Blackwell (SM100+) GPU; none has run this test yet")
+    device = torch.device("cuda", torch.cuda.current_device())
+    for name in ("CUDA_HOME", "CUDA_PATH", dispatch.GEMM_BACKEND_VAR):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the host compiler that Triton's launcher build needs stays
+    if shutil.which("nvcc") is not None:
+        pytest.skip(f"nvcc is installed in /usr/bin or /bin ({shutil.which('nvcc')}), so 'no toolkit' cannot be set up")
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    dispatch.reset_backend_choice()
+    try:
+        assert dispatch.backend_choice(device)[0] == "cublaslt"
+        checks = selftest.gemm_checks(device) + [selftest.pipeline_check(device)]
+    finally:
+        dispatch.reset_backend_choice()
+    assert all(c["equal"] for c in checks), checks
 
 
 # ----------------------------------------------------------------------------------------------------------------
