@@ -6,6 +6,7 @@ import os
 import torch
 
 from . import triton_compat as compat
+from .caches import declare
 from .triton_compat import INTERPRETING, DescriptorEncoding, DirectLaunch, direct_launch_unavailable, hooks_installed
 
 __all__ = ["INTERPRETING", "DescriptorEncoding", "DirectLaunch", "direct_launch_unavailable", "hooks_installed",
@@ -97,7 +98,8 @@ def launch_options(device: torch.device, fast_math: bool, num_warps: int = 4) ->
             "num_warps": num_warps}
 
 
-_COMPILED: dict = {}
+_COMPILED: dict = declare("kernels.launch.compiled", {}, "one entry per specialization Triton compiled; kept for the "
+                          "process (an entry holds its kernel, checked against id reuse)")
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
@@ -152,7 +154,8 @@ def binder_key(kernel, device: int, args: tuple, kwargs: dict) -> tuple:
     return bound, (id(kernel), device, tuple(specialization), tuple(kwargs.items()))
 
 
-_BY_SITE: dict = {}
+_BY_SITE: dict = declare("kernels.launch.by_key", {}, "one entry per specialization key launched; kept for the "
+                         "process, like Triton's own kernel cache")
 # False keeps every launch on the path that ran before DirectLaunch and launch plans existed (read per call), so a
 # benchmark can time both in one process (benchmarks/studies/20261203_layer_host.py).
 DIRECT_LAUNCH = True
@@ -225,3 +228,8 @@ def binders_binary(kernel, args: tuple, kwargs: dict):
 def recorded_binaries() -> list:
     """Every binary ``launch_by_site`` recorded, in recording order (tests, benchmarks)."""
     return [entry[1] for entry in _BY_SITE.values()]
+
+
+def compiled_binaries(kernel) -> list:
+    """The binaries ``launch`` holds for ``kernel``, one per specialization it launched (tests)."""
+    return [compiled for kernel_of_entry, compiled in _COMPILED.values() if kernel_of_entry is kernel]

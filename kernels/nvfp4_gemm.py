@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .caches import declare
 from .launch import INTERPRETING, cdiv, launch, launch_by_site, next_power_of_2, sm_count
 from .nvfp4_decode import (
     linear_epilogue,
@@ -423,7 +424,8 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, 
 
 
 # (variant, the autotuner's key: M bucket, N, K, the dtypes that vary) -> the config it chose for that key.
-_CHOSEN: dict[tuple, triton.Config] = {}
+_CHOSEN: dict[tuple, triton.Config] = declare("kernels.nvfp4_gemm.chosen_configs", {}, "one entry per autotuner key; "
+                                              "kept for the process, like the autotuner's own cache")
 
 
 def _autotuned_launch(predecode: bool, grid, args: tuple, flags: dict) -> None:

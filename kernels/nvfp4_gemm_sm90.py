@@ -61,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .caches import declare
 from .grid_dependency import RELEASE_ASM, WAIT_ASM
 from .launch import (
     cdiv,
@@ -284,7 +285,8 @@ def sm90_max_stages(block_m: int, out_element_size: int) -> int:
 
 
 # (id(weight), id(scales)) -> ((data pointers and shapes), weight descriptor, scale descriptor)
-_WEIGHT_DESCRIPTORS: dict[tuple[int, int], tuple] = {}
+_WEIGHT_DESCRIPTORS: dict[tuple[int, int], tuple] = declare(
+    "kernels.nvfp4_gemm_sm90.weight_descriptors", {}, "an entry is dropped when its weight or scale tensor is freed")
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -416,7 +418,9 @@ def sm90_launch(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tenso
     return Sm90Launch(recorded[0], recorded[1], grid, args)
 
 
-_X_DESCRIPTOR_FIELDS: dict[tuple, dict] = {}
+_X_DESCRIPTOR_FIELDS: dict[tuple, dict] = declare(
+    "kernels.nvfp4_gemm_sm90.x_descriptor_fields", {},
+    "one entry per activation shape, stride and tile height; kept for the process")
 
 
 def _x_descriptor(x16: torch.Tensor, block_m: int) -> TensorDescriptor:

@@ -3,6 +3,7 @@ picks, which must run the same binary as ``kernel[grid](...)``: same bytes, a ne
 specialization, Triton's own path under launch hooks, capturable by CUDA graphs (``gpu``)."""
 
 import importlib
+import types
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 triton = pytest.importorskip("triton", reason="Triton is not installed, so the launch tests did not run; they "
                                                "run wherever Triton is installed, as in CI (pip install -e '.[test]')")
 
-from diffusers_nvfp4_fast import kernels  # noqa: E402
+from diffusers_nvfp4_fast import caches, kernels  # noqa: E402
 from diffusers_nvfp4_fast.format import quantize_nvfp4 as reference_quantize  # noqa: E402
 
 launch_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.launch")
@@ -31,7 +32,7 @@ def test_host_cdiv_and_next_power_of_2_match_triton():
 
 
 def _entries(kernel) -> int:
-    return sum(1 for kernel_of_entry, _ in launch_mod._COMPILED.values() if kernel_of_entry is kernel)
+    return len(launch_mod.compiled_binaries(kernel))
 
 
 @pytest.mark.gpu
@@ -125,8 +126,8 @@ def _fake_cuda(monkeypatch):
     monkeypatch.setattr(launch_mod, "hooks_installed", lambda: False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(compat, "current_raw_stream", lambda device: 0)
-    monkeypatch.setattr(launch_mod, "_COMPILED", {})
-    monkeypatch.setattr(launch_mod, "_BY_SITE", {})
+    caches.reset("kernels.launch.compiled")
+    caches.reset("kernels.launch.by_key")
 
 
 def test_launch_by_site_records_the_binders_binary_and_constants(monkeypatch):
@@ -183,6 +184,14 @@ def test_gpu_decoded_quantize_sites_run_the_binders_binary(monkeypatch):
 
 
 
+_BUILT: list = []
+
+
+def _build_plan() -> str:
+    _BUILT.append(1)
+    return "plan"
+
+
 def test_launch_plans_are_built_at_the_second_call_of_a_class():
     """``ops.linear``'s plan table: no plan until a class (a key holding the layer tensors' addresses) was called
     twice the normal way, so a layer that offloading moves on every call never gets one; a launch hook or plans
@@ -190,20 +199,17 @@ def test_launch_plans_are_built_at_the_second_call_of_a_class():
     from diffusers_nvfp4_fast.ops import linear
 
     linear.forget_plans()
-    built = []
-
-    def build():
-        built.append(1)
-        return "plan"
+    built = _BUILT
+    built.clear()
 
     here, there = ("quantize", 128, 1), ("quantize", 128, 2)
     try:
-        linear.learn_plan(here, build)
-        linear.learn_plan(there, build)
+        linear.learn_plan(here, _build_plan, (), ())
+        linear.learn_plan(there, _build_plan, (), ())
         assert linear.plan_for(here) is None and built == []
-        linear.learn_plan(here, build)
+        linear.learn_plan(here, _build_plan, (), ())
         assert built == [1] and linear.plan_for(here) == "plan" and linear.plan_for(there) is None
-        linear.learn_plan(here, build)  # decided already
+        linear.learn_plan(here, _build_plan, (), ())  # decided already
         assert built == [1]
         original = launch_mod.hooks_installed
         launch_mod.hooks_installed = lambda: True
@@ -213,11 +219,50 @@ def test_launch_plans_are_built_at_the_second_call_of_a_class():
             launch_mod.hooks_installed = original
         launch_mod.DIRECT_LAUNCH = False
         try:
-            assert linear.plan_key("decoded", torch.zeros(4, 4), torch.float16) is None
+            assert linear.plan_key("decoded", torch.zeros(4, 4), torch.float16, ()) is None
         finally:
             launch_mod.DIRECT_LAUNCH = True
     finally:
         linear.forget_plans()
+
+
+def test_a_plan_builder_gets_exactly_the_keyed_tensors(monkeypatch):
+    """A plan's builder is called with the call's tensors and the very values its key was made of; keyed values that
+    are not the key's, or a builder that is a closure (which could read a tensor the key does not hold), are refused
+    with an error that names them."""
+    from diffusers_nvfp4_fast.ops import linear
+
+    monkeypatch.setattr(linear, "kernels", types.SimpleNamespace(launch=types.SimpleNamespace(DIRECT_LAUNCH=True)))
+    x, w, s = torch.zeros(4, 16), torch.zeros(8, 8), torch.zeros(2, 2)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 0)
+    key = linear.plan_key("decoded", x, torch.float16, (8, w, s, True))
+    assert key is not None and key[-4:] == (8, w.data_ptr(), s.data_ptr(), True)
+    got = []
+
+    def record(*values):  # a closure over ``got``: refused
+        got.append(values)
+
+    linear.forget_plans()
+    try:
+        linear.learn_plan(key, got.append, ("call",), (8, w, s, True))  # first call: nothing built
+        with pytest.raises(ValueError, match="not the ones key"):
+            linear.learn_plan(key, got.append, ("call",), (8, torch.zeros(8, 8), s, True))
+        with pytest.raises(ValueError, match="is a closure"):
+            linear.learn_plan(key, record, ("call",), (8, w, s, True))
+        linear.learn_plan(key, _collect, ("call",), (8, w, s, True))
+        assert _COLLECTED == [("call", 8, w, s, True)]
+    finally:
+        linear.forget_plans()
+        _COLLECTED.clear()
+
+
+_COLLECTED: list = []
+
+
+def _collect(*values) -> str:
+    _COLLECTED.append(values)
+    return "plan"
 
 
 def _plan_layer(k: int, n: int, bias: bool, dtype=torch.bfloat16):
@@ -232,7 +277,11 @@ def _plan_layer(k: int, n: int, bias: bool, dtype=torch.bfloat16):
 def _built_plans() -> int:
     from diffusers_nvfp4_fast.ops import linear
 
-    return sum(1 for plan in linear._PLANS.values() if plan is not None)
+    return len(linear.planned())
+
+
+_LATE = iter([None, "plan"])
+_TRIES: list = []
 
 
 def test_a_plan_that_cannot_be_built_yet_is_tried_again():
@@ -242,16 +291,15 @@ def test_a_plan_that_cannot_be_built_yet_is_tried_again():
     from diffusers_nvfp4_fast.ops import linear
 
     linear.forget_plans()
-    results = iter([None, "plan"])
     late, never = ("quantize", 512, 1), ("quantize", 512, 2)
     try:
         for _ in range(3):
-            linear.learn_plan(late, lambda: next(results))
+            linear.learn_plan(late, next, (_LATE,), ())
         assert linear.plan_for(late) == "plan"
-        tries = []
+        _TRIES.clear()
         for _ in range(linear._PLAN_TRIES + 2):
-            linear.learn_plan(never, lambda: tries.append(1))
-        assert len(tries) == linear._PLAN_TRIES - 1 and never in linear._PLANS and linear.plan_for(never) is None
+            linear.learn_plan(never, _TRIES.append, (1,), ())
+        assert len(_TRIES) == linear._PLAN_TRIES - 1 and linear.plan_for(never) is None
     finally:
         linear.forget_plans()
 
@@ -272,7 +320,7 @@ def test_gpu_the_first_layer_call_class_of_a_process_gets_its_plan():
             "torch.randn(3072, device='cuda', dtype=torch.bfloat16), 8.0 / 2688)\n"
             "x = torch.randn(512, 3072, device='cuda', dtype=torch.bfloat16)\n"
             "for _ in range(4):\n    layer(x)\n"
-            "print(sorted(type(p).__name__ for p in linear._PLANS.values()))\n")
+            "print(sorted(type(p).__name__ for p in linear.planned()))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "['LinearPlan']", out.stdout
@@ -304,7 +352,7 @@ def test_gpu_layer_plans_give_the_wrappers_bytes(rows, dtype):
             got = layer.forward_decoded(x16, dtype)
             assert torch.equal(got.view(torch.int16), want_decoded.view(torch.int16)), (k, n, call)
         planned = 2 if launch_mod.direct_launch_unavailable() is None else 0  # none with Triton 3.7+
-        assert _built_plans() == before + planned, linear._PLANS
+        assert _built_plans() == before + planned, linear.planned()
 
 
 @pytest.mark.gpu

@@ -95,7 +95,7 @@ def test_private_triton_and_torch_names_appear_only_in_the_seam():
 def test_the_private_name_pattern_finds_what_it_is_for():
     for text in ("torch._C._cuda_getCurrentRawStream(0)", "kernel.device_caches[0]", "f.__closure__",
                  "driver._BASE_ARGS_FORMAT", "utils.fill_tma_descriptor", "object.__new__(T)", "d.__dict__",
-                 "c.packed_metadata", "launch._BY_SITE"):
+                 "c.packed_metadata", "launch._private_table"):
         assert PRIVATE_NAMES.search(text), text
     assert not PRIVATE_NAMES.search("compat.current_raw_stream(device)")
 
@@ -109,7 +109,7 @@ def test_ops_import_no_patches_loaders_or_api():
 
 
 # Modules of the ground floor: they import torch or the standard library and, of the package, only each other.
-GROUND_FLOOR = ("diffusers_nvfp4_fast.module_hooks", "diffusers_nvfp4_fast.state_probes",
+GROUND_FLOOR = ("diffusers_nvfp4_fast.caches", "diffusers_nvfp4_fast.module_hooks", "diffusers_nvfp4_fast.state_probes",
                 "diffusers_nvfp4_fast.swaps", "diffusers_nvfp4_fast.switches", "diffusers_nvfp4_fast.torch_compat")
 # What the graph runner must not reach, directly or through another module: it knows nothing of NVFP4.
 NVFP4_AWARE = ("diffusers_nvfp4_fast.ops", "diffusers_nvfp4_fast.patches", "diffusers_nvfp4_fast.linear",
