@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import triton_compat as compat
 from .nvfp4_gemm import sm90_kernel_module
 from .nvfp4_gemv import GemvLaunch, gemv_launch
 from .quantize_nvfp4 import DecodedQuantizeLaunch, decoded_quantize_launch
@@ -36,7 +37,7 @@ class LinearPlan:
         """x: ``[m, k]`` contiguous, 16-byte aligned, on the plan's device: BF16/FP16 for a quantizing plan, the FP16
         decode otherwise. Returns the fresh ``[m, n]`` output."""
         gemm = self.gemm
-        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        stream = compat.current_raw_stream(self.device_index)
         out = torch.empty((gemm.m, gemm.n), dtype=gemm.out_dtype, device=self.device)
         if self.quantize is None:
             return gemm.run(x.data_ptr(), out, stream)
@@ -84,7 +85,7 @@ class RowPlan:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x: ``[1, k]`` contiguous, 16-byte aligned BF16/FP16 on the plan's device. Returns the fresh ``[1, n]``."""
         gemv = self.gemv
-        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        stream = compat.current_raw_stream(self.device_index)
         x16 = torch.empty((1, self.k), dtype=torch.float16, device=gemv.device)
         out = torch.empty((1, gemv.n), dtype=gemv.out_dtype, device=gemv.device)
         address = x16.data_ptr()

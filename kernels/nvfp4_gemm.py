@@ -56,6 +56,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .caches import declare
 from .launch import INTERPRETING, cdiv, launch, launch_by_site, next_power_of_2, sm_count
 from .nvfp4_decode import (
     linear_epilogue,
@@ -423,13 +424,14 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, 
 
 
 # (variant, the autotuner's key: M bucket, N, K, the dtypes that vary) -> the config it chose for that key.
-_CHOSEN: dict[tuple, triton.Config] = {}
+_CHOSEN: dict[tuple, triton.Config] = declare("kernels.nvfp4_gemm.chosen_configs", {}, "one entry per autotuner key; "
+                                              "kept for the process, like the autotuner's own cache")
 
 
 def _autotuned_launch(predecode: bool, grid, args: tuple, flags: dict) -> None:
     """The autotuned kernel: the autotuner at the first call of its key (it times the configs, then launches the
-    best), later calls launch the chosen config by site key (``launch.launch_by_site``), past the autotuner's and
-    the heuristics' per-call Python. Same kernel, same config: the same binary and bytes."""
+    best), later calls launch the chosen config by specialization key (``launch.launch_by_site``), past the
+    autotuner's and the heuristics' per-call Python. Same kernel, same config: the same binary and bytes."""
     tuned = _tuned_fp16_x if predecode else _tuned_packed
     x_arg, bias_arg, target = args[0], args[5], args[6]
     n, k, m_bucket = args[8], args[9], args[15]
@@ -442,11 +444,7 @@ def _autotuned_launch(predecode: bool, grid, args: tuple, flags: dict) -> None:
             _CHOSEN[choice_key] = best
         return
     meta = config.all_kwargs()
-    # What Triton specializes this launch on: every integer, every pointer's alignment, the constexprs (dtypes are in
-    # choice_key, the device in launch_by_site's own key).
-    site = (choice_key, *args[7:], *(a.data_ptr() % 16 == 0 for a in args[:7]), *flags.values(),
-            *meta.values())
-    launch_by_site(_nvfp4_gemm_kernel, grid(meta), site, *args, **flags, EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
+    launch_by_site(_nvfp4_gemm_kernel, grid(meta), *args, **flags, EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
 
 
 def nvfp4_gemm(

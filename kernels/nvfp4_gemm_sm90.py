@@ -45,7 +45,6 @@ reads as zero words and its scale pairs are forced to 0. Needs ``K % 32 == 0`` (
 
 from __future__ import annotations
 
-import copy
 import functools
 import weakref
 from typing import cast
@@ -62,10 +61,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .caches import declare
 from .grid_dependency import RELEASE_ASM, WAIT_ASM
 from .launch import (
-    DescriptorEncoding,
-    DirectLaunch,
     cdiv,
     cuda_capability,
     launch_by_site,
@@ -74,6 +72,7 @@ from .launch import (
     sm_count,
 )
 from .tiling import grouped_tile
+from .triton_compat import DescriptorEncoding, DirectLaunch, descriptor_fields, descriptor_over, layout_with_fixed_repr
 
 __all__ = ["nvfp4_gemm_sm90", "sm90_supported", "sm90_block_m", "sm90_launch", "Sm90Launch", "SM90_STAGES",
            "SM90_GROUP_N", "SM90_TILE_COST", "sm90_max_stages"]
@@ -255,32 +254,15 @@ def _nvfp4_gemm_sm90_kernel(
     ], [1], [24])  # the producer: one warp, 24 registers
 
 
-class _ReprOnceLayout(gl.NVMMASharedLayout):
-    """An ``NVMMASharedLayout`` whose ``repr`` (the same text) is computed once. Triton's launcher takes the repr of
-    each descriptor argument's layout on every launch (its specialization key): three dataclass reprs per GEMM, a
-    few milliseconds of an eager Qwen-Image step, which is bound by host time (docs/profile.md, host time)."""
-
-    def __repr__(self) -> str:
-        return self.__dict__["repr_once"]
-
-
-def repr_once(layout: gl.NVMMASharedLayout) -> gl.NVMMASharedLayout:
-    """``layout`` with its repr computed now and kept (equal fields, equal text; an ``NVMMASharedLayout``)."""
-    fixed = copy.copy(layout)
-    object.__setattr__(fixed, "__class__", _ReprOnceLayout)
-    fixed.__dict__["repr_once"] = repr(layout)
-    return fixed
-
-
 @functools.cache
 def _x_layout(block_m: int):
     """The X tile's shared-memory layout: built once per tile height, the host cost of a launch matters (eager)."""
-    return repr_once(gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.float16))
+    return layout_with_fixed_repr(gl.NVMMASharedLayout.get_default_for([block_m, BLOCK_K], gl.float16))
 
 
 @functools.cache
 def _flat_layout():
-    return repr_once(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
+    return layout_with_fixed_repr(gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2))
 
 
 @functools.cache
@@ -303,7 +285,8 @@ def sm90_max_stages(block_m: int, out_element_size: int) -> int:
 
 
 # (id(weight), id(scales)) -> ((data pointers and shapes), weight descriptor, scale descriptor)
-_WEIGHT_DESCRIPTORS: dict[tuple[int, int], tuple] = {}
+_WEIGHT_DESCRIPTORS: dict[tuple[int, int], tuple] = declare(
+    "kernels.nvfp4_gemm_sm90.weight_descriptors", {}, "an entry is dropped when its weight or scale tensor is freed")
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -377,52 +360,42 @@ def nvfp4_gemm_sm90(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.T
     if not 3 <= stages <= max_stages:
         raise ValueError(f"nvfp4_gemm_sm90: stages={stages} does not fit; with {block_m}-token tiles and {out.dtype} "
                          f"output it must be in 3..{max_stages}")
-    scale_cols = w_scales.shape[1]
-    site = _site(x16, out, alpha, bias, n, scale_cols, block_m, stages, group_n)
-    x_desc = _x_descriptor(x16, block_m, site)
-    w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
-    grid = (cdiv(m, block_m) * cdiv(n, BLOCK_N),)
-    launch_by_site(_nvfp4_gemm_sm90_kernel, grid, site, x_desc, w_desc, s_desc, alpha,
-                   alpha if bias is None else bias, out, m, n, k, out.stride(0), scale_cols // 4, BLOCK_M=block_m,
-                   BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, GROUP_N=group_n, EVEN_K=k % BLOCK_K == 0,
-                   NEW_REINTERPRET=_NEW_REINTERPRET, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
-                   maxnreg=MAX_REGISTERS, **pdl_options(x16.device))
+    grid, args, options = _arguments(x16, w_packed, w_scales, alpha, out, bias, block_m, stages, group_n)
+    launch_by_site(_nvfp4_gemm_sm90_kernel, grid, *args, **options)
     return out
 
 
-def _site(x16: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None, n: int,
-          scale_cols: int, block_m: int, stages: int, group_n: int) -> tuple:
-    """Everything Triton specializes a launch on (kernels.launch.launch_by_site): the integers, the dtypes and
-    alignments of the pointers, the descriptors' shapes, strides and blocks (from m, n, k, the strides, block_m)."""
+def _arguments(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
+               out: torch.Tensor, bias: torch.Tensor | None, block_m: int, stages: int, group_n: int) -> tuple:
+    """(grid, positional arguments, keyword arguments) of one ``_nvfp4_gemm_sm90_kernel`` launch."""
     m, k = x16.shape
-    bias_key = None if bias is None else (bias.dtype, bias.data_ptr() % 16 == 0)
-    return (m, n, k, x16.stride(0), x16.dtype, x16.data_ptr() % 16 == 0, out.dtype, out.stride(0),
-            out.data_ptr() % 16 == 0, alpha.dtype, alpha.data_ptr() % 16 == 0, bias_key, scale_cols, block_m, stages,
-            group_n)
+    n = w_packed.shape[0]
+    w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
+    args = (_x_descriptor(x16, block_m), w_desc, s_desc, alpha, alpha if bias is None else bias, out, m, n, k,
+            out.stride(0), w_scales.shape[1] // 4)
+    options = dict(BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, STAGES=stages, GROUP_N=group_n,
+                   EVEN_K=k % BLOCK_K == 0, NEW_REINTERPRET=_NEW_REINTERPRET, HAS_BIAS=bias is not None,
+                   num_warps=NUM_WARPS, maxnreg=MAX_REGISTERS, **pdl_options(x16.device))
+    return (cdiv(m, block_m) * cdiv(n, BLOCK_N),), args, options
 
 
 class Sm90Launch:
     """The SM90 GEMM of one weight for one class of calls (M, dtypes, bias), launched without its wrapper: the
-    binary ``nvfp4_gemm_sm90`` recorded for the call's site, the weight's tensor maps encoded once, the activation's
-    encoded per call (``launch.DirectLaunch``). ``run`` gives the bytes ``nvfp4_gemm_sm90`` gives for an FP16
-    activation of ``m`` contiguous, 16-byte aligned rows and a fresh ``[m, n]`` output (docs/performance.md)."""
+    binary ``nvfp4_gemm_sm90`` recorded for the call's arguments, the weight's tensor maps encoded once, the
+    activation's encoded per call (``launch.DirectLaunch``). ``run`` gives the bytes ``nvfp4_gemm_sm90`` gives for an
+    FP16 activation of ``m`` contiguous, 16-byte aligned rows and a fresh ``[m, n]`` output (docs/performance.md)."""
 
     __slots__ = ("direct", "grid", "x_encoding", "after_x", "after_out", "m", "n", "out_dtype")
 
-    def __init__(self, direct: DirectLaunch, tail: tuple, x16: torch.Tensor, w_packed: torch.Tensor,
-                 w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-                 block_m: int, site: tuple) -> None:
-        m, k = x16.shape
-        n = w_packed.shape[0]
+    def __init__(self, direct: DirectLaunch, tail: tuple, grid: tuple[int], args: tuple) -> None:
+        x_desc, w_desc, s_desc, alpha, bias_arg, out = args[:6]
         meta = cast(list, direct.descriptor_meta)
-        w_desc, s_desc = _weight_descriptors(w_packed, w_scales)
-        self.direct, self.m, self.n, self.out_dtype = direct, m, n, out.dtype
-        self.grid = (cdiv(m, block_m) * cdiv(n, BLOCK_N),)
-        self.x_encoding = DescriptorEncoding(_x_descriptor(x16, block_m, site), meta[0])
-        weight_args = (*DescriptorEncoding(w_desc, meta[1]).arguments(w_packed.data_ptr()),
-                       *DescriptorEncoding(s_desc, meta[2]).arguments(w_scales.data_ptr()))
-        self.after_x = (*weight_args, alpha.data_ptr(), (alpha if bias is None else bias).data_ptr())
-        self.after_out = (m, n, k, out.stride(0), w_scales.shape[1] // 4, *tail)
+        self.direct, self.grid, self.m, self.n, self.out_dtype = direct, grid, args[6], args[7], out.dtype
+        self.x_encoding = DescriptorEncoding(x_desc, meta[0])
+        weight_args = (*DescriptorEncoding(w_desc, meta[1]).arguments(w_desc.base.data_ptr()),
+                       *DescriptorEncoding(s_desc, meta[2]).arguments(s_desc.base.data_ptr()))
+        self.after_x = (*weight_args, alpha.data_ptr(), bias_arg.data_ptr())
+        self.after_out = (*args[6:], *tail)
 
     def run(self, x16_address: int, out: torch.Tensor, stream: int) -> torch.Tensor:
         """``out`` (``[m, n]``, fresh) = the GEMM of the FP16 activation at ``x16_address``, launched on ``stream``."""
@@ -438,27 +411,28 @@ def sm90_launch(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tenso
     m, k = x16.shape
     n = w_packed.shape[0]
     block_m = sm90_block_m(m, n, sm_count(x16.device))
-    site = _site(x16, out, alpha, bias, n, w_scales.shape[1], block_m, SM90_STAGES, SM90_GROUP_N)
-    recorded = site_binary(_nvfp4_gemm_sm90_kernel, site)
+    grid, args, options = _arguments(x16, w_packed, w_scales, alpha, out, bias, block_m, SM90_STAGES, SM90_GROUP_N)
+    recorded = site_binary(_nvfp4_gemm_sm90_kernel, args, options)
     if recorded is None or recorded[0].descriptor_meta is None or len(recorded[0].descriptor_meta) != 3:
         return None
-    return Sm90Launch(recorded[0], recorded[1], x16, w_packed, w_scales, alpha, bias, out, block_m, site)
+    return Sm90Launch(recorded[0], recorded[1], grid, args)
 
 
-_X_DESCRIPTOR_FIELDS: dict[tuple, dict] = {}
+_X_DESCRIPTOR_FIELDS: dict[tuple, dict] = declare(
+    "kernels.nvfp4_gemm_sm90.x_descriptor_fields", {},
+    "one entry per activation shape, stride and tile height; kept for the process")
 
 
-def _x_descriptor(x16: torch.Tensor, block_m: int, site: tuple) -> TensorDescriptor:
-    """The TMA descriptor of X. The first one for a ``site`` is built and validated by ``from_tensor``; later ones
-    copy its fields (same shape, strides, block and layout: ``site`` holds m, k, the row stride and block_m) and
-    take the new tensor as base, which saves the dataclass's checks (about 5 us of host time per GEMM)."""
-    fields = _X_DESCRIPTOR_FIELDS.get(site)
+def _x_descriptor(x16: torch.Tensor, block_m: int) -> TensorDescriptor:
+    """The TMA descriptor of X. The first one for a shape, row stride and tile height is built and validated by
+    ``from_tensor``; later ones copy its fields and take the new tensor as base, which saves the dataclass's checks
+    (about 5 us of host time per GEMM)."""
+    shape = (x16.dtype, *x16.shape, *x16.stride(), block_m)
+    fields = _X_DESCRIPTOR_FIELDS.get(shape)
     if fields is None:
         desc = TensorDescriptor.from_tensor(x16, [block_m, BLOCK_K], _x_layout(block_m))
-        if hasattr(desc, "__dict__"):
-            _X_DESCRIPTOR_FIELDS[site] = {**desc.__dict__, "base": None}
+        fields = descriptor_fields(desc)
+        if fields is not None:
+            _X_DESCRIPTOR_FIELDS[shape] = fields
         return desc
-    desc = object.__new__(TensorDescriptor)
-    desc.__dict__.update(fields)
-    desc.base = x16
-    return desc
+    return descriptor_over(TensorDescriptor, fields, x16)

@@ -184,15 +184,15 @@ def nvfp4_gemv(
     out = torch.empty((1, n), dtype=out_dtype, device=device)
     count, chunk = gemv_splits(n, k, sm_count(device) if device.type == "cuda" else 132, splits)
     target = torch.empty((count, 1, n), dtype=torch.float32, device=device) if count > 1 else out
-    args, site, meta = _launch_arguments(x, x_scales, w_packed, w_scales, alpha, bias, target, chunk, tile)
-    launch_by_site(_nvfp4_gemv_kernel, (cdiv(n, meta["BLOCK_N"]), count), site, *args, **meta)
+    args, meta = _launch_arguments(x, x_scales, w_packed, w_scales, alpha, bias, target, chunk, tile)
+    launch_by_site(_nvfp4_gemv_kernel, (cdiv(n, meta["BLOCK_N"]), count), *args, **meta)
     if count > 1:
         split_reduce(target, alpha, args[5], out, 1, n, count, bias is not None)
     return out
 
 
 def _launch_arguments(x, x_scales, w_packed, w_scales, alpha, bias, target, chunk, tile=None):
-    """(positional arguments, ``launch_by_site`` site, keyword arguments) of one ``_nvfp4_gemv_kernel`` launch into
+    """(positional arguments, keyword arguments) of one ``_nvfp4_gemv_kernel`` launch into
     ``target`` (the output, or the split workspace)."""
     n, k = w_packed.shape[0], 2 * w_packed.shape[1]
     packed = x.dtype == torch.uint8
@@ -205,10 +205,7 @@ def _launch_arguments(x, x_scales, w_packed, w_scales, alpha, bias, target, chun
                 EVEN_K=k % block_k == 0, USE_ASM=use_asm_split(w_packed), BLOCK_N=block_n, BLOCK_K=block_k,
                 HALVINGS=block_k.bit_length() - 1, num_warps=warps, num_stages=stages, enable_fp_fusion=False,
                 **pdl_options(w_packed.device))
-    # What Triton specializes the launch on: every integer, every pointer's alignment and dtype, the keywords.
-    site = (n, k, w_packed.stride(0), w_scales.shape[1], chunk, *(a.data_ptr() % 16 == 0 for a in args[:7]),
-            *(a.dtype for a in args[:7]), *meta.values())
-    return args, site, meta
+    return args, meta
 
 
 class GemvLaunch:
@@ -238,8 +235,8 @@ def gemv_launch(x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tenso
     count, chunk = gemv_splits(n, k, sm_count(out.device))
     if count > 1:
         return None
-    args, site, _ = _launch_arguments(x16, None, w_packed, w_scales, alpha, bias, out, chunk)
-    recorded = site_binary(_nvfp4_gemv_kernel, site)
+    args, meta = _launch_arguments(x16, None, w_packed, w_scales, alpha, bias, out, chunk)
+    recorded = site_binary(_nvfp4_gemv_kernel, args, meta)
     if recorded is None or recorded[0].descriptor_meta is not None:
         return None
     return GemvLaunch(recorded[0], recorded[1], args, (cdiv(n, GEMV_BLOCK_N), 1), out.dtype, out.device)

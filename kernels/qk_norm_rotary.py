@@ -204,11 +204,9 @@ def qwen_rotary_triton(x: torch.Tensor, freqs: torch.Tensor, *, real_fma: int = 
     x, table, out = _qwen_operands("qwen_rotary_triton", x, freqs)
     b, seq, heads, _ = x.shape
     rows = b * seq * heads
-    # Keyed launch (a compiled Qwen-Image step makes 112 of these): the integers' values, the pointers' alignment.
-    site = ("qwen_rotary", rows, seq, heads, x.data_ptr() % 16 == 0, table.data_ptr() % 16 == 0,
-            out.data_ptr() % 16 == 0, real_fma, imag_fma, block_r, num_warps)
+    # Keyed launch (a compiled Qwen-Image step makes 112 of these).
     launch_by_site(
-        _qk_norm_rotary_kernel, (cdiv(rows, block_r),), site,
+        _qk_norm_rotary_kernel, (cdiv(rows, block_r),),
         x, x, table, out.view(torch.int16), out, rows, seq, heads, 0.0, BLOCK_R=block_r, APPROX_RSQRT=False,
         REAL_FMA=real_fma, IMAG_FMA=imag_fma, SOFT_BF16=bool(SOFT_CONVERT), WRITE_MEAN=False, TREE=1, NORM=False,
         num_warps=num_warps, enable_fp_fusion=False,

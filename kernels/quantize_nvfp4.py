@@ -58,12 +58,8 @@ def launch_block_quantize(
     scales = torch.empty(padded_scale_shape(m, k), dtype=torch.uint8, device=x.device)
     grid, col_tiles = tile_grid(m, scales.shape[1], block_r, block_c)
     words = packed.view(torch.int64)
-    # What Triton specializes the launch on (launch.launch_by_site): integers, pointer alignments, dtype, keywords.
-    site = (m, k, row_stride, scales.shape[1], col_tiles, blocks.data_ptr() % 16 == 0, global_scale.dtype,
-            global_scale.data_ptr() % 16 == 0, words.data_ptr() % 16 == 0, scales.data_ptr() % 16 == 0, x.dtype,
-            fast_math, block_r, block_c, num_warps)
     launch_by_site(
-        kernel, grid, site, blocks, global_scale, words, scales, m, k, row_stride, scales.shape[1], col_tiles,
+        kernel, grid, blocks, global_scale, words, scales, m, k, row_stride, scales.shape[1], col_tiles,
         BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16, **launch_options(x.device, fast_math,
                                                                                                num_warps),
     )
@@ -161,26 +157,23 @@ def launch_decoded_quantize(
         raise ValueError(f"K={k} must be a multiple of 16")
     blocks, row_stride = as_block_rows(x)
     out = torch.empty((m, k), dtype=torch.float16, device=x.device)
-    col_tiles = cdiv(k // 16, block_c)
     if m:
-        words = out.view(torch.int64)
-        site = _decoded_site(x.dtype, blocks, global_scale, words, row_stride, fast_math, block_r, block_c, num_warps)
-        launch_by_site(
-            kernel, (cdiv(m, block_r) * col_tiles,), site, blocks, global_scale, words, m, k, row_stride,
-            col_tiles, BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
-            **launch_options(x.device, fast_math, num_warps), **pdl_options(x.device),
-        )
+        grid, args, options = _decoded_arguments(x, blocks, row_stride, global_scale, out, fast_math, block_r, block_c,
+                                                 num_warps)
+        launch_by_site(kernel, grid, *args, **options)
     return out
 
 
-def _decoded_site(dtype: torch.dtype, blocks: torch.Tensor, global_scale: torch.Tensor, words: torch.Tensor,
-                  row_stride: int, fast_math: bool, block_r: int, block_c: int, num_warps: int) -> tuple:
-    """What Triton specializes a decoded-quantize launch on (kernels.launch.launch_by_site): integers, pointer
-    alignments, dtypes, keywords (the device fixes HW_E2M1)."""
-    m, k = blocks.shape[0], 4 * words.shape[1]
-    return (m, k, row_stride, cdiv(k // 16, block_c), blocks.data_ptr() % 16 == 0, global_scale.dtype,
-            global_scale.data_ptr() % 16 == 0, words.data_ptr() % 16 == 0, dtype, fast_math, block_r, block_c,
-            num_warps)
+def _decoded_arguments(x: torch.Tensor, blocks: torch.Tensor, row_stride: int, global_scale: torch.Tensor,
+                       out: torch.Tensor, fast_math: bool, block_r: int, block_c: int, num_warps: int) -> tuple:
+    """(grid, positional arguments, keyword arguments) of a decoded-quantize launch of ``x`` (``blocks``, its rows as
+    int64 words with ``row_stride``) into the FP16 ``out``."""
+    m, k = x.shape
+    col_tiles = cdiv(k // 16, block_c)
+    args = (blocks, global_scale, out.view(torch.int64), m, k, row_stride, col_tiles)
+    options = dict(BLOCK_R=block_r, BLOCK_C=block_c, IS_BF16=x.dtype == torch.bfloat16,
+                   **launch_options(x.device, fast_math, num_warps), **pdl_options(x.device))
+    return (cdiv(m, block_r) * col_tiles,), args, options
 
 
 class DecodedQuantizeLaunch:
@@ -208,9 +201,9 @@ def decoded_quantize_launch(x: torch.Tensor, global_scale: torch.Tensor, out: to
     ``tiles``: another kernel with its arguments, launched by ``launch_decoded_quantize`` with those tiles."""
     block_r, block_c, num_warps = tiles
     blocks, row_stride = as_block_rows(x)
-    site = _decoded_site(x.dtype, blocks, global_scale, out.view(torch.int64), row_stride, fast_math, block_r, block_c,
-                         num_warps)
-    recorded = site_binary(_quantize_nvfp4_decoded_kernel if kernel is None else kernel, site)
+    _, args, options = _decoded_arguments(x, blocks, row_stride, global_scale, out, fast_math, block_r, block_c,
+                                          num_warps)
+    recorded = site_binary(_quantize_nvfp4_decoded_kernel if kernel is None else kernel, args, options)
     if recorded is None or recorded[0].descriptor_meta is not None:
         return None
     return DecodedQuantizeLaunch(recorded[0], recorded[1], x.shape[0], x.shape[1], global_scale, block_r, block_c)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from diffusers_nvfp4_fast import (
+    caches,
     disable_fast_paths,
     enable_fast_paths,
     exact_inductor,
@@ -63,7 +64,6 @@ def test_compiled_qwen_gelu_site_runs_where_inductors_gelu_was_checked(checked, 
     """Under compile the Qwen-Image GELU site fuses only where ``exact_inductor`` found inductor's GELU equal to
     torch's on this device (``check_compiled_gelu``, GPU-tested); here the check's verdict is set by hand and the
     kernel gate opened on CPU, where the fused op runs its reference. One trace, three calls, four sites."""
-    from diffusers_nvfp4_fast.ops import gelu_quantize as gelu_op
     from diffusers_nvfp4_fast.patches import qwenimage
 
     pipe, kwargs = pipeline("qwen", modelopt_exports)
@@ -71,7 +71,10 @@ def test_compiled_qwen_gelu_site_runs_where_inductors_gelu_was_checked(checked, 
     off = sha(pipe, kwargs)
     monkeypatch.setattr(qwenimage, "triton_runs_on", lambda _: True)
     verdicts = {(str(p.device), dtype): "" for p in model.parameters() for dtype in (torch.bfloat16, torch.float16)}
-    monkeypatch.setattr(gelu_op, "_COMPILED", verdicts if checked else {})
+    caches.reset("ops.gelu_quantize.compiled_mismatch")
+    table = caches.registered()["ops.gelu_quantize.compiled_mismatch"].table
+    for key, verdict in (verdicts if checked else {}).items():
+        monkeypatch.setitem(table, key, verdict)
     enable_fast_paths(model)
     torch._dynamo.reset()
     pipe.transformer = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -102,7 +105,7 @@ def test_compiled_gelu_check_names_what_differs(monkeypatch):
             return y
         return compiled
 
-    monkeypatch.setattr(gelu_op, "_COMPILED", {})
+    caches.reset("ops.gelu_quantize.compiled_mismatch")
     monkeypatch.setattr(torch, "compile", compile_off_by_one)
     gelu_op.check_compiled_gelu(torch.device("cpu"))
     assert gelu_op.compiled_gelu_reason("cpu", True) == "inductor's GELU differs from torch's on 1 of 65536 " \
@@ -111,7 +114,7 @@ def test_compiled_gelu_check_names_what_differs(monkeypatch):
     def compile_fails(fn, **_):
         raise RuntimeError("no compiler")
 
-    monkeypatch.setattr(gelu_op, "_COMPILED", {})
+    caches.reset("ops.gelu_quantize.compiled_mismatch")
     monkeypatch.setattr(torch, "compile", compile_fails)
     gelu_op.check_compiled_gelu(torch.device("cpu"))
     assert gelu_op.compiled_gelu_reason("cpu", False) == "inductor's GELU could not be checked: RuntimeError: " \

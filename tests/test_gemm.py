@@ -26,6 +26,7 @@ import torch
 
 triton = pytest.importorskip("triton", reason="Triton is not installed, so the GEMM tests did not run; they "
                                                "run wherever Triton is installed, as in CI (pip install -e '.[test]')")
+from diffusers_nvfp4_fast import caches  # noqa: E402
 from diffusers_nvfp4_fast.format import (  # noqa: E402
     decode_nvfp4,
     round_up,
@@ -308,7 +309,8 @@ def test_sm90_weight_descriptors_are_reused_rebuilt_and_freed():
     del w, s, first, rebuilt
     gc.collect()
     assert weight_ref() is None, "the cache must not keep a weight alive"
-    assert not sm90._WEIGHT_DESCRIPTORS, "a freed weight's descriptors (and their storage views) are dropped"
+    descriptors = caches.registered()["kernels.nvfp4_gemm_sm90.weight_descriptors"].table
+    assert not len(descriptors), "a freed weight's descriptors (and their storage views) are dropped"
 
 
 def test_sm90_layouts_keep_the_text_triton_specializes_on():

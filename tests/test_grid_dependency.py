@@ -140,8 +140,9 @@ def test_gpu_back_to_back_pdl_chain_equals_synchronized_chain():
         for i, (a, b) in enumerate(zip(got, want)):
             for name, u, v in zip("qkfr", a, b):
                 assert torch.equal(u, v), f"attempt {attempt}, round {i}: {name} differs from the synchronized chain"
-    from diffusers_nvfp4_fast.kernels.launch import _BY_SITE
+    from diffusers_nvfp4_fast.kernels import triton_compat
 
     direct = launch_mod.direct_launch_unavailable() is None  # Triton 3.7+: every launch through CompiledKernel.run
-    assert any((entry[3] is not None and entry[3].pdl) if direct else entry[1].metadata.launch_pdl
-               for entry in _BY_SITE.values()), "no binary launched with PDL"
+    binaries = launch_mod.recorded_binaries()
+    assert any(bool(getattr(triton_compat.direct_launch(b), "pdl", False)) if direct else b.metadata.launch_pdl
+               for b in binaries), "no binary launched with PDL"

@@ -39,7 +39,7 @@ def _cycles(pipe, kwargs, cycles: int, every: int, cuda: bool, toggle: bool = Tr
         if i in (2 * every, cycles):
             if cuda:
                 torch.cuda.synchronize()
-            seen[i] = (_live_objects(), len(verify._STATS), torch.cuda.memory_allocated() if cuda else 0)
+            seen[i] = (_live_objects(), verify.live_stats_count(), torch.cuda.memory_allocated() if cuda else 0)
     return seen
 
 
@@ -49,7 +49,7 @@ def test_200_enable_disable_cycles_leak_nothing(which, modelopt_exports):
     between runs), so the growth with enable/disable cycles is compared with the growth of the same generations
     without them: a leak of anything per cycle adds at least 160 objects over 160 cycles, far above that jitter."""
     pipe, kwargs = _pipeline(which, modelopt_exports)
-    registry_before = len(verify._STATS)
+    registry_before = verify.live_stats_count()
     plain = _cycles(pipe, kwargs, 200, 20, cuda=False, toggle=False)
     cycled = _cycles(pipe, kwargs, 200, 20, cuda=False)
     assert cycled[40][1] == cycled[200][1] == registry_before

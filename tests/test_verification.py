@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from diffusers_nvfp4_fast import (
+    caches,
     disable_fast_paths,
     enable_fast_paths,
     fast_path_report,
@@ -125,7 +126,7 @@ def test_remembered_call_class_is_the_verification_key():
         (torch.tensor(1.0), x, None), (x, torch.tensor(1.0), None), (x, torch.zeros(1), "a"), (x, [1, 2], None),
         (x, x.to("meta"), None), (None, 3, x),
     ]
-    fused._KEYS.clear()
+    caches.reset("ops.fused.verification_keys")
     for _ in range(2):  # computed, then remembered
         for args in variants:
             assert fused.call_class("op", args) == fused.verification_key("op", args), args

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import caches
 from .dispatch import call_op, define_op
 from .site import Site
 from .verify import run_checked
@@ -45,7 +46,7 @@ def verification_key(name: str, args: Sequence[Any]) -> str:
 
 # verification_key by the facts it is made of, as a tuple (every checked call asks; the string costs 1.7x the host
 # time). A float is keyed by its bits (0.0 and -0.0 print differently), a plain value by its type too.
-_KEYS: dict[tuple, str] = {}
+_KEYS: dict[tuple, str] = caches.register("ops.fused.verification_keys", {}, "emptied past _KEYS_LIMIT entries")
 _KEYS_LIMIT = 4096
 
 

@@ -20,6 +20,7 @@ from typing import NamedTuple, cast
 import torch
 import torch.nn.functional as F
 
+from .. import caches
 from .. import format as nvfp4
 from .dispatch import call_op, define_op, kernels, triton_runs_on
 from .fused import FusedOp, call_class
@@ -28,7 +29,9 @@ from .quantize import empty_quantized, quantize
 from .site import Site, SiteKind
 from .verify import counted_without_check
 
-_MISMATCH: dict[tuple[str, torch.dtype], str | None] = {}  # (device, dtype) -> what differs, None if nothing
+# (device, dtype) -> what differs, None if nothing
+_MISMATCH: dict[tuple[str, torch.dtype], str | None] = caches.register(
+    "ops.gelu_quantize.eager_mismatch", {}, "one entry per device and dtype; kept for the process")
 _lock = threading.Lock()
 
 
@@ -64,7 +67,9 @@ def gelu_mismatch(device: torch.device, dtype: torch.dtype) -> str | None:
     return _MISMATCH[key]
 
 
-_COMPILED: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> "" where inductor's GELU agrees, else why not
+# (device, dtype) -> "" where inductor's GELU agrees, else why not
+_COMPILED: dict[tuple[str, torch.dtype], str] = caches.register(
+    "ops.gelu_quantize.compiled_mismatch", {}, "one entry per device and dtype; kept for the process")
 
 
 def check_compiled_gelu(device: torch.device) -> None:
@@ -144,6 +149,15 @@ gelu_quantize_decoded = FusedOp("gelu_quantize_decoded", _gelu_decoded_impl, gel
                                 _gelu_decoded_fake, ("decoded",))
 
 
+def _gelu_plan(hidden, x16, out, n, w_packed, w_scales, alpha, bias, global_scale, fast_math) -> _VerifiedPlan | None:
+    """The launch plan of FC2 on GELU (``learn_plan``'s builder: the call's tensors, then the keyed ones)."""
+    k = cast(ModuleType, kernels)
+    plan = k.linear_plan(hidden, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out,
+                         k.gelu_decoded_launch)
+    return None if plan is None else _VerifiedPlan(
+        plan, call_class(gelu_quantize_decoded.name, (hidden, global_scale, fast_math)))
+
+
 class _VerifiedPlan(NamedTuple):
     """A launch plan of FC2 on GELU and the verification key of its GELU quantize: it runs only for a verified class."""
 
@@ -159,22 +173,14 @@ def _gelu_linear_impl(
     if not takes_decoded_activation(hidden.shape[0], hidden.device, bias, out_dtype, w_swizzled):
         packed, scales = gelu_quantize.checked(site, hidden, global_scale, fast_math)
         return linear_impl(packed, scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)
-    key = plan_key("gelu", hidden, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha, bias, global_scale,
-                   fast_math)
+    keyed = (w_packed.shape[0], w_packed, w_scales, alpha, bias, global_scale, fast_math)
+    key = plan_key("gelu", hidden, out_dtype, keyed)
     verified = plan_for(key)
     if verified is not None and counted_without_check(stats_id, site.kind, verified.call_class):
         return verified.plan(hidden)  # the GELU quantize kernel and the GEMM, launched directly (ops/linear.py)
     x16 = gelu_quantize_decoded.checked(site, hidden, global_scale, fast_math)
     out = linear_fp16_x_impl(x16, w_packed, w_scales, alpha, bias, out_dtype)
-
-    def build() -> _VerifiedPlan | None:
-        k = cast(ModuleType, kernels)
-        plan = k.linear_plan(hidden, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out,
-                             k.gelu_decoded_launch)
-        return None if plan is None else _VerifiedPlan(
-            plan, call_class(gelu_quantize_decoded.name, (hidden, global_scale, fast_math)))
-
-    learn_plan(key, build)
+    learn_plan(key, _gelu_plan, (hidden, x16, out), keyed)
     return out
 
 

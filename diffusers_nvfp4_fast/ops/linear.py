@@ -9,11 +9,13 @@ straight to the FP16 values the GEMM multiplies (as it does a one-row activation
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import cast
 
 import torch
 
+from .. import caches
 from .. import format as nvfp4
 from .blackwell import TENSOR_CORE_BACKENDS, tensor_core_gemm
 from .dispatch import call_op, define_op, gemm_backend, kernels
@@ -119,38 +121,40 @@ def linear_fp16_x_impl(
     x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    key = plan_key("decoded", x16, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha, bias)
+    keyed = (w_packed.shape[0], w_packed, w_scales, alpha, bias)
+    key = plan_key("decoded", x16, out_dtype, keyed)
     plan = plan_for(key)
     if plan is not None:
         return plan(x16)
-    k = cast(ModuleType, kernels)
-    out = k.nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
-    learn_plan(key, lambda: k.linear_plan(None, x16, None, False, w_packed, w_scales, alpha, bias, out))
+    out = cast(ModuleType, kernels).nvfp4_gemm_fp16_x(x16, w_packed, w_scales, alpha, out_dtype, bias)
+    learn_plan(key, _decoded_plan, (x16, out), keyed)
     return out
 
 
-# Launch plans (kernels/linear_plan.py) by call class. A key holds the addresses of every tensor the call reads but
-# the activation, with the shapes and dtypes that fix the binaries: a plan is right for any call with its key. A
-# class gets its plan from its second call on (a layer that offloading moves on every call never does); a kernel's
+# Launch plans (kernels/linear_plan.py) by call class. A key holds the addresses of the keyed tensors (every tensor
+# the call reads but the activation) with the shapes and dtypes that fix the binaries: a plan is right for any call with
+# its key. The rule is structural: a plan's builder is a plain function (no closure) called with the call's own tensors
+# (activation, decode, output: fresh per call, planned by shape) and exactly the keyed values the key was made of.
+# A class gets its plan from its second call on (a layer that offloading moves on every call never does); a kernel's
 # binary is recorded at its third launch in a process (kernels/launch.py), so the first class of a kernel builds at
 # its third call; None marks a class that still has none after _PLAN_TRIES calls. Both tables are emptied when they
 # grow past _PLAN_LIMIT.
-_PLANS: dict[tuple, object] = {}
-_SEEN: dict[tuple, int] = {}
+_PLANS: dict[tuple, object] = caches.register("ops.linear.plans", {}, "emptied past _PLAN_LIMIT entries")
+_SEEN: dict[tuple, int] = caches.register("ops.linear.calls_seen", {}, "emptied past _PLAN_LIMIT entries")
 _PLAN_TRIES = 4
 _PLAN_LIMIT = 8192
 
 
-def plan_key(kind: str, x: torch.Tensor, out_dtype: torch.dtype, *tensors_and_flags) -> tuple | None:
-    """The plan key of a large-M call on SM90 (contiguous 16-byte aligned ``x`` ``[M, K]``; ``tensors_and_flags``:
-    N, the layer's tensors, whose addresses are taken, and plain flags), or None where the call cannot have a plan
-    (another device, plans switched off)."""
+def plan_key(kind: str, x: torch.Tensor, out_dtype: torch.dtype, keyed: tuple) -> tuple | None:
+    """The plan key of a large-M call on SM90 (contiguous 16-byte aligned ``x`` ``[M, K]``; ``keyed``: N, the layer's
+    tensors, whose addresses are taken, and plain flags), or None where the call cannot have a plan (another device,
+    plans switched off)."""
     if not (x.is_cuda and kernels is not None and kernels.launch.DIRECT_LAUNCH and x.is_contiguous()
             and x.data_ptr() % 16 == 0):
         return None
     # One flat tuple built in one expression: every layer call builds one (docs/performance.md, host time per call).
     return (kind, *x.shape, x.dtype, x.get_device(), out_dtype,
-            *[t.data_ptr() if isinstance(t, torch.Tensor) else t for t in tensors_and_flags])
+            *[t.data_ptr() if isinstance(t, torch.Tensor) else t for t in keyed])
 
 
 def plan_for(key: tuple | None):
@@ -161,8 +165,10 @@ def plan_for(key: tuple | None):
     return None if plan is None or cast(ModuleType, kernels).launch.hooks_installed() else plan
 
 
-def learn_plan(key: tuple | None, build) -> None:
-    """After a call of class ``key`` took the wrappers' path: its plan is built from its second such call on."""
+def learn_plan(key: tuple | None, build: Callable[..., object], call: tuple, keyed: tuple) -> None:
+    """After a call of class ``key`` took the wrappers' path: its plan is built from its second such call on, as
+    ``build(*call, *keyed)``. ``keyed`` must be what ``key`` was made of (checked), and ``build`` a plain function
+    (no closure), so a plan reads no tensor whose address is not in its key."""
     if key is None or key in _PLANS:
         return
     calls = _SEEN.get(key, 0) + 1
@@ -171,7 +177,8 @@ def learn_plan(key: tuple | None, build) -> None:
     _SEEN[key] = calls
     if calls < 2:
         return
-    plan = build()
+    _check_keyed(key, build, keyed)
+    plan = build(*call, *keyed)
     if plan is None and calls < _PLAN_TRIES:
         return
     if len(_PLANS) >= _PLAN_LIMIT:
@@ -179,10 +186,36 @@ def learn_plan(key: tuple | None, build) -> None:
     _PLANS[key] = plan
 
 
+def _check_keyed(key: tuple, build: Callable[..., object], keyed: tuple) -> None:
+    tail = tuple(t.data_ptr() if isinstance(t, torch.Tensor) else t for t in keyed)
+    if key[len(key) - len(tail):] != tail:
+        raise ValueError(f"learn_plan: the keyed values {tail} are not the ones key {key} was made of")
+    if getattr(build, "__closure__", None):
+        raise ValueError(f"learn_plan: the builder {build!r} is a closure; a plan reads only its call's tensors and "
+                         "the keyed ones it is given")
+
+
 def forget_plans() -> None:
-    """Drop every launch plan (tests; a plan is otherwise right for as long as its key's tensors stay in place)."""
-    _PLANS.clear()
-    _SEEN.clear()
+    """Drop every launch plan (a plan is otherwise right for as long as its key's tensors stay in place)."""
+    caches.reset("ops.linear.plans")
+    caches.reset("ops.linear.calls_seen")
+
+
+def planned() -> list:
+    """Every launch plan built so far (tests, benchmarks)."""
+    return [plan for plan in _PLANS.values() if plan is not None]
+
+
+def _decoded_plan(x16, out, n, w_packed, w_scales, alpha, bias):
+    return cast(ModuleType, kernels).linear_plan(None, x16, None, False, w_packed, w_scales, alpha, bias, out)
+
+
+def _quantize_plan(x, x16, out, n, w_packed, w_scales, alpha, bias, global_scale, fast_math):
+    return cast(ModuleType, kernels).linear_plan(x, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out)
+
+
+def _row_plan(x, x16, out, n, w_packed, w_scales, alpha, bias, global_scale, fast_math):
+    return cast(ModuleType, kernels).row_plan(x, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out)
 
 
 def _linear_fp16_x_fake(x16, w_packed, w_scales, alpha, bias, out_dtype):
@@ -207,8 +240,8 @@ def quantized_linear_impl(
 ) -> torch.Tensor:
     decoded = takes_decoded_activation(x.shape[0], x.device, bias, out_dtype, w_swizzled)
     if decoded or takes_one_row(x.shape[0], x.device, bias, out_dtype, w_swizzled):
-        key = plan_key("quantize" if decoded else "row", x, out_dtype, w_packed.shape[0], w_packed, w_scales, alpha,
-                        bias, global_scale, fast_math)
+        keyed = (w_packed.shape[0], w_packed, w_scales, alpha, bias, global_scale, fast_math)
+        key = plan_key("quantize" if decoded else "row", x, out_dtype, keyed)
         plan = plan_for(key)
         if plan is not None:
             return plan(x)
@@ -216,9 +249,9 @@ def quantized_linear_impl(
         # them (one pass, no packed bytes in between); decode(quantize(x)) has the same bytes (GPU-tested).
         k = cast(ModuleType, kernels)
         x16 = k.quantize_nvfp4_decoded(x, global_scale, fast_math=fast_math)
-        gemm, build = (k.nvfp4_gemm_fp16_x, k.linear_plan) if decoded else (k.nvfp4_gemv, k.row_plan)
+        gemm, build = (k.nvfp4_gemm_fp16_x, _quantize_plan) if decoded else (k.nvfp4_gemv, _row_plan)
         out = gemm(x16, w_packed, w_scales, alpha, out_dtype, bias=bias)
-        learn_plan(key, lambda: build(x, x16, global_scale, fast_math, w_packed, w_scales, alpha, bias, out))
+        learn_plan(key, build, (x, x16, out), keyed)
         return out
     x_packed, x_scales = quantize(x, global_scale, fast_math)
     return linear_impl(x_packed, x_scales, w_packed, w_scales, alpha, bias, out_dtype, w_swizzled)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
+from .. import caches
 from .dispatch import kernels, triton_runs_on
 from .fused import FusedOp
 from .rotary import rotary_reference
@@ -37,7 +38,9 @@ class TreeMatch:
     reason: str | None = None
 
 
-_TREE: dict[str, TreeMatch] = {}  # device -> its match (computed once per process and device)
+# device -> its match (computed once per process and device)
+_TREE: dict[str, TreeMatch] = caches.register("ops.qk_norm_rotary.tree", {},
+                                              "one entry per device; kept for the process")
 _lock = threading.Lock()
 
 

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import torch
 
+from .. import caches
 from .dispatch import call_op, define_op, kernels
 from .linear import linear_fp16_x_impl, linear_impl, quantized_linear_impl, takes_decoded_activation
 from .quantize import quantize
 
 # Whether the global scales at these (address, version) pairs hold one value: asked once per key (a device sync),
 # outside CUDA-graph capture; an in-place update of a scale bumps its version and so asks again.
-_EQUAL_SCALES: dict[tuple, bool] = {}
+_EQUAL_SCALES: dict[tuple, bool] = caches.register("ops.shared_quantize.equal_scales", {},
+                                                   "emptied when it grows past _EQUAL_SCALES_LIMIT entries")
 _EQUAL_SCALES_LIMIT = 4096
 
 

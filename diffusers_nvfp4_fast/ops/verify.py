@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from .. import state_probes
+from .. import caches, state_probes
 from .site import Site, SiteKind
 
 VerifyMode = Literal["first", "always", "off"]
@@ -59,8 +59,10 @@ class FastPathStats:
 _lock = threading.Lock()
 _STATS: dict[int, FastPathStats] = {}
 _NEXT_ID = itertools.count(1)  # never reused: a stale id must not count into another model's stats
-_VERDICTS: dict[str, bool] = {}  # verification key -> passed (process-wide)
-_FAILED_KINDS: dict[SiteKind, str] = {}  # site kind -> what mismatched
+# verification key -> passed (process-wide); site kind -> what mismatched
+_VERDICTS: dict[str, bool] = caches.register("ops.verify.verdicts", {}, "kept for the process (reset_verification)")
+_FAILED_KINDS: dict[SiteKind, str] = caches.register("ops.verify.failed_kinds", {},
+                                                     "kept for the process (reset_verification)")
 
 
 def new_stats(verify: VerifyMode) -> tuple[int, FastPathStats]:
@@ -82,6 +84,11 @@ def site_counter(stats_id: int) -> Callable[[SiteKind, str], None]:
             stats.site_modules.setdefault(kind, []).append(name)
 
     return add
+
+
+def live_stats_count() -> int:
+    """How many models' counters are held (each until its fast paths are disabled: ``drop_stats``)."""
+    return len(_STATS)
 
 
 def drop_stats(stats_id: int) -> None:

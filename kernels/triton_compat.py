@@ -1,0 +1,298 @@
+"""Every private Triton and torch internal the kernel launch path reads, behind named functions (docs/design.md §2).
+
+The rest of ``kernels/`` calls these and touches no private name (tests/test_layering.py greps for them); what each
+function reads of the installed Triton is checked against that Triton's real objects, on the CPU, by
+tests/test_triton_compat.py. Read against Triton 3.6 (torch 2.11's) and 3.8; pyproject admits Triton < 3.10.
+
+What is read, and where Triton keeps it:
+
+* the binder: ``JITFunction.device_caches[device][-1]``, returning (bound arguments, specialization, options);
+* ``CompiledKernel.run`` / ``.function`` / ``.packed_metadata`` and the argument order ``JITFunction.run`` gives
+  ``CompiledKernel.run`` (``run_compiled``);
+* Triton 3.6's per-kernel C launcher (``driver._BASE_ARGS_FORMAT``, ``CudaLauncher``'s attributes, the closure cells
+  of ``wrap_handle_tensordesc``'s wrapper, ``CudaUtils.fill_tma_descriptor``, ``TMA_DTYPE_DEVICE_TO_HOST``):
+  ``direct_launch``, ``DirectLaunch``, ``DescriptorEncoding``;
+* a Gluon ``TensorDescriptor``'s instance dictionary (``descriptor_fields``, ``descriptor_over``) and an
+  ``NVMMASharedLayout`` whose repr is computed once (``layout_with_fixed_repr``);
+* ``torch._C._cuda_getCurrentRawStream`` (``current_raw_stream``);
+* Triton's specialization rules (``specialization_key``, checked against ``native_specialize_impl``).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+
+import torch
+
+try:
+    from triton import knobs
+except ImportError:  # Triton < 3.4 keeps its hooks elsewhere: every launch then takes Triton's own path
+    knobs = None
+
+# The @triton.jit decorator picks the interpreter when the module is imported with TRITON_INTERPRET set, so reading
+# the variable once, at import, agrees with what Triton runs (and saves an environment read per launch).
+INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+# The CUDA stream handle launches go to; torch's public torch.cuda.current_stream() builds a Stream object per call.
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def hooks_installed() -> bool:
+    """Whether a launch hook (a profiler such as proton) is registered: then every launch takes Triton's path."""
+    if knobs is None:
+        return True
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+# The binder and the compiled kernel, as JITFunction.run uses them.
+
+
+def has_binder(kernel, device: int) -> bool:
+    """Whether Triton has built ``kernel``'s binder for ``device`` (it does at the kernel's first launch there)."""
+    return kernel.device_caches.get(device) is not None
+
+
+def bind(kernel, device: int, args: tuple, kwargs: dict) -> tuple[dict, list]:
+    """(every parameter's value by name in signature order, Triton's specialization of the call) from ``kernel``'s
+    binder on ``device``. TypeError where the binder rejects the call (another binder signature)."""
+    bound, specialization, _ = kernel.device_caches[device][-1](*args, **kwargs)
+    return bound, specialization
+
+
+def run_compiled(compiled, grid: tuple[int, ...], stream: int, values: tuple) -> None:
+    """``compiled`` launched as ``JITFunction.run`` launches it, without launch metadata or hooks."""
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, compiled.function,
+                 compiled.packed_metadata, None, None, None, *values)
+
+
+def load_binary(compiled) -> bool:
+    """Load ``compiled``'s binary onto the device now (``CompiledKernel.run`` loads it on first access), so that a
+    direct launch never does; False for an object that is not a CompiledKernel this module knows."""
+    if not hasattr(compiled, "packed_metadata"):
+        return False
+    compiled.run  # noqa: B018 (the property loads the binary)
+    return True
+
+
+# Triton's specialization rules (Triton 3.6 - 3.8, runtime/jit.py create_function_from_signature and the native
+# specialize_impl): a tensor by its dtype and 16-byte alignment, an integer by == 1, divisibility by 16 and its
+# 32/64-bit range, a tensor descriptor by its dtype, block shape and layout, a constexpr by its value.
+
+_TENSOR = torch.Tensor
+
+
+def specialization_key(args: tuple, kwargs: dict) -> tuple:
+    """A hashable key of a launch that determines everything Triton specializes it on, built by Triton's rules from
+    the arguments themselves (finer where that is cheaper: an integer by its value, a descriptor with its shape and
+    strides). Positional arguments are the runtime ones; ``kwargs`` (constexprs and launch options) enter by value,
+    in the caller's order, so a call site passes them in one order with one type each."""
+    return (*[(a.dtype, not a.data_ptr() & 15) if a.__class__ is _TENSOR else a if a.__class__ is int
+              else _other_key(a) for a in args], *kwargs.values())
+
+
+def _other_key(arg) -> object:
+    if isinstance(arg, torch.Tensor):  # a subclass (nn.Parameter)
+        return arg.dtype, not arg.data_ptr() & 15
+    base = getattr(arg, "base", None)
+    if isinstance(base, torch.Tensor) and hasattr(arg, "block_shape"):  # a tensor descriptor
+        return (base.dtype, not base.data_ptr() & 15, tuple(arg.shape), tuple(arg.strides), tuple(arg.block_shape),
+                repr(arg.layout), arg.padding)
+    return arg.__class__, arg  # a bool, float or None: its type too (True == 1 == 1.0 in a tuple)
+
+
+# Triton 3.6's per-kernel C launcher.
+
+
+class DirectLaunch:
+    """A compiled binary launched through Triton's C launcher itself, past ``CudaLauncher.__call__`` and its
+    tensor-descriptor wrapper (Python that every launch pays: two scratch-allocation closures, a list rebuilt per
+    call, a ``cuTensorMapEncodeTiled`` per descriptor argument). ``run`` takes the arguments in the C launcher's
+    order, which is the kernel's parameter order (constexprs included): pointers as tensors or plain integers (device
+    addresses), each tensor-descriptor argument expanded as ``DescriptorEncoding.arguments`` gives it.
+
+    ``descriptor_meta`` holds, per tensor-descriptor parameter, the metadata Triton compiled it with (None for a
+    kernel without any). docs/performance.md ("Host time per call") says what it saves and how it is checked.
+    """
+
+    __slots__ = ("launch", "function", "metadata", "cooperative", "pdl", "descriptor_meta")
+
+    def __init__(self, launch, function: int, metadata: tuple, cooperative: bool, pdl: bool,
+                 descriptor_meta: list | None) -> None:
+        self.launch, self.function, self.metadata = launch, function, metadata
+        self.cooperative, self.pdl, self.descriptor_meta = cooperative, pdl, descriptor_meta
+
+    def run(self, grid: tuple[int, ...], stream: int, *arguments) -> None:
+        """One launch on ``stream`` (a raw CUDA stream handle) with a 1-, 2- or 3-D ``grid``."""
+        self.launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, self.function,
+                    self.cooperative, self.pdl, None, None, self.metadata, None, None, None, *arguments)
+
+
+def _driver_module():
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError:
+        return None
+    return driver
+
+
+# The C launcher's leading arguments in the Triton releases this reads (3.6: grid x/y/z, stream, function,
+# cooperative, pdl, two scratch buffers, kernel metadata, launch metadata, two hooks); another layout keeps
+# Triton's own launch path.
+LAUNCHER_HEAD = "iiiKKppOOOOOO"
+# What direct_launch and DescriptorEncoding read of Triton 3.6's NVIDIA driver module besides the head: attributes
+# CudaLauncher.__init__ sets, the closure of wrap_handle_tensordesc's wrapper, the TMA encoder CudaUtils.__init__ sets.
+LAUNCHER_ATTRIBUTES = frozenset(("launch", "global_scratch_size", "profile_scratch_size", "launch_cooperative_grid",
+                                 "launch_pdl"))
+WRAPPER_CLOSURE = frozenset(("launcher", "tensordesc_meta"))
+DESCRIPTOR_KEYS = frozenset(("swizzle", "elem_size", "elem_type", "block_size", "fp4_padded"))
+
+
+def launcher_head() -> str | None:
+    """The installed NVIDIA driver's C-launcher argument head (``_BASE_ARGS_FORMAT``), None where it has none."""
+    driver = _driver_module()
+    return None if driver is None else getattr(driver, "_BASE_ARGS_FORMAT", None)
+
+
+def direct_launch_unavailable() -> str | None:
+    """Why the installed Triton's binaries cannot be launched through its C launcher directly (None: they can).
+    Then every launch goes through ``CompiledKernel.run`` (same binaries, same bytes, more host time per call)."""
+    if INTERPRETING:
+        return "the Triton interpreter runs the kernels (TRITON_INTERPRET)"
+    driver = _driver_module()
+    if driver is None:
+        return "this Triton has no NVIDIA driver module (triton.backends.nvidia.driver)"
+    import triton
+
+    version = getattr(triton, "__version__", "?")
+    head = launcher_head()
+    if head is None:  # Triton 3.7 - 3.9: one C launch function for all kernels, arguments passed as one tuple
+        return (f"Triton {version}'s C launcher takes the kernel arguments as one tuple with their annotations "
+                "(no _BASE_ARGS_FORMAT); only Triton 3.6's per-kernel launcher is launched directly")
+    if head != LAUNCHER_HEAD:
+        return f"Triton {version}'s C launcher starts with {head!r}, not Triton 3.6's {LAUNCHER_HEAD!r}"
+    missing = sorted(_missing_launcher_parts(driver))
+    return f"Triton {version}'s NVIDIA driver module lacks {', '.join(missing)}" if missing else None
+
+
+def _missing_launcher_parts(driver) -> set[str]:
+    launcher_cls, wrap = getattr(driver, "CudaLauncher", None), getattr(driver, "wrap_handle_tensordesc", None)
+    utils = getattr(driver, "CudaUtils", None)
+    missing = {name for name, found in (("CudaLauncher", launcher_cls), ("wrap_handle_tensordesc", wrap),
+                                        ("CudaUtils", utils)) if found is None}
+    if not isinstance(getattr(driver, "TMA_DTYPE_DEVICE_TO_HOST", None), dict):
+        missing.add("TMA_DTYPE_DEVICE_TO_HOST")
+    if launcher_cls is not None:
+        missing |= {f"CudaLauncher.{name}" for name in LAUNCHER_ATTRIBUTES - _names(launcher_cls.__init__)}
+    if wrap is not None:
+        inner = [c for c in wrap.__code__.co_consts if hasattr(c, "co_freevars")]
+        freevars = set().union(*(c.co_freevars for c in inner))
+        missing |= {f"wrap_handle_tensordesc's {name}" for name in WRAPPER_CLOSURE - freevars}
+    if utils is not None and "fill_tma_descriptor" not in _names(utils.__init__):
+        missing.add("CudaUtils.fill_tma_descriptor")
+    return missing
+
+
+def _names(function) -> set[str]:
+    code = getattr(function, "__code__", None)
+    return set(code.co_names) if code is not None else set()
+
+
+def direct_launch(compiled) -> DirectLaunch | None:
+    """``compiled``'s ``DirectLaunch``, or None where its launcher is not the one this module knows (another Triton
+    layout, ``direct_launch_unavailable`` says why; scratch memory; the interpreter): then Triton's own path launches
+    it. Callers check for launch hooks at every call."""
+    if direct_launch_unavailable() is not None:
+        return None
+    driver = _driver_module()
+    run = getattr(compiled, "run", None)
+    if not isinstance(run, getattr(driver, "CudaLauncher", ())) or run.global_scratch_size or run.profile_scratch_size:
+        return None
+    launch, meta = run.launch, None
+    if type(launch).__name__ != "builtin_function_or_method":  # the tensor-descriptor wrapper around the C function
+        cells = dict(zip(launch.__code__.co_freevars, (c.cell_contents for c in launch.__closure__ or ())))
+        launch, meta = cells.get("launcher"), cells.get("tensordesc_meta")
+        if type(launch).__name__ != "builtin_function_or_method" or not meta or not all(
+                isinstance(m, dict) and DESCRIPTOR_KEYS <= m.keys() for m in meta):
+            return None
+    return DirectLaunch(launch, compiled.function, compiled.packed_metadata, bool(run.launch_cooperative_grid),
+                        bool(run.launch_pdl), meta)
+
+
+class DescriptorEncoding:
+    """How one tensor-descriptor argument of a ``DirectLaunch`` becomes the C launcher's arguments: a
+    ``CUtensorMap`` encoded for the base address, then the shape and strides (Triton 3.6's ``make_tensordesc_arg``).
+    Everything but the address is fixed by the call site (shape, strides, block, layout), so ``arguments(ptr)``
+    encodes only the map."""
+
+    __slots__ = ("fill", "swizzle", "elem_size", "elem_type", "block", "shape", "strides", "padding", "by_address")
+    ADDRESSES = 16  # the caching allocator hands a call class the same few blocks again and again
+
+    def __init__(self, descriptor, meta: dict) -> None:
+        from triton.runtime import driver as runtime_driver
+
+        nvidia = _driver_module()
+        assert nvidia is not None  # direct_launch returned a launch, so Triton's NVIDIA driver module exists
+        self.fill = runtime_driver.active.utils.fill_tma_descriptor
+        shape = list(descriptor.shape)
+        if meta["fp4_padded"]:
+            shape[-1] *= 2
+        self.swizzle, self.elem_size, self.block = meta["swizzle"], meta["elem_size"], meta["block_size"]
+        self.elem_type = nvidia.TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]]
+        self.shape, self.strides = shape, list(descriptor.strides)
+        self.padding = 1 if descriptor.padding == "nan" else 0
+        self.by_address: dict[int, tuple] = {}
+
+    def arguments(self, address: int) -> tuple:
+        """The C launcher's arguments for a descriptor with this encoding over ``address``: encoded once per address
+        (the map depends on nothing else, and the launcher copies it into the kernel's parameters)."""
+        known = self.by_address.get(address)
+        if known is None:
+            if len(self.by_address) >= self.ADDRESSES:
+                self.by_address.clear()
+            tensor_map = self.fill(address, self.swizzle, self.elem_size, self.elem_type, self.block, self.shape,
+                                   self.strides, self.padding)
+            known = self.by_address[address] = (tensor_map, *self.shape, *self.strides)
+        return known
+
+
+# Gluon descriptors and layouts built with less host work.
+
+
+def descriptor_fields(descriptor) -> dict | None:
+    """A Gluon ``TensorDescriptor``'s fields without its base tensor, for ``descriptor_over`` (None for a Triton whose
+    descriptor has no instance dictionary: then every descriptor is built by ``from_tensor``)."""
+    fields = getattr(descriptor, "__dict__", None)
+    return None if fields is None else {**fields, "base": None}
+
+
+def descriptor_over(descriptor_cls, fields: dict, base: torch.Tensor):
+    """A ``descriptor_cls`` with ``fields`` (from ``descriptor_fields`` of one built and validated over a tensor of
+    the same shape, strides and dtype) over ``base``, without the dataclass's checks (about 5 us per descriptor)."""
+    descriptor = object.__new__(descriptor_cls)
+    descriptor.__dict__.update(fields)
+    descriptor.base = base
+    return descriptor
+
+
+@functools.cache
+def _fixed_repr_class(layout_cls: type) -> type:
+    class _ReprOnceLayout(layout_cls):  # type: ignore[misc, valid-type]
+        def __repr__(self) -> str:
+            return self.__dict__["repr_once"]
+
+    return _ReprOnceLayout
+
+
+def layout_with_fixed_repr(layout):
+    """``layout`` (a frozen Gluon layout dataclass) with its repr computed now and kept: equal fields, equal text, an
+    instance of its class. Triton's launcher takes the repr of each descriptor argument's layout on every launch (its
+    specialization key): three dataclass reprs per SM90 GEMM, a few milliseconds of an eager Qwen-Image step."""
+    fixed = copy.copy(layout)
+    object.__setattr__(fixed, "__class__", _fixed_repr_class(type(layout)))
+    fixed.__dict__["repr_once"] = repr(layout)
+    return fixed

@@ -1,0 +1,336 @@
+"""``kernels.triton_compat``, the one module that reads Triton's and torch's private launch internals, checked against
+the installed Triton's real objects on the CPU (no GPU): whether direct launch is on or off and why, the binder, the
+compiled kernel of an ahead-of-time SM90 build, the C launcher and descriptor encoding of Triton 3.6, the Gluon
+descriptor and layout shortcuts, and the specialization key against Triton's own specialization."""
+
+import ast
+import importlib
+import inspect
+import textwrap
+import types
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed, so the Triton seam tests did not run; they "
+                                               "run wherever Triton is installed, as in CI (pip install -e '.[test]')")
+
+compat = importlib.import_module("diffusers_nvfp4_fast.kernels.triton_compat")
+launch_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.launch")
+quantize_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.quantize_nvfp4")
+
+
+def _fake_nvidia_driver(monkeypatch):
+    """Triton 3.6's NVIDIA driver module as far as ``direct_launch`` reads it: the C launcher's argument head, the
+    launcher class and the attributes its ``__init__`` sets, the descriptor wrapper's closure, the TMA encoder and
+    dtype map (the installed Triton's own module is checked by ``test_installed_triton_...`` below)."""
+
+
+    class CudaLauncher:
+        def __init__(self, launch):
+            self.launch = launch
+            self.global_scratch_size = self.profile_scratch_size = 0
+            self.launch_cooperative_grid = self.launch_pdl = False
+
+    class CudaUtils:
+        def __init__(self):
+            self.fill_tma_descriptor = None
+
+    driver = types.SimpleNamespace(_BASE_ARGS_FORMAT="iiiKKppOOOOOO", CudaLauncher=CudaLauncher, CudaUtils=CudaUtils,
+                                   wrap_handle_tensordesc=_wrap_like_triton_36, TMA_DTYPE_DEVICE_TO_HOST={1: 1, 8: 10})
+    monkeypatch.setattr(compat, "_driver_module", lambda: driver)
+    monkeypatch.setattr(compat, "INTERPRETING", False)
+    return driver
+
+
+def _wrap_like_triton_36(launcher, tensordesc_indices, tensordesc_meta):
+    """The shape of Triton 3.6's ``wrap_handle_tensordesc``: a wrapper whose closure holds the C launch function and
+    the descriptors' metadata."""
+    def inner(*args):
+        return launcher(*args), tensordesc_indices, tensordesc_meta
+    return inner
+
+
+def _compiled(run):
+
+
+    return types.SimpleNamespace(run=run, function=1234, packed_metadata=(8, 1, 4096))
+
+
+def test_direct_launch_reads_triton_36s_launcher_and_refuses_anything_else(monkeypatch):
+    """``direct_launch`` takes the C launch function itself (or, for a kernel with tensor-descriptor arguments, the one
+    inside Triton's descriptor wrapper, with the descriptors' metadata) and refuses another launcher layout, scratch
+    memory or a wrapper it does not know: those launches keep Triton's own path."""
+    driver = _fake_nvidia_driver(monkeypatch)
+    c_launch = len  # any builtin stands for the compiled C function
+    plain = compat.direct_launch(_compiled(driver.CudaLauncher(c_launch)))
+    assert plain is not None and plain.launch is c_launch and plain.descriptor_meta is None
+    assert (plain.function, plain.metadata, plain.cooperative, plain.pdl) == (1234, (8, 1, 4096), False, False)
+
+    meta = [{"swizzle": 128, "elem_size": 2, "elem_type": 1, "block_size": [64, 64], "fp4_padded": False}]
+
+    wrap = _wrap_like_triton_36
+    wrapped = compat.direct_launch(_compiled(driver.CudaLauncher(wrap(c_launch, {0}, meta))))
+    assert wrapped is not None and wrapped.launch is c_launch and wrapped.descriptor_meta is meta
+    assert compat.direct_launch(_compiled(driver.CudaLauncher(wrap(c_launch, {0}, [None])))) is None
+    assert compat.direct_launch(_compiled(driver.CudaLauncher(lambda *a: a))) is None
+    scratch = driver.CudaLauncher(c_launch)
+    scratch.global_scratch_size = 64
+    assert compat.direct_launch(_compiled(scratch)) is None
+    driver._BASE_ARGS_FORMAT = "iiiKKpOOOO"
+    assert compat.direct_launch(_compiled(driver.CudaLauncher(c_launch))) is None
+    assert compat.direct_launch_unavailable() == (f"Triton {triton.__version__}'s C launcher starts with "
+                                                      "'iiiKKpOOOO', not Triton 3.6's 'iiiKKppOOOOOO'")
+    driver._BASE_ARGS_FORMAT = "iiiKKppOOOOOO"
+    del driver.CudaUtils
+    assert compat.direct_launch(_compiled(driver.CudaLauncher(c_launch))) is None
+    assert compat.direct_launch_unavailable().endswith("NVIDIA driver module lacks CudaUtils")
+
+
+def test_descriptor_encoding_gives_the_c_launchers_descriptor_arguments(monkeypatch):
+    """A tensor-descriptor argument becomes (tensor map, shape..., strides...), the map encoded for the given address
+    with the compiled metadata (host dtype code, fp4-padded last dimension doubled, NaN padding flag), as Triton 3.6's
+    ``make_tensordesc_arg`` does; only the address changes between calls."""
+    import sys
+
+
+    _fake_nvidia_driver(monkeypatch)
+    calls = []
+    active = types.SimpleNamespace(utils=types.SimpleNamespace(fill_tma_descriptor=lambda *a: calls.append(a) or "map"))
+    monkeypatch.setitem(sys.modules, "triton.runtime.driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(sys.modules["triton.runtime"], "driver", sys.modules["triton.runtime.driver"],
+                        raising=False)
+    desc = types.SimpleNamespace(shape=[4096, 1536], strides=[1536, 1], padding="zero")
+    meta = {"swizzle": 128, "elem_size": 1, "elem_type": 8, "block_size": [128, 64], "fp4_padded": True}
+    encoding = compat.DescriptorEncoding(desc, meta)
+    assert encoding.arguments(0x1000) == ("map", 4096, 3072, 1536, 1)
+    assert encoding.arguments(0x2000) == ("map", 4096, 3072, 1536, 1)
+    assert encoding.arguments(0x1000) == ("map", 4096, 3072, 1536, 1)  # an address seen before: no new encoding
+    assert calls == [(0x1000, 128, 1, 10, [128, 64], [4096, 3072], [1536, 1], 0),
+                     (0x2000, 128, 1, 10, [128, 64], [4096, 3072], [1536, 1], 0)]
+    for address in range(encoding.ADDRESSES + 1):  # bounded: past the limit the table starts again
+        encoding.arguments(0x10000 + address)
+    assert 0x1000 not in encoding.by_address and len(encoding.by_address) < encoding.ADDRESSES
+
+
+# The installed Triton itself (not a stand-in): what ``launch`` and ``launch_by_site`` call for every Triton, and what
+# ``direct_launch`` reads where it launches directly (Triton 3.6; from 3.7 on it says why not).
+
+
+def _code_of(function) -> ast.AST:
+    return ast.parse(textwrap.dedent(inspect.getsource(function)))
+
+
+def _call_arguments(tree: ast.AST, callee: str) -> list[list[str]]:
+    """The arguments of every call of ``callee`` (as written, e.g. ``kernel.run``) in ``tree``, as source text."""
+    return [[ast.unparse(a) for a in node.args] for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == callee]
+
+
+def test_installed_triton_launches_binaries_the_way_launch_does():
+    """``JITFunction.run`` takes the binder from ``device_caches[device]`` (last entry), unpacks what it returns as
+    (bound arguments, specialization, options) and runs the binary with the arguments ``run_compiled`` passes."""
+    from triton.runtime.jit import JITFunction
+
+    tree = _code_of(JITFunction.run)
+    statements = {ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Assign)}
+    assert "bound_args, specialization, options = binder(*args, **kwargs)" in statements
+    caches = [s for s in statements if s.endswith("= self.device_caches[device]")]
+    assert len(caches) == 1 and caches[0].split("=")[0].split(",")[-1].strip() == "binder", caches
+    assert _call_arguments(tree, "kernel.run") == [
+        ["grid_0", "grid_1", "grid_2", "stream", "kernel.function", "kernel.packed_metadata", "launch_metadata",
+         "knobs.runtime.launch_enter_hook", "knobs.runtime.launch_exit_hook", "*bound_args.values()"]]
+
+
+def _triton_version() -> tuple[int, int]:
+    return tuple(int(part) for part in triton.__version__.split(".")[:2])  # type: ignore[return-value]
+
+
+def test_installed_triton_has_the_direct_launch_verdict_of_its_version():
+    """Triton 3.6 is launched directly; Triton 3.7 to 3.9 (one C launch function for all kernels, arguments as one
+    tuple) keep ``CompiledKernel.run``, and ``direct_launch_unavailable`` says so."""
+    reason = compat.direct_launch_unavailable()
+    if _triton_version() < (3, 7):
+        assert reason is None
+    else:
+        assert reason == (f"Triton {triton.__version__}'s C launcher takes the kernel arguments as one tuple with "
+                          "their annotations (no _BASE_ARGS_FORMAT); only Triton 3.6's per-kernel launcher is "
+                          "launched directly")
+
+
+def test_installed_triton_36_launcher_takes_what_direct_launch_passes():
+    """Where the installed Triton is launched directly: ``CudaLauncher.__call__`` hands the C launcher the grid,
+    stream, function, the two launch flags, two scratch buffers and then its own arguments (kernel metadata, launch
+    metadata, two hooks, the kernel's arguments), as ``DirectLaunch.run`` does; a tensor descriptor is encoded with
+    the arguments and the doubled FP4-padded width ``DescriptorEncoding`` uses."""
+    if compat.direct_launch_unavailable() is not None:
+        pytest.skip(f"not launched directly with this Triton ({compat.direct_launch_unavailable()}); this runs "
+                    "with Triton 3.6, as on the GPU machine")
+    driver = compat._driver_module()
+    assert list(inspect.signature(driver.CudaLauncher.__call__).parameters) == [
+        "self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+    assert _call_arguments(_code_of(driver.CudaLauncher.__call__), "self.launch") == [
+        ["gridX", "gridY", "gridZ", "stream", "function", "self.launch_cooperative_grid", "self.launch_pdl",
+         "global_scratch", "profile_scratch", "*args"]]
+    encode = _code_of(driver.make_tensordesc_arg)
+    assert _call_arguments(encode, "triton.runtime.driver.active.utils.fill_tma_descriptor") == [
+        ["arg.base.data_ptr()", "swizzle", "elem_size", "TMA_DTYPE_DEVICE_TO_HOST[elem_type]", "block_size", "shape",
+         "strides", "padding"]]
+    assert "shape[-1] *= 2" in {ast.unparse(n) for n in ast.walk(encode) if isinstance(n, ast.AugAssign)}
+
+
+def test_run_compiled_passes_what_jitfunction_run_passes():
+    """``run_compiled`` calls ``CompiledKernel.run`` with JITFunction.run's arguments (no launch metadata or hooks)."""
+    from triton.runtime.jit import JITFunction
+
+    theirs = _call_arguments(_code_of(JITFunction.run), "kernel.run")[0]
+    ours = _call_arguments(_code_of(compat.run_compiled), "compiled.run")[0]
+    assert len(ours) == len(theirs) and ours[4:6] == ["compiled.function", "compiled.packed_metadata"]
+    assert ours[6:9] == ["None"] * 3 and theirs[6:9] == ["launch_metadata", "knobs.runtime.launch_enter_hook",
+                                                         "knobs.runtime.launch_exit_hook"]
+    assert (ours[-1], theirs[-1]) == ("*values", "*bound_args.values()")
+
+
+def _binder(kernel, monkeypatch):
+    """``kernel``'s binder built by the installed Triton as ``JITFunction.create_binder`` builds it for an SM90 device,
+    installed in its ``device_caches`` for device 0 (no GPU: the target is given)."""
+    from triton.backends.compiler import GPUTarget
+
+    jit = importlib.import_module("triton.runtime.jit")
+    active = types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32))
+    monkeypatch.setattr(jit, "driver", types.SimpleNamespace(active=active))
+    monkeypatch.setattr(kernel, "device_caches", {0: kernel.create_binder()})
+
+
+def _quantize_call(rows: int, x: torch.Tensor, **changes) -> tuple[tuple, dict]:
+    g, words, scales = torch.ones(1), torch.zeros(64, 256, dtype=torch.int64), torch.zeros(128, 64, dtype=torch.uint8)
+    options = {"BLOCK_R": 8, "BLOCK_C": 32, "IS_BF16": True, **compat_options(), **changes}
+    return (x, g, words, scales, rows, 1024, 256, 64, 2), options
+
+
+def compat_options() -> dict:
+    return launch_mod.launch_options(torch.device("cpu"), True)
+
+
+def test_the_installed_binder_binds_and_specializes_as_launch_reads_it(monkeypatch):
+    """``bind``: the installed binder returns every parameter's value in signature order (the positional arguments
+    themselves first, plain constants after them, so ``launch_by_site`` records such a call) and a specialization
+    that tells rows equal to 1, divisible by 16 or not, and 16-byte-aligned inputs or not apart."""
+    kernel = quantize_mod._quantize_nvfp4_kernel
+    _binder(kernel, monkeypatch)
+    assert compat.has_binder(kernel, 0) and not compat.has_binder(kernel, 1)
+    words = torch.zeros(64, 256, dtype=torch.int64)
+
+    def specialization(rows: int, x: torch.Tensor) -> tuple:
+        args, options = _quantize_call(rows, x)
+        bound, found = compat.bind(kernel, 0, args, options)
+        values = tuple(bound.values())
+        assert list(bound) == kernel.arg_names and all(v is a for v, a in zip(values, args))
+        assert all(type(v) in launch_mod._CONSTANT_TYPES for v in values[len(args):])
+        return tuple(found)
+
+    aligned, unaligned = words, words.view(-1)[1:]  # the second starts 8 bytes past a 16-byte boundary
+    assert specialization(16, aligned) == specialization(32, aligned)
+    assert len({specialization(16, aligned), specialization(17, aligned), specialization(1, aligned),
+                specialization(16, unaligned)}) == 4
+
+
+def test_specialization_key_is_at_least_as_fine_as_tritons(monkeypatch):
+    """``specialization_key`` by Triton's own rules: over calls that differ in every property Triton specializes on
+    (integers equal to 1, divisible by 16 or not, 64-bit; tensor dtype and 16-byte alignment; constexprs; a bool
+    against the integer 1), two calls with equal keys always have equal Triton specializations (so a keyed launch runs
+    the binary Triton would pick), and calls Triton tells apart get different keys."""
+    kernel = quantize_mod._quantize_nvfp4_kernel
+    _binder(kernel, monkeypatch)
+    base = torch.zeros(4096, dtype=torch.int64)
+    tensors = [base, base[1:], base[2:], base.view(torch.float64), base.view(torch.int32)[1:]]
+    calls = []
+    for x in tensors:
+        for rows in (1, 2, 16, 17, 32, 2**33):
+            calls.append(_quantize_call(rows, x))
+    calls += [_quantize_call(True, base), _quantize_call(16, base, BLOCK_R=16), _quantize_call(16, base, IS_BF16=1),
+              _quantize_call(16, base, IS_BF16=False), _quantize_call(16, base, FAST_MATH=False)]
+    seen: dict[tuple, tuple] = {}
+    for args, options in calls:
+        _, triton_spec = compat.bind(kernel, 0, args, options)
+        triton_key = (tuple(triton_spec), tuple(options.items()))
+        key = compat.specialization_key(args, options)
+        assert seen.setdefault(key, triton_key) == triton_key, (key, triton_key)
+    triton_keys = {(tuple(compat.bind(kernel, 0, a, o)[1]), tuple(o.items())) for a, o in calls}
+    assert len(seen) >= len(triton_keys) > 12
+
+
+def _sm90_module():
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper",
+                        reason="this Triton has no Gluon Hopper API (the SM90 GEMM needs it)")
+    return importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")
+
+
+def test_gluon_descriptor_shortcuts_and_key_agree_with_triton(monkeypatch):
+    """A descriptor from ``descriptor_over`` has the fields of one built by ``from_tensor`` over the new base; a
+    layout from ``layout_with_fixed_repr`` is an equal instance of its class with the same repr, so Triton's
+    specialization of a descriptor argument (the text of its dtype, block and layout) is unchanged; and
+    ``specialization_key`` tells descriptors apart wherever Triton's specialization does."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _sm90_module()
+    plain = gl.NVMMASharedLayout.get_default_for([64, 64], gl.float16)
+    fixed = compat.layout_with_fixed_repr(plain)
+    assert isinstance(fixed, gl.NVMMASharedLayout) and repr(fixed) == repr(plain)
+    assert {k: v for k, v in vars(fixed).items() if k != "repr_once"} == vars(plain)
+    x, y = torch.zeros(256, 64, dtype=torch.float16), torch.ones(256, 64, dtype=torch.float16)
+    built = TensorDescriptor.from_tensor(x, [64, 64], fixed)
+    fields = compat.descriptor_fields(built)
+    assert fields is not None and fields["base"] is None
+    over, want = compat.descriptor_over(TensorDescriptor, fields, y), TensorDescriptor.from_tensor(y, [64, 64], fixed)
+    assert type(over) is TensorDescriptor and over.base is y
+    assert {k: v for k, v in vars(over).items() if k != "base"} == {k: v for k, v in vars(want).items() if k != "base"}
+
+    def triton_spec(desc) -> tuple:
+        return native_specialize_impl(BaseBackend, desc, False, True, True)
+
+    assert triton_spec(over) == triton_spec(want) == triton_spec(TensorDescriptor.from_tensor(y, [64, 64], plain))
+    variants = [want, over, TensorDescriptor.from_tensor(y, [128, 64], plain),
+                TensorDescriptor.from_tensor(y.to(torch.bfloat16), [64, 64],
+                                             gl.NVMMASharedLayout.get_default_for([64, 64], gl.bfloat16)),
+                TensorDescriptor.from_tensor(y, [64, 32], gl.NVMMASharedLayout.get_default_for([64, 32], gl.float16))]
+    seen: dict = {}
+    for desc in variants:
+        key = compat.specialization_key((desc,), {})
+        assert seen.setdefault(key, triton_spec(desc)) == triton_spec(desc)
+    assert len(seen) >= len({triton_spec(d) for d in variants}) == 4
+
+
+def test_compiled_kernel_of_an_sm90_build_has_what_launch_reads():
+    """An SM90 build made ahead of time on the CPU by the installed Triton is a ``CompiledKernel`` with the
+    ``function`` and ``packed_metadata`` that ``run_compiled`` and ``direct_launch`` read and a ``run`` property that
+    loads the binary on first access (``load_binary``)."""
+    from triton.compiler.compiler import CompiledKernel
+
+    from support.sass_count import compile_kernel
+
+    compiled = compile_kernel("quantize", 90, True)
+    assert isinstance(compiled, CompiledKernel)
+    assert isinstance(inspect.getattr_static(CompiledKernel, "run"), property)
+    assert "function" in vars(compiled) and compiled.packed_metadata is not None
+    assert compat.load_binary(types.SimpleNamespace()) is False
+
+
+def test_the_installed_torch_has_the_raw_stream_getter():
+    """``current_raw_stream`` is torch's private stream-handle getter where torch is a CUDA build."""
+    if torch.version.cuda is None:
+        pytest.skip(f"torch {torch.__version__} is a CPU build: it has no CUDA stream functions (CUDA builds do)")
+    assert callable(compat.current_raw_stream)
+
+
+def test_the_verdict_on_direct_launch_for_the_installed_triton_is_stated():
+    """The installed Triton's verdict, as the test log shows it: on (Triton 3.6's per-kernel C launcher) or off and
+    why (Triton 3.7 - 3.9: one C launcher taking a tuple; any other layout: the part that differs)."""
+    reason = compat.direct_launch_unavailable()
+    head = compat.launcher_head()
+    print(f"Triton {triton.__version__}: direct launch {'on' if reason is None else 'off: ' + reason}")
+    assert (reason is None) == (head == compat.LAUNCHER_HEAD and not compat._missing_launcher_parts(
+        compat._driver_module()))
