@@ -13,7 +13,7 @@ from diffusers_nvfp4_fast import caches
 
 ROOT = Path(__file__).resolve().parents[1]
 # The caches the package keeps (docs/design.md §2, "Process-wide caches"); the kernels' ones where Triton is installed.
-PACKAGE_CACHES = {"ops.fused.verification_keys", "ops.gelu_quantize.compiled_mismatch",
+PACKAGE_CACHES = {"ops.blackwell.ones", "ops.fused.verification_keys", "ops.gelu_quantize.compiled_mismatch",
                   "ops.gelu_quantize.eager_mismatch", "ops.linear.calls_seen", "ops.linear.plans",
                   "ops.qk_norm_rotary.tree", "ops.shared_quantize.equal_scales", "ops.verify.failed_kinds",
                   "ops.verify.verdicts"}
@@ -22,7 +22,7 @@ SM90_CACHES = {"kernels.nvfp4_gemm_sm90.weight_descriptors", "kernels.nvfp4_gemm
 
 
 def _import_everything() -> set[str]:
-    for name in ("ops.fused", "ops.gelu_quantize", "ops.linear", "ops.qk_norm_rotary", "ops.shared_quantize",
+    for name in ("ops.blackwell", "ops.fused", "ops.gelu_quantize", "ops.linear", "ops.qk_norm_rotary", "ops.shared_quantize",
                  "ops.verify"):
         importlib.import_module(f"diffusers_nvfp4_fast.{name}")
     want = set(PACKAGE_CACHES)

@@ -20,6 +20,7 @@ from typing import Any, Protocol, cast
 
 import torch
 
+from .. import caches
 from ..format import ScaleLayout, padded_scale_shape, round_up, swizzle_scales
 from . import dispatch
 from .dispatch import GEMM_BACKEND_VAR, BackendUnavailableError, flashinfer, gemm_backend
@@ -121,7 +122,8 @@ def _mm_fp4(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype) -> torch.T
     )
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}
+_ONES: dict[torch.device, torch.Tensor] = caches.register("ops.blackwell.ones", {},
+                                                           "kept for the process (one tensor per device)")
 
 
 def _one(device: torch.device) -> torch.Tensor:
