@@ -26,6 +26,8 @@ from .quantize_nvfp4 import (
 )
 from .rounding import round_to_half
 
+__all__ = ["gelu_decoded_launch", "gelu_quantize_decoded_triton", "gelu_quantize_triton", "gelu_triton"]
+
 try:
     from triton.language.extra import libdevice
 except ImportError:  # older Triton keeps it under the CUDA namespace

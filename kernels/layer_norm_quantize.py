@@ -69,6 +69,8 @@ from .nvfp4_epilogue import (
 from .quantize_nvfp4 import decoded_words, fp16x4_word
 from .rounding import fma_rn, narrow_bf16, rsqrt_like_torch, sum_of_products, widen_bf16
 
+__all__ = ["adaln_quantize_triton", "resnorm_quantize_triton"]
+
 THREADS = tl.constexpr(128)  # torch's LayerNorm block: 32 x 4 threads
 VEC = tl.constexpr(4)  # torch's vec_size: each thread reads 4 consecutive elements at a time
 CHUNK = tl.constexpr(512)  # one vector per thread: 512 consecutive elements of the row

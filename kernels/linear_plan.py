@@ -19,6 +19,8 @@ from .nvfp4_gemm import sm90_kernel_module
 from .nvfp4_gemv import GemvLaunch, gemv_launch
 from .quantize_nvfp4 import DecodedQuantizeLaunch, decoded_quantize_launch
 
+__all__ = ["LinearPlan", "RowPlan", "linear_plan", "row_plan"]
+
 if TYPE_CHECKING:  # the Gluon module is imported where this Triton has it (nvfp4_gemm.sm90_kernel_module)
     from .nvfp4_gemm_sm90 import Sm90Launch
 

@@ -26,6 +26,8 @@ import triton.language as tl
 from .launch import INTERPRETING, cdiv, launch, launch_by_site
 from .rounding import SOFT_CONVERT, narrow_bf16, negate, rsqrt_like_torch, sum_of_products, widen_bf16
 
+__all__ = ["flux2_qk_norm_rotary_triton", "qk_norm_rotary_triton", "qwen_rotary_triton"]
+
 HEAD_DIM = 128
 FMA_FORMS = [(real, imag) for real in range(3) for imag in range(3)]  # (REAL_FMA, IMAG_FMA) of _complex_product
 

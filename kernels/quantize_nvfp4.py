@@ -19,6 +19,8 @@ from .launch import (
 )
 from .nvfp4_epilogue import block_tile, decoded_blocks, load_blocks, quantize_blocks, store_blocks
 
+__all__ = ["quantize_nvfp4_decoded", "quantize_nvfp4_triton"]
+
 
 @triton.jit
 def _quantize_nvfp4_kernel(

@@ -14,6 +14,8 @@ import triton.language as tl
 from .launch import cdiv, launch
 from .rounding import negate, round_to_half
 
+__all__ = ["rotary_triton"]
+
 
 @triton.jit
 def _rotary_kernel(

@@ -23,6 +23,8 @@ from .launch import INTERPRETING, as_block_rows, launch, launch_options, padded_
 from .nvfp4_epilogue import cat_tile, load_blocks, quantize_blocks, store_blocks, unpack4
 from .rounding import half_value, round_to_half
 
+__all__ = ["swiglu_gate_up_quantize_triton", "swiglu_quantize_triton"]
+
 try:
     from triton.language.extra import libdevice
 except ImportError:  # older Triton keeps it under the CUDA namespace

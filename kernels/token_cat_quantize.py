@@ -12,6 +12,8 @@ import triton.language as tl
 from .launch import as_block_rows, launch, launch_options, padded_scale_shape, tile_grid
 from .nvfp4_epilogue import cat_tile, load_blocks, quantize_blocks, store_blocks
 
+__all__ = ["token_cat_quantize_triton"]
+
 
 @triton.jit
 def _token_cat_quantize_kernel(

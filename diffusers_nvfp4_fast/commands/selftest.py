@@ -36,7 +36,6 @@ import torch
 
 from .. import format as nvfp4
 from ..ops import dispatch
-from ..ops.layer_norm_quantize import AdaLNInputs, ResNormInputs
 from ..ops.verify import bytes_equal, describe_mismatch, exact_fast_math_reference
 from ..utils import check_device
 
@@ -144,76 +143,43 @@ def _quantize_checks(device: torch.device, gen: torch.Generator) -> list[dict[st
     return checks
 
 
-def _fused_cases(device: torch.device, gen: torch.Generator, fast_math: bool) -> dict[str, tuple[Callable, Callable]]:
-    """name -> (fused kernel call, the unfused torch path it replaces), at FLUX.2-dev / Qwen-Image widths."""
-    from ..ops import gelu_quantize as gelu
-    from ..ops import layer_norm_quantize as norm
-    from ..ops import qk_norm_rotary as qk
-    from ..ops import rotary as rot
-    from ..ops import swiglu_quantize as swiglu
-    from ..ops import token_cat_quantize as token_cat
-
-    rows, eps = 512, 1e-6
-    attn, mlp = _randn(gen, device, rows, 6144), _randn(gen, device, rows, 18432, scale=0.3)
-    hidden = _randn(gen, device, rows, 2 * 18432, scale=2.0)
-    fc1 = _randn(gen, device, rows, 12288, scale=2.0)
-    mod = _randn(gen, device, 1, 6 * 3072, scale=0.3)
-    shift, scale, gate = mod.chunk(2, dim=-1)[1].chunk(3, dim=-1)  # diffusers' strided views of img_mod's output
-    res = ResNormInputs(_randn(gen, device, 1, rows, 3072, scale=4.0), _randn(gen, device, 1, rows, 3072),
-                                _randn(gen, device, 3072, scale=0.1), gate, scale, shift)
-    ada = AdaLNInputs(_randn(gen, device, 1, rows, 3072, scale=3.0), scale, shift)
-    q, weight, freqs = qk.probe_inputs(1, rows, 24, device=device)
-    cos, sin = qk.flux2_tables(freqs)
-    g = _global_scale(torch.cat([attn, mlp], -1))
-    gs = _global_scale(fc1)
-    return {
-        "token-cat quantize 512x(6144+18432)": (lambda: token_cat.token_cat_quantize(attn, mlp, g, fast_math),
-                                               lambda: token_cat.token_cat_quantize_reference(attn, mlp, g, fast_math)),
-        "SwiGLU + cat quantize 512x(6144+18432)": (
-            lambda: swiglu.swiglu_quantize(hidden, attn, g, fast_math),
-            lambda: swiglu.swiglu_quantize_reference(hidden, attn, g, fast_math)),
-        "SwiGLU quantize 512x18432": (lambda: swiglu.swiglu_quantize(hidden, None, g, fast_math),
-                                      lambda: swiglu.swiglu_quantize_reference(hidden, None, g, fast_math)),
-        "GELU quantize 512x12288": (lambda: gelu.gelu_quantize(fc1, gs, fast_math),
-                                    lambda: gelu.gelu_quantize_reference(fc1, gs, fast_math)),
-        "residual-norm quantize 512x3072": (lambda: norm.resnorm_quantize(*res, g, eps, fast_math),
-                                            lambda: norm.resnorm_quantize_reference(*res, g, eps, fast_math)),
-        "adaptive-LayerNorm quantize 512x3072": (lambda: norm.adaln_quantize(*ada, g, eps, fast_math),
-                                                 lambda: norm.adaln_quantize_reference(*ada, g, eps, fast_math)),
-        "FLUX.2 rotary 512x24x128": (lambda: rot.rotary(q, cos, sin), lambda: rot.rotary_reference(q, cos, sin)),
-        "FLUX.2 QK RMSNorm + rotary 512x24x128": (
-            lambda: qk.flux2_qk_norm_rotary(q, weight, cos, sin, eps),
-            lambda: qk.flux2_qk_norm_rotary_reference(q, weight, cos, sin, eps)),
-        "Qwen-Image QK RMSNorm + rotary 512x24x128": (
-            lambda: qk.qk_norm_rotary(q, weight, freqs, eps),
-            lambda: qk.qk_norm_rotary_reference(q, weight, freqs, eps)),
-    } | _decoded_cases(device, res, ada, fc1, g, gs, eps, fast_math)
-
-
-def _decoded_cases(device, res: ResNormInputs, ada: AdaLNInputs, fc1, g, gs, eps, fast_math
-                   ) -> dict[str, tuple[Callable, Callable]]:
-    """The kernels that write the decoded FP16 operand of the SM80-SM90 GEMM (only where that GEMM runs)."""
-    if dispatch.gemm_backend(device) != "triton":
-        return {}
-    from ..ops import gelu_quantize as gelu
-    from ..ops import layer_norm_quantize as norm
+def _decoded_quantize_check(device: torch.device, gen: torch.Generator, fast_math: bool) -> list[dict[str, Any]]:
+    """The standalone quantize that writes the decoded FP16 operand of the SM80-SM90 GEMM (only where it runs)."""
     from ..ops.quantize import quantize
 
     k = dispatch.kernels
     assert k is not None
-    x = fc1[:, :3072].contiguous()
-    return {
-        "quantize to FP16 512x3072": (lambda: k.quantize_nvfp4_decoded(x, g, fast_math=fast_math),
-                                      lambda: nvfp4.decode_nvfp4(*quantize(x, g, fast_math), dtype=torch.float16)),
-        "GELU quantize to FP16 512x12288": (lambda: k.gelu_quantize_decoded_triton(fc1, gs, fast_math=fast_math),
-                                            lambda: gelu.gelu_quantize_decoded_reference(fc1, gs, fast_math)),
-        "residual-norm quantize to FP16 512x3072": (
-            lambda: k.resnorm_quantize_triton(*res, g, eps=eps, fast_math=fast_math, decoded=True),
-            lambda: norm.resnorm_quantize_decoded_reference(*res, g, eps, fast_math)),
-        "adaptive-LayerNorm quantize to FP16 512x3072": (
-            lambda: k.adaln_quantize_triton(*ada, g, eps=eps, fast_math=fast_math, decoded=True)[0],
-            lambda: norm.adaln_quantize_decoded_reference(*ada, g, eps, fast_math)),
-    }
+    x = _randn(gen, device, 512, 3072, scale=2.0)
+    g = _global_scale(x)
+    recipe = "fast-math" if fast_math else "precise"
+    return [run_check(f"quantize to FP16 512x3072 ({recipe})",
+                      lambda: k.quantize_nvfp4_decoded(x, g, fast_math=fast_math),
+                      lambda: nvfp4.decode_nvfp4(*quantize(x, g, fast_math), dtype=torch.float16), device,
+                      "fused kernel vs the unfused path")]
+
+
+def fused_checks(device: torch.device, gen: torch.Generator, fast_math: bool) -> list[dict[str, Any]]:
+    """Every form of every registered fused op (``ops/registry.py``) on its probe calls at FLUX.2-dev / Qwen-Image
+    widths, against the unfused torch path it replaces; the decoded forms only where the GEMM that multiplies their
+    FP16 values runs; an op whose sites this GPU keeps on diffusers' ops (``unused_here``) is named, not compared."""
+    from ..ops.fused import Probe
+    from ..ops.registry import FUSED_OPS
+
+    recipe = "fast-math" if fast_math else "precise"
+    decoded_here = dispatch.gemm_backend(device) == "triton"
+    checks = []
+    for op in FUSED_OPS:
+        reason = op.unused_here(device)
+        forms = [(op.packed, "")] + ([(op.decoded, " to FP16")] if op.decoded is not None and decoded_here else [])
+        for case in op.probe(Probe(device, gen, fast_math)):
+            for form, suffix in forms:
+                name = f"{case.title}{suffix} {case.shape} ({recipe})"
+                if reason is not None:
+                    checks.append({"name": name, "equal": None, "detail": f"not used here: {reason}"})
+                    continue
+                checks.append(run_check(name, _call(form, *case.args), _call(form.reference, *case.args), device,
+                                        "fused kernel vs the unfused path"))
+    return checks
 
 
 def kernel_checks(device: torch.device) -> list[dict[str, Any]]:
@@ -222,33 +188,11 @@ def kernel_checks(device: torch.device) -> list[dict[str, Any]]:
     if not dispatch.triton_runs_on(torch.empty(0, device=device)):
         return []
     gen = torch.Generator(device=device).manual_seed(0)
-    checks = _quantize_checks(device, gen)
     fast_math = nvfp4.fast_math_from_env()
-    recipe = "fast-math" if fast_math else "precise"
-    unused = _unused_here(device)
-    for name, (fused, unfused) in _fused_cases(device, gen, fast_math).items():
-        reason = next((why for prefix, why in unused.items() if name.startswith(prefix)), None)
-        if reason is not None:
-            checks.append({"name": f"{name} ({recipe})", "equal": None, "detail": f"not used here: {reason}"})
-            continue
-        checks.append(run_check(f"{name} ({recipe})", fused, unfused, device, "fused kernel vs the unfused path"))
-    return checks
-
-
-def _unused_here(device: torch.device) -> dict[str, str]:
-    """Kernels whose sites check a property of this GPU first and keep diffusers' ops where it fails (docs/design.md
-    §6): name prefix -> why they are not used (their sites fall back, so no output depends on them)."""
-    from ..ops.gelu_quantize import gelu_mismatch
-    from ..ops.qk_norm_rotary import tree_match
-
-    unused = {}
-    tree = tree_match(device)
-    if tree.reason is not None:
-        unused["Qwen-Image QK"] = tree.reason
-    gelu = gelu_mismatch(device, torch.bfloat16)
-    if gelu is not None:
-        unused["GELU"] = gelu
-    return unused
+    checks = _quantize_checks(device, gen)
+    if dispatch.gemm_backend(device) == "triton":
+        checks += _decoded_quantize_check(device, gen, fast_math)
+    return checks + fused_checks(device, gen, fast_math)
 
 
 # ----------------------------------------------------------------------------------------------------------------

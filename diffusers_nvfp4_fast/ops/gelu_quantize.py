@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from .. import caches
 from .. import format as nvfp4
-from .dispatch import call_op, define_op, kernels, triton_runs_on
-from .fused import FusedOp, call_class
+from .dispatch import call_op, define_op, kernels
+from .fused import AotKernel, Case, Form, FusedOp, Probe, call_class
 from .linear import learn_plan, linear_fp16_x_impl, linear_impl, plan_for, plan_key, takes_decoded_activation
 from .quantize import empty_quantized, quantize
 from .site import Site, SiteKind
@@ -114,39 +114,43 @@ def gelu_quantize_reference(
     return quantize(x.reshape(-1, x.shape[-1]), global_scale, fast_math)
 
 
-def _gelu_impl(hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if triton_runs_on(hidden):
-        return cast(ModuleType, kernels).gelu_quantize_triton(hidden, global_scale, fast_math=fast_math)
-    return gelu_quantize_reference(hidden, global_scale, fast_math)
-
-
-def _gelu_fake(hidden, global_scale, fast_math):
-    return empty_quantized(hidden, hidden.numel() // hidden.shape[-1], hidden.shape[-1])
-
-
-# hidden [..., K] BF16/FP16, K % 16 == 0, global_scale, fast_math -> packed uint8 [R, K/2], 128x4 scales uint8
-# [round_up(R,128), round_up(K/16,4)] of gelu(hidden, approximate="tanh").
-gelu_quantize = FusedOp("gelu_quantize", _gelu_impl, gelu_quantize_reference, _gelu_fake, ("packed", "scales"))
-
-
 def gelu_quantize_decoded_reference(hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> torch.Tensor:
     """The unfused computation, then the decode: FP16 ``[R, K]``, each E2M1 value times its E4M3 block scale."""
     return nvfp4.decode_nvfp4(*gelu_quantize_reference(hidden, global_scale, fast_math), dtype=torch.float16)
 
 
-def _gelu_decoded_impl(hidden: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> torch.Tensor:
-    if triton_runs_on(hidden):
-        return cast(ModuleType, kernels).gelu_quantize_decoded_triton(hidden, global_scale, fast_math=fast_math)
-    return gelu_quantize_decoded_reference(hidden, global_scale, fast_math)
+def _rows(hidden: torch.Tensor) -> int:
+    return hidden.numel() // hidden.shape[-1]
 
 
-def _gelu_decoded_fake(hidden, global_scale, fast_math):
-    return hidden.new_empty((hidden.numel() // hidden.shape[-1], hidden.shape[-1]), dtype=torch.float16)
-
-
+_GELU_SIGNATURE = {"h_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8", "M": "i32", "K": "i32",
+                   "row_stride": "i32", "padded_cols": "i32", "col_tiles": "i32"}
+# hidden [..., K] BF16/FP16, K % 16 == 0, global_scale, fast_math -> packed uint8 [R, K/2], 128x4 scales uint8
+# [round_up(R,128), round_up(K/16,4)] of gelu(hidden, approximate="tanh").
+gelu_quantize = Form(
+    "gelu_quantize", gelu_quantize_reference,
+    lambda k, hidden, g, fast_math: k.gelu_quantize_triton(hidden, g, fast_math=fast_math),
+    lambda hidden, *_: empty_quantized(hidden, _rows(hidden), hidden.shape[-1]), ("packed", "scales"),
+    aot=AotKernel("gelu", "gelu_quantize", "_gelu_quantize_kernel", _GELU_SIGNATURE))
 # hidden [..., K] -> FP16 [R, K]: the decoded values of gelu_quantize's result, for an FC2 whose GEMM multiplies those.
-gelu_quantize_decoded = FusedOp("gelu_quantize_decoded", _gelu_decoded_impl, gelu_quantize_decoded_reference,
-                                _gelu_decoded_fake, ("decoded",))
+gelu_quantize_decoded = Form(
+    "gelu_quantize_decoded", gelu_quantize_decoded_reference,
+    lambda k, hidden, g, fast_math: k.gelu_quantize_decoded_triton(hidden, g, fast_math=fast_math),
+    lambda hidden, *_: hidden.new_empty((_rows(hidden), hidden.shape[-1]), dtype=torch.float16), ("decoded",),
+    aot=AotKernel("gelu_decoded", "gelu_quantize", "_gelu_quantize_decoded_kernel", {
+        "h_ptr": "*i64", "g_ptr": "*fp32", "out_ptr": "*i64", "M": "i32", "K": "i32", "row_stride": "i32",
+        "col_tiles": "i32"}))
+
+
+def _probe(p: Probe) -> list[Case]:
+    """Qwen-Image's feed-forward: FC1's output (12288) per token."""
+    fc1 = p.randn(p.rows, p.pick(12288, 128), scale=2.0)
+    return [Case("GELU quantize", f"{p.rows}x{fc1.shape[-1]}", (fc1, p.global_scale(fc1), p.fast_math))]
+
+
+# A GPU whose kernel GELU differs from torch's keeps diffusers' GELU at every GELU site (patches/qwenimage.py).
+GELU_QUANTIZE = FusedOp(gelu_quantize, _probe, gelu_quantize_decoded,
+                        unused_here=lambda device: gelu_mismatch(device, torch.bfloat16))
 
 
 def _gelu_plan(hidden, x16, out, n, w_packed, w_scales, alpha, bias, global_scale, fast_math) -> _VerifiedPlan | None:

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 
 from .. import format as nvfp4
 from .dispatch import kernels, triton_runs_on
-from .fused import FusedOp
+from .fused import Case, Form, FusedOp, Probe
 from .quantize import empty_quantized, quantize
+
+EPS = 1e-6  # the LayerNorms' eps in Qwen-Image's and FLUX.2's blocks (the probes' value)
 
 
 class ResNormInputs(NamedTuple):
@@ -114,45 +116,51 @@ def resnorm_quantize_decoded_reference(
     return r, _decode(packed, scales)
 
 
-def _resnorm_impl(
-    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
-    shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float, fast_math: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if kernel_runs_on(x):
-        return kernels.resnorm_quantize_triton(  # type: ignore[union-attr]  # kernel_runs_on: kernels loaded
-            residual, x, bias, gate, scale, shift, global_scale, eps=eps, fast_math=fast_math)
-    return resnorm_quantize_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
-
-
-def _resnorm_decoded_impl(
-    residual: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gate: torch.Tensor, scale: torch.Tensor,
-    shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float, fast_math: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if kernel_runs_on(x):
-        return kernels.resnorm_quantize_triton(  # type: ignore[union-attr]  # (as above)
-            residual, x, bias, gate, scale, shift, global_scale, eps=eps, fast_math=fast_math, decoded=True)
-    return resnorm_quantize_decoded_reference(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math)
-
-
 def _residual_out(residual: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(residual, memory_format=torch.contiguous_format)
 
 
-def _resnorm_fake(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math):
+def _resnorm_fake(residual, *_):
     d = residual.shape[-1]
     return (_residual_out(residual), *empty_quantized(residual, residual.numel() // d, d))
 
 
-def _resnorm_decoded_fake(residual, x, bias, gate, scale, shift, global_scale, eps, fast_math):
+def _resnorm_decoded_fake(residual, *_):
     d = residual.shape[-1]
     return _residual_out(residual), residual.new_empty((residual.numel() // d, d), dtype=torch.float16)
 
 
-resnorm_quantize = FusedOp("resnorm_quantize", _resnorm_impl, resnorm_quantize_reference, _resnorm_fake,
-                           ("residual_out", "packed", "scales"))
-resnorm_quantize_decoded = FusedOp("resnorm_quantize_decoded", _resnorm_decoded_impl,
-                                   resnorm_quantize_decoded_reference, _resnorm_decoded_fake,
-                                   ("residual_out", "decoded"))
+resnorm_quantize = Form(
+    "resnorm_quantize", resnorm_quantize_reference,
+    lambda k, residual, x, bias, gate, scale, shift, g, eps, fast_math: k.resnorm_quantize_triton(
+        residual, x, bias, gate, scale, shift, g, eps=eps, fast_math=fast_math),
+    _resnorm_fake, ("residual_out", "packed", "scales"))
+resnorm_quantize_decoded = Form(
+    "resnorm_quantize_decoded", resnorm_quantize_decoded_reference,
+    lambda k, residual, x, bias, gate, scale, shift, g, eps, fast_math: k.resnorm_quantize_triton(
+        residual, x, bias, gate, scale, shift, g, eps=eps, fast_math=fast_math, decoded=True),
+    _resnorm_decoded_fake, ("residual_out", "decoded"))
+
+
+def probe_modulation(p: Probe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Qwen-Image's (shift, scale, gate) of one stream: diffusers' strided views of ``img_mod``'s output
+    ``[1, 6 * D]`` (D = 3072)."""
+    d = p.pick(3072, 512)
+    mod = p.randn(1, 6 * d, scale=0.3)
+    shift, scale, gate = mod.chunk(2, dim=-1)[1].chunk(3, dim=-1)
+    return shift, scale, gate
+
+
+def _resnorm_probe(p: Probe) -> list[Case]:
+    """Qwen-Image's block between the attention and FC1 (width 3072), per-sample modulation."""
+    shift, scale, gate = probe_modulation(p)
+    d = shift.shape[-1]
+    res = ResNormInputs(p.randn(1, p.rows, d, scale=4.0), p.randn(1, p.rows, d), p.randn(d, scale=0.1), gate, scale,
+                        shift)
+    return [Case("residual-norm quantize", f"{p.rows}x{d}", (*res, p.global_scale(res.x), EPS, p.fast_math))]
+
+
+RESNORM_QUANTIZE = FusedOp(resnorm_quantize, _resnorm_probe, resnorm_quantize_decoded)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -176,34 +184,24 @@ def adaln_quantize_decoded_reference(
     return _decode(*adaln_quantize_reference(x, scale, shift, global_scale, eps, fast_math))
 
 
-def _adaln_impl(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float,
-    fast_math: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    if kernel_runs_on(x):
-        return kernels.adaln_quantize_triton(  # type: ignore[union-attr]  # (as above)
-            x, scale, shift, global_scale, eps=eps, fast_math=fast_math)
-    return adaln_quantize_reference(x, scale, shift, global_scale, eps, fast_math)
+adaln_quantize = Form(
+    "adaln_quantize", adaln_quantize_reference,
+    lambda k, x, scale, shift, g, eps, fast_math: k.adaln_quantize_triton(x, scale, shift, g, eps=eps,
+                                                                         fast_math=fast_math),
+    lambda x, *_: empty_quantized(x, x.numel() // x.shape[-1], x.shape[-1]), ("packed", "scales"))
+adaln_quantize_decoded = Form(
+    "adaln_quantize_decoded", adaln_quantize_decoded_reference,
+    lambda k, x, scale, shift, g, eps, fast_math: k.adaln_quantize_triton(x, scale, shift, g, eps=eps,
+                                                                         fast_math=fast_math, decoded=True)[0],
+    lambda x, *_: x.new_empty((x.numel() // x.shape[-1], x.shape[-1]), dtype=torch.float16), ("decoded",))
 
 
-def _adaln_decoded_impl(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None, global_scale: torch.Tensor, eps: float,
-    fast_math: bool,
-) -> torch.Tensor:
-    if kernel_runs_on(x):
-        return kernels.adaln_quantize_triton(  # type: ignore[union-attr]  # (as above)
-            x, scale, shift, global_scale, eps=eps, fast_math=fast_math, decoded=True)[0]
-    return adaln_quantize_decoded_reference(x, scale, shift, global_scale, eps, fast_math)
+def _adaln_probe(p: Probe) -> list[Case]:
+    """Qwen-Image's norm1 (width 3072), per-sample modulation."""
+    shift, scale, _ = probe_modulation(p)
+    x = p.randn(1, p.rows, shift.shape[-1], scale=3.0)
+    return [Case("adaptive-LayerNorm quantize", f"{p.rows}x{x.shape[-1]}",
+                 (x, scale, shift, p.global_scale(x), EPS, p.fast_math))]
 
 
-def _adaln_fake(x, scale, shift, global_scale, eps, fast_math):
-    return empty_quantized(x, x.numel() // x.shape[-1], x.shape[-1])
-
-
-def _adaln_decoded_fake(x, scale, shift, global_scale, eps, fast_math):
-    return x.new_empty((x.numel() // x.shape[-1], x.shape[-1]), dtype=torch.float16)
-
-
-adaln_quantize = FusedOp("adaln_quantize", _adaln_impl, adaln_quantize_reference, _adaln_fake, ("packed", "scales"))
-adaln_quantize_decoded = FusedOp("adaln_quantize_decoded", _adaln_decoded_impl, adaln_quantize_decoded_reference,
-                                 _adaln_decoded_fake, ("decoded",))
+ADALN_QUANTIZE = FusedOp(adaln_quantize, _adaln_probe, adaln_quantize_decoded)

@@ -23,8 +23,8 @@ from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb
 
 from .. import caches
 from .dispatch import kernels, triton_runs_on
-from .fused import FusedOp
-from .rotary import rotary_reference
+from .fused import AotKernel, Case, Form, FusedOp, Probe
+from .rotary import contiguous_like_x, flux2_tables, probe_inputs, rotary_reference
 
 EPS = 1e-6  # Qwen-Image's
 
@@ -55,29 +55,6 @@ def qk_norm_rotary_reference(x: torch.Tensor, weight: torch.Tensor, freqs: torch
     """x ``[B, S, H, D]``, weight ``[D]``, freqs complex64 ``[S, D/2]`` -> diffusers' chain, in x's dtype."""
     # cast: diffusers annotates the result as a tuple; with use_real=False it returns one tensor.
     return cast(torch.Tensor, apply_rotary_emb_qwen(rms_norm_reference(x, weight, eps), freqs, use_real=False))
-
-
-def probe_inputs(batch: int, seq: int, heads: int, device: torch.device | str = "cpu", seed: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Query-like BF16 ``[batch, seq, heads, 128]`` with row magnitudes from 2^-20 to 2^20, one all-zero row and some
-    subnormals, a BF16 RMSNorm weight near 1 and Qwen-like rotary factors (complex64 ``[seq, 64]``, positions up to
-    4096): with a few thousand rows, a wrong summation tree or FMA form changes some output bytes."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    x = torch.randn(batch, seq, heads, 128, device=device, generator=gen)
-    x = x * torch.exp2(torch.randint(-20, 20, (batch, seq, heads, 1), device=device, generator=gen).float())
-    x.view(-1, 128)[0] = 0.0
-    x.view(-1)[7::97] = 1e-39
-    weight = (1 + 0.2 * torch.randn(128, device=device, generator=gen)).to(torch.bfloat16)
-    pos = torch.randint(0, 4096, (seq, 1), device=device, generator=gen).float()
-    angles = pos / (10000 ** (torch.arange(0, 128, 2, device=device).float() / 128))
-    return x.to(torch.bfloat16), weight, torch.polar(torch.ones_like(angles), angles)
-
-
-def flux2_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FLUX.2's FP32 ``(cos, sin)`` ``[S, 2 * F]`` (each angle repeated for its pair) for the angles of complex
-    ``freqs`` ``[S, F]``, e.g. those of ``probe_inputs``."""
-    angles = freqs.angle().repeat_interleave(2, dim=1)
-    return angles.cos(), angles.sin()
 
 
 def tree_match(device: torch.device) -> TreeMatch:
@@ -113,35 +90,31 @@ def flux2_qk_norm_rotary_reference(
     return rotary_reference(F.rms_norm(x, (x.shape[-1],), weight, eps), cos, sin)
 
 
-def _flux2_impl(
-    x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float
-) -> torch.Tensor:
-    if triton_runs_on(x):
-        return cast(ModuleType, kernels).flux2_qk_norm_rotary_triton(x, weight, cos, sin, eps)
-    return flux2_qk_norm_rotary_reference(x, weight, cos, sin, eps)
-
-
-def _contiguous_like_x(x, *_):  # both ops' shape function: the kernels write a contiguous tensor shaped like x
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
+_QK_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*bf16", "freqs_ptr": "*fp32", "out_ptr": "*i16", "mean_ptr": "*bf16",
+                 "rows": "i32", "S": "i32", "H": "i32", "eps": "fp32"}
 # x BF16 [B, S, H, 128], weight BF16 [128], cos / sin FP32 [S, 128], eps -> [B, S, H, 128] BF16: the FLUX.2 kernel
 # where Triton runs, flux2_qk_norm_rotary_reference elsewhere (the same bytes, GPU-tested).
-flux2_qk_norm_rotary = FusedOp("flux2_qk_norm_rotary", _flux2_impl, flux2_qk_norm_rotary_reference,
-                               _contiguous_like_x, ("out",))
+flux2_qk_norm_rotary = Form(
+    "flux2_qk_norm_rotary", flux2_qk_norm_rotary_reference,
+    lambda k, x, weight, cos, sin, eps: k.flux2_qk_norm_rotary_triton(x, weight, cos, sin, eps),
+    contiguous_like_x, ("out",),
+    aot=AotKernel("flux2_qk_norm_rotary", "qk_norm_rotary", "_flux2_qk_norm_rotary_kernel", {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*i16", "rows": "i32",
+        "S": "i32", "H": "i32", "eps": "fp32"}))
 
 
-def _qk_norm_rotary_impl(x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
-    tree = tree_match(x.device).tree if triton_runs_on(x) else None
-    if tree is not None:
-        return cast(ModuleType, kernels).qk_norm_rotary_triton(x, weight, freqs, eps, tree=tree)
-    return qk_norm_rotary_reference(x, weight, freqs, eps)  # CPU, or no tree equals torch's here (same bytes)
+def _tree(x: torch.Tensor) -> int | None:
+    """The kernel's tree for x's GPU; off the GPU (the Triton interpreter in CPU tests) torch 2.11's (1)."""
+    return tree_match(x.device).tree if x.is_cuda else 1
 
 
 # x [B, S, H, 128] BF16, weight BF16 [128], freqs complex64 [S, 64], eps -> [B, S, H, 128] BF16: the kernel where
-# Triton runs, diffusers' chain elsewhere.
-qk_norm_rotary = FusedOp("qk_norm_rotary", _qk_norm_rotary_impl, qk_norm_rotary_reference, _contiguous_like_x,
-                         ("out",))
+# Triton runs and its tree equals torch's, diffusers' chain elsewhere (the same bytes).
+qk_norm_rotary = Form(
+    "qk_norm_rotary", qk_norm_rotary_reference,
+    lambda k, x, weight, freqs, eps: k.qk_norm_rotary_triton(x, weight, freqs, eps, tree=_tree(x)),
+    contiguous_like_x, ("out",), runs=lambda x: triton_runs_on(x) and tree_match(x.device).tree is not None,
+    aot=AotKernel("qk_norm_rotary", "qk_norm_rotary", "_qk_norm_rotary_kernel", _QK_SIGNATURE))
 
 
 def qwen_rotary_reference(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -150,14 +123,38 @@ def qwen_rotary_reference(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return cast(torch.Tensor, apply_rotary_emb_qwen(x, freqs, use_real=False))
 
 
-def _qwen_rotary_impl(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    if triton_runs_on(x):
-        return cast(ModuleType, kernels).qwen_rotary_triton(x, freqs)
-    return qwen_rotary_reference(x, freqs)
-
-
 # x [B, S, H, 128] BF16, freqs complex64 [S, 64] -> [B, S, H, 128] BF16: the kernel's complex product (torch 2.11's
 # FMA forms; the first call of each class is checked against diffusers' ops) where Triton runs, diffusers' op
 # elsewhere. Under torch.compile it replaces diffusers' complex multiply, which inductor leaves to an eager kernel
-# over FP32 copies, with one pass over the BF16 rows.
-qwen_rotary = FusedOp("qwen_rotary", _qwen_rotary_impl, qwen_rotary_reference, _contiguous_like_x, ("out",))
+# over FP32 copies, with one pass over the BF16 rows. Its kernel is qk_norm_rotary's without the norm (NORM=False).
+qwen_rotary = Form("qwen_rotary", qwen_rotary_reference, lambda k, x, freqs: k.qwen_rotary_triton(x, freqs),
+                   contiguous_like_x, ("out",))
+
+
+def _cases(p: Probe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    q, weight, freqs = probe_inputs(1, p.rows, p.pick(24, 2), device=p.device)
+    return q, weight, freqs, f"{p.rows}x{q.shape[2]}x128"
+
+
+def _flux2_probe(p: Probe) -> list[Case]:
+    """FLUX.2-dev's query: 24 heads of 128 per token, its RMSNorm weight and rotary tables."""
+    q, weight, freqs, shape = _cases(p)
+    return [Case("FLUX.2 QK RMSNorm + rotary", shape, (q, weight, *flux2_tables(freqs), EPS))]
+
+
+def _qwen_probe(p: Probe) -> list[Case]:
+    """Qwen-Image's query: 24 heads of 128 per token, its RMSNorm weight and complex rotary factors."""
+    q, weight, freqs, shape = _cases(p)
+    return [Case("Qwen-Image QK RMSNorm + rotary", shape, (q, weight, freqs, EPS))]
+
+
+def _qwen_rotary_probe(p: Probe) -> list[Case]:
+    """Qwen-Image's query under torch.compile: the rotary embedding alone."""
+    q, _, freqs, shape = _cases(p)
+    return [Case("Qwen-Image rotary", shape, (q, freqs))]
+
+
+FLUX2_QK_NORM_ROTARY = FusedOp(flux2_qk_norm_rotary, _flux2_probe)
+# A GPU where no tree gives torch's bytes keeps diffusers' chain at the Qwen-Image QK sites (patches/qwen_attention.py).
+QK_NORM_ROTARY = FusedOp(qk_norm_rotary, _qwen_probe, unused_here=lambda device: tree_match(device).reason)
+QWEN_ROTARY = FusedOp(qwen_rotary, _qwen_rotary_probe)

@@ -12,6 +12,7 @@ import torch
 
 from .. import format as nvfp4
 from .dispatch import call_op, define_op, kernels, triton_runs_on
+from .fused import AotKernel
 
 
 def quantize_reference(
@@ -44,3 +45,14 @@ def quantize(x: torch.Tensor, global_scale: torch.Tensor, fast_math: bool) -> tu
     """x ``[M, K]`` BF16/FP16, global_scale FP32 one-element -> (packed uint8 ``[M, K/2]``, 128x4 scales uint8
     ``[round_up(M,128), round_up(K/16,4)]``)."""
     return call_op(_quantize_op, _quantize_impl, x.contiguous(), global_scale, fast_math)
+
+
+_QUANTIZE_DECODED_SIGNATURE = {"x_ptr": "*i64", "g_ptr": "*fp32", "out_ptr": "*i64", "M": "i32", "K": "i32",
+                               "row_stride": "i32", "col_tiles": "i32"}
+# The standalone quantize kernels' ahead-of-time builds (ops/registry.py lists them with the fused ops').
+AOT_KERNELS = (
+    AotKernel("quantize", "quantize_nvfp4", "_quantize_nvfp4_kernel", {
+        "x_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8", "M": "i32", "K": "i32",
+        "row_stride": "i32", "padded_cols": "i32", "col_tiles": "i32"}),
+    AotKernel("decoded", "quantize_nvfp4", "_quantize_nvfp4_decoded_kernel", _QUANTIZE_DECODED_SIGNATURE),
+)

@@ -24,40 +24,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from diffusers_nvfp4_fast.kernels.gelu_quantize import _gelu_quantize_decoded_kernel, _gelu_quantize_kernel
-from diffusers_nvfp4_fast.kernels.qk_norm_rotary import _flux2_qk_norm_rotary_kernel, _qk_norm_rotary_kernel
-from diffusers_nvfp4_fast.kernels.quantize_nvfp4 import _quantize_nvfp4_decoded_kernel, _quantize_nvfp4_kernel
-from diffusers_nvfp4_fast.kernels.rotary import _rotary_kernel
-from diffusers_nvfp4_fast.kernels.swiglu_quantize import _swiglu_quantize_kernel
-from diffusers_nvfp4_fast.kernels.token_cat_quantize import _token_cat_quantize_kernel
+from diffusers_nvfp4_fast.ops.registry import aot_kernels
 
-SIGNATURES = {
-    "quantize": (_quantize_nvfp4_kernel, {"x_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8",
-                                          "M": "i32", "K": "i32", "row_stride": "i32", "padded_cols": "i32",
-                                          "col_tiles": "i32"}),
-    "token_cat": (_token_cat_quantize_kernel, {"a_ptr": "*i64", "b_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64",
-                                               "scales_ptr": "*u8", "M": "i32", "A": "i32", "B": "i32",
-                                               "stride_a": "i32", "stride_b": "i32", "padded_cols": "i32",
-                                               "col_tiles": "i32"}),
-    "gelu": (_gelu_quantize_kernel, {"h_ptr": "*i64", "g_ptr": "*fp32", "packed_ptr": "*i64", "scales_ptr": "*u8",
-                                     "M": "i32", "K": "i32", "row_stride": "i32", "padded_cols": "i32",
-                                     "col_tiles": "i32"}),
-    "swiglu": (_swiglu_quantize_kernel, {"a_ptr": "*i64", "h_ptr": "*i64", "u_ptr": "*i64", "g_ptr": "*fp32",
-                                         "packed_ptr": "*i64", "scales_ptr": "*u8", "M": "i32", "A": "i32", "H": "i32",
-                                         "stride_a": "i32", "stride_h": "i32", "stride_u": "i32", "up_block": "i32",
-                                         "padded_cols": "i32", "col_tiles": "i32"}),
-}
-_DECODED = {"x_ptr": "*i64", "g_ptr": "*fp32", "out_ptr": "*i64", "M": "i32", "K": "i32", "row_stride": "i32",
-            "col_tiles": "i32"}
-SIGNATURES["decoded"] = (_quantize_nvfp4_decoded_kernel, _DECODED)
-SIGNATURES["gelu_decoded"] = (_gelu_quantize_decoded_kernel,
-                              {("h_ptr" if name == "x_ptr" else name): t for name, t in _DECODED.items()})
+# build name -> (the @triton.jit kernel, the types of its arguments that are not constexprs), from each op's declaration
+SIGNATURES = {k.name: (getattr(importlib.import_module(f"diffusers_nvfp4_fast.kernels.{k.module}"), k.kernel),
+                       dict(k.signature)) for k in aot_kernels().values()}
+# The quantize-style kernels (tiles of BLOCK_R rows x BLOCK_C blocks): the ones compile_kernel builds.
+QUANTIZE_KERNELS = [name for name, (fn, _) in SIGNATURES.items() if "BLOCK_C" in inspect.signature(fn.fn).parameters]
 
 
 def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, block_c: int = 32, num_warps: int = 4):
-    """Compile ``kernel`` (a key of ``SIGNATURES``) for compute capability ``arch`` (x10) without a GPU; the hardware
-    E2M1 conversion is selected from SM100 on, and the grid dependency wait (kernels that take ``PDL``) from SM90 on,
-    as at run time."""
+    """Compile ``kernel`` (one of ``QUANTIZE_KERNELS``) for compute capability ``arch`` (x10) without a GPU; the
+    hardware E2M1 conversion is selected from SM100 on, and the grid dependency wait (kernels that take ``PDL``) from
+    SM90 on, as at run time."""
     fn, sig = SIGNATURES[kernel]
     consts = {"BLOCK_R": block_r, "BLOCK_C": block_c, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": arch >= 100}
     options = {"enable_fp_fusion": False, "num_warps": num_warps}
@@ -70,10 +49,9 @@ def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, bl
 def compile_rotary(arch: int, head_dim: int = 128, block_r: int = 16, num_warps: int = 4):
     """Compile the rotary kernel for compute capability ``arch`` (x10) without a GPU, as ``rotary_triton`` launches
     it (FMA contraction off)."""
-    sig = {"x_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*i16", "rows": "i32", "S": "i32",
-           "H": "i32"}
+    kernel, sig = SIGNATURES["rotary"]
     consts = {"D": head_dim, "BLOCK_R": block_r, "IS_BF16": True}
-    return triton.compile(ASTSource(_rotary_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
+    return triton.compile(ASTSource(kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
                           target=GPUTarget("cuda", arch, 32),
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
 
@@ -83,11 +61,10 @@ def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree
     """Compile the Qwen-Image QK-norm + rotary kernel for ``arch`` (x10) without a GPU, as ``qk_norm_rotary_triton``
     launches it there (``rsqrt.approx.f32``, hardware BF16 conversions, FMA contraction off); ``norm=False``: the
     rotary embedding alone, as ``qwen_rotary_triton`` launches it."""
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "freqs_ptr": "*fp32", "out_ptr": "*i16", "mean_ptr": "*bf16",
-           "rows": "i32", "S": "i32", "H": "i32", "eps": "fp32"}
+    kernel, sig = SIGNATURES["qk_norm_rotary"]
     consts = {"BLOCK_R": block_r, "APPROX_RSQRT": norm, "REAL_FMA": real_fma, "IMAG_FMA": imag_fma,
               "SOFT_BF16": False, "WRITE_MEAN": False, "TREE": tree, "NORM": norm}
-    return triton.compile(ASTSource(_qk_norm_rotary_kernel, {**sig, **dict.fromkeys(consts, "constexpr")},
+    return triton.compile(ASTSource(kernel, {**sig, **dict.fromkeys(consts, "constexpr")},
                                     constexprs=consts),
                           target=GPUTarget("cuda", arch, 32),
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
@@ -95,10 +72,9 @@ def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree
 
 def compile_flux2_qk_norm_rotary(arch: int, tree: int = 1, block_r: int = 16, num_warps: int = 4):
     """Compile the FLUX.2 QK-norm + rotary kernel for ``arch`` (x10) without a GPU, as its wrapper launches it."""
-    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "out_ptr": "*i16",
-           "rows": "i32", "S": "i32", "H": "i32", "eps": "fp32"}
+    kernel, sig = SIGNATURES["flux2_qk_norm_rotary"]
     consts = {"BLOCK_R": block_r, "APPROX_RSQRT": True, "SOFT_BF16": False, "TREE": tree}
-    return triton.compile(ASTSource(_flux2_qk_norm_rotary_kernel, {**sig, **dict.fromkeys(consts, "constexpr")},
+    return triton.compile(ASTSource(kernel, {**sig, **dict.fromkeys(consts, "constexpr")},
                                     constexprs=consts),
                           target=GPUTarget("cuda", arch, 32),
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
@@ -261,7 +237,7 @@ def sass_histogram(compiled) -> collections.Counter:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--kernel", choices=list(SIGNATURES), default="quantize")
+    ap.add_argument("--kernel", choices=QUANTIZE_KERNELS, default="quantize")
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90, 100, 120)")
     ap.add_argument("--precise", action="store_true", help="precise recipe instead of fast-math")
     ap.add_argument("--block-r", type=int, default=8)
