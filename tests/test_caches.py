@@ -22,8 +22,8 @@ SM90_CACHES = {"kernels.nvfp4_gemm_sm90.weight_descriptors", "kernels.nvfp4_gemm
 
 
 def _import_everything() -> set[str]:
-    for name in ("ops.blackwell", "ops.fused", "ops.gelu_quantize", "ops.linear", "ops.qk_norm_rotary", "ops.shared_quantize",
-                 "ops.verify"):
+    for name in ("ops.blackwell", "ops.fused", "ops.gelu_quantize", "ops.linear", "ops.qk_norm_rotary",
+                 "ops.shared_quantize", "ops.verify"):
         importlib.import_module(f"diffusers_nvfp4_fast.{name}")
     want = set(PACKAGE_CACHES)
     if importlib.util.find_spec("triton") is not None:
