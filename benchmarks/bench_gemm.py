@@ -6,7 +6,7 @@ Writes benchmarks/results/gemm-<device>.json (with --sweep-configs: gemm_config_
 
 Variants per (M, N, K), all in one process:
 * ``nvfp4_gemm``: ``kernels.nvfp4_gemm`` on pre-quantized X and W, the GEMM ``NVFP4Linear`` runs (on SM90 with
-  M > 64 the Gluon kernel ``nvfp4_gemm_sm90``, else the autotuned Triton kernel; the ``config`` field says which).
+  M > 64 the Gluon kernel ``nvfp4_gemm_sm90``, else the Triton kernel with its shipped config; ``config`` says which).
 * ``nvfp4_triton_kernel``: the same call forced onto the Triton kernel (``kernel="triton"``), for comparison.
 * ``nvfp4_quant_gemm``: the Triton activation quantizer + ``nvfp4_gemm``, i.e. what ``NVFP4Linear`` pays per call.
 * ``cublas_bf16``: ``torch.nn.functional.linear`` on BF16 X and a BF16 weight (cuBLAS), the speed goal's baseline.
@@ -114,13 +114,12 @@ def bench_shape(model: str, weight, m: int, ref_rows: int, gemm_mod, result: dic
     flops = 2.0 * m * n * k
     shape = {"model": model, "M": m, "N": n, "K": k}
 
-    # Ours: the first call autotunes (not timed); the chosen config is reused for an FP32 output.
+    # Ours: the first call compiles (not timed); the shape class's config is reused for an FP32 output.
     ours = lambda: gemm_mod.nvfp4_gemm(xp, xs, wp, ws, alpha, torch.bfloat16)  # noqa: E731
     portable = lambda: gemm_mod.nvfp4_gemm(xp, xs, wp, ws, alpha, torch.bfloat16, kernel="triton")  # noqa: E731
     out = ours()
     same_bytes = torch.equal(portable(), out)
-    tuned = gemm_mod._tuned_fp16_x if m > gemm_mod.PREDECODE_MAX_M else gemm_mod._tuned_packed
-    best = getattr(tuned, "best_config", None)  # None under the interpreter (no autotuning there)
+    best = gemm_mod.launch_config(m <= gemm_mod.PREDECODE_MAX_M, m, n, k, wp.device) if wp.is_cuda else None
     sm90 = gemm_mod.sm90_kernel_for(m, k, wp, ws) is not None
     out32 = gemm_mod.nvfp4_gemm(xp, xs, wp, ws, alpha, torch.float32, config=None if sm90 else best)
     r = min(ref_rows, m)
@@ -238,7 +237,7 @@ def main() -> None:
     t0 = time.time()
     copy = copy_bandwidth_gbps()
     result = header("gemm", copy)
-    result["timing"] = "triton.testing.do_bench median, L2 flushed before each call; first call (autotune) untimed"
+    result["timing"] = "triton.testing.do_bench median, L2 flushed before each call; first call (compile) untimed"
     result["predecode_max_m"] = gemm_mod.PREDECODE_MAX_M
     sweep = []
     for model in args.models:

@@ -2,7 +2,7 @@
 the standard library).
 
 The readers (``format``, ``ops/dispatch.py``, ``kernels/``) and the CUDA-graph runner's key (``graphs/keys.py``)
-import the names from here. ``kernels/`` cannot import the package, so the two kernel modules that read a switch spell
+import the names from here. ``kernels/`` cannot import the package, so the three kernel modules that read a switch spell
 it themselves and tests/test_switches.py ties each spelling to the name declared here.
 """
 
@@ -22,6 +22,10 @@ GEMM_BACKEND = "DIFFUSERS_NVFP4_GEMM_BACKEND"
 # 1: the Hopper GEMM's decode without its one inline-PTX instruction (same values, slower); read by
 # kernels/nvfp4_decode.py at each launch.
 TRITON_NO_ASM = "DIFFUSERS_NVFP4_TRITON_NO_ASM"
+# 1: the Triton GEMM times its candidate configs at the first call of each shape class (Triton's autotuner) instead of
+# taking the shipped table's (docs/design.md §7); read by kernels/nvfp4_gemm.py at that first call. The config never
+# changes a byte, so the graph runner need not key on it.
+GEMM_AUTOTUNE = "DIFFUSERS_NVFP4_GEMM_AUTOTUNE"
 # 0: no programmatic dependent launch (docs/design.md §7); read once, when kernels/launch.py is imported.
 PDL = "DIFFUSERS_NVFP4_PDL"
 # 1 (the test suite sets it): every op call through the dispatcher checks that no output shares an input's storage;

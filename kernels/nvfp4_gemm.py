@@ -32,8 +32,17 @@ Shape of the work:
   When there are too few weight tiles to fill the GPU, K is split over a second grid axis; the FP32 partial sums
   go to a workspace and a second kernel adds them in split order (deterministic, no atomics).
 * Deterministic: the result depends only on (M, N, K) and the device. Every config walks K in the same order in
-  16-wide MMA steps, and the split count is a function of the shape, not of the config the autotuner picks; the
-  GPU tests check that all configs give identical bytes.
+  16-wide MMA steps, and the split count is a function of the shape, not of the config; the GPU tests check that
+  all configs give identical bytes.
+
+Configs (tile sizes, warps, pipeline depth of the Triton kernel) are data: ``gemm_configs.json``, per GPU
+architecture and shape class (variant ``packed`` or ``fp16_x``, M bucket, N, K), written offline by
+``benchmarks/tune_gemm_configs.py`` and looked up at the first call of each key (``gemm_config_table``). A class
+without an entry takes the default rule, a function of the variant and the M bucket only: among the candidates whose
+tile is no taller than ``max(16, M bucket)`` (else the first shortest), the first of the tallest. Nothing is timed on
+the user's machine; ``DIFFUSERS_NVFP4_GEMM_AUTOTUNE=1`` runs Triton's autotuner over the candidates at the first call
+of each key instead. The config never changes a byte, only the speed. Under the interpreter (CPU) the kernel runs
+the variant's smallest tile.
 
 Decoding (integer arithmetic and one FP16 multiply; no lookup table, no FP8 cast, so the interpreter runs it):
 * E2M1 code ``s eem`` -> FP16 bits ``s<<15 | eem<<9`` = ``value * 2^-14`` (codes 0/1 land on FP16 subnormals,
@@ -50,6 +59,7 @@ Decoding (integer arithmetic and one FP16 multiply; no lookup table, no FP8 cast
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -57,7 +67,8 @@ import triton
 import triton.language as tl
 
 from .caches import declare
-from .launch import INTERPRETING, cdiv, launch, launch_by_site, next_power_of_2, sm_count
+from .gemm_config_table import arch_name, gemm_configs, m_bucket, prune, shipped_config
+from .launch import INTERPRETING, cdiv, cuda_capability, launch, launch_by_site, sm_count
 from .nvfp4_decode import (
     linear_epilogue,
     load_decode,
@@ -69,7 +80,8 @@ from .nvfp4_decode import (
 from .nvfp4_gemv import nvfp4_gemv
 from .tiling import grouped_tile
 
-__all__ = ["nvfp4_gemm", "nvfp4_gemm_fp16_x", "decode_nvfp4_rows", "gemm_configs", "split_k_for", "PREDECODE_MAX_M"]
+__all__ = ["nvfp4_gemm", "nvfp4_gemm_fp16_x", "decode_nvfp4_rows", "gemm_configs", "launch_config", "split_k_for",
+           "PREDECODE_MAX_M"]
 
 # Up to this many rows X is decoded inside the GEMM ("swap AB" kernel); above, once per call into FP16 scratch.
 PREDECODE_MAX_M = 64
@@ -97,7 +109,7 @@ def _nvfp4_gemm_kernel(
     (X_PACKED only); w_ptr: packed uint8 ``[N, K/2]``; ws_ptr: W's 128x4 scales as int32 words; alpha_ptr: FP32
     ``[1]``; bias_ptr: ``[N]`` in the output dtype (HAS_BIAS; added after SPLIT's reduce); out_ptr: ``[M, N]`` (or,
     with SPLIT, the FP32 workspace ``[splits, M, N]`` of unscaled partial sums).
-    Cp = round_up(K/16, 4); k_chunk is a multiple of 256. m_bucket only keys the autotuner.
+    Cp = round_up(K/16, 4); k_chunk is a multiple of 256. m_bucket only keys the (opt-in) autotuner.
     W_IN_REGS (FP16-X variant): the decoded weight tile is the MMA's register A operand and the transposed tile
     ``W @ X^T`` is accumulated (the packed-X variant always works this way); otherwise it is the shared-memory B
     operand of ``X @ W^T``.
@@ -226,47 +238,9 @@ def decode_nvfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.d
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group: int = 8, w_in_regs: bool = False) -> triton.Config:
-    return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_N": group, "W_IN_REGS": w_in_regs},
-                         num_warps=warps, num_stages=stages)
-
-
-# Small M, X decoded in the kernel. BLOCK_M (tokens) is the MMA's N side (16..64); weight rows fill the 64-row
-# side. Bound by decoding the weight (ALU) and streaming it (HBM): long K steps, deep pipelines.
-_PACKED_CONFIGS = [
-    _cfg(16, 128, 128, 4, 4),
-    _cfg(32, 128, 128, 4, 4),
-    _cfg(16, 64, 256, 4, 4),
-    _cfg(64, 128, 128, 8, 3),
-]
-# Large M, X pre-decoded to FP16: the fastest configurations of a sweep, register-A first (docs/history.md, "Kernel
-# tuning constants").
-_FP16_X_CONFIGS = [
-    _cfg(256, 128, 64, 8, 4, w_in_regs=True),
-    _cfg(256, 128, 64, 8, 5, w_in_regs=True),
-    _cfg(256, 128, 128, 8, 2, w_in_regs=True),
-    _cfg(128, 128, 64, 8, 4, w_in_regs=True),
-    _cfg(128, 128, 64, 8, 4),
-    _cfg(128, 128, 64, 4, 4),
-    _cfg(256, 128, 64, 8, 4),
-]
-
-
-def gemm_configs(x_packed: bool) -> list[triton.Config]:
-    """The autotuner's candidate configs for the in-kernel-X (True, M <= 64) or FP16-X (False) variant."""
-    return list(_PACKED_CONFIGS if x_packed else _FP16_X_CONFIGS)
-
-
-def _m_bucket(m: int) -> int:
-    """Autotune key for M: next power of two, capped (the best tile stops changing long before 8192 rows)."""
-    return min(next_power_of_2(max(m, 1)), 8192)
-
-
-def _prune(configs, named_args, **kwargs):
-    # Drop tiles taller than the M bucket (wasted MMA work); always keep the smallest.
-    m = named_args["m_bucket"]
-    keep = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, m)]
-    return keep or [min(configs, key=lambda c: c.kwargs["BLOCK_M"])]
+# Candidates, buckets and the shipped table: gemm_config_table.py. The autotuner below runs only where
+# DIFFUSERS_NVFP4_GEMM_AUTOTUNE is enabled (module docstring, "Configs").
+AUTOTUNE_VAR = "DIFFUSERS_NVFP4_GEMM_AUTOTUNE"
 
 
 def _fast_bench(fn, quantiles=None):
@@ -282,7 +256,7 @@ def _make_tuned(x_packed: bool):
     fn = triton.heuristics({"EVEN_K": _even_k})(_nvfp4_gemm_kernel)
     return triton.autotune(
         configs=gemm_configs(x_packed), key=["m_bucket", "N", "K"],
-        prune_configs_by={"early_config_prune": _prune}, do_bench=_fast_bench,
+        prune_configs_by={"early_config_prune": prune}, do_bench=_fast_bench,
     )(fn)
 
 
@@ -320,8 +294,8 @@ def sm90_kernel_for(m: int, k: int, w_packed: torch.Tensor, w_scales: torch.Tens
 def split_k_for(m: int, n: int, k: int, sm_count: int) -> tuple[int, int]:
     """(splits, K elements per split) for the small-M kernel; (1, K) when splitting would not help.
 
-    A function of the shape and the SM count only (never of the autotuned config), so the summation order and
-    hence the output bytes do not depend on which config the autotuner picks. Aims at ~2 CTAs per SM counting
+    A function of the shape and the SM count only (never of the config), so the summation order and hence the
+    output bytes do not depend on which config runs. Aims at ~2 CTAs per SM counting
     128-row weight tiles, with at least 1024 K elements per split.
     """
     if m > PREDECODE_MAX_M:
@@ -386,6 +360,25 @@ def check_bias(bias: torch.Tensor | None, n: int, out_dtype: torch.dtype, device
 def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, predecode, split_k, config):
     """The Triton kernel (X decoded in the kernel, or pre-decoded ``x16``), split K where it pays, into ``out``.
     ``x_packed`` may be None when ``x16`` is given (its scales are then unused)."""
+    args, flags, grid, target, splits = _kernel_call(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16,
+                                                     predecode, split_k)
+    if config is None and (INTERPRETING or not w_packed.is_cuda):
+        # The interpreter: the smallest tile of the variant (the fastest to interpret; the bytes are the same).
+        config = min(gemm_configs(not predecode), key=lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]))
+    if config is None:
+        _configured_launch(predecode, grid, args, flags)
+    else:
+        kw = dict(config.kwargs)
+        _nvfp4_gemm_kernel[grid](*args, **flags, EVEN_K=args[9] % kw["BLOCK_K"] == 0, **kw,
+                                 num_warps=config.num_warps, num_stages=config.num_stages)
+    if splits > 1:
+        split_reduce(target, alpha, args[5], out, args[7], args[8], splits, bias is not None)
+    return out
+
+
+def _kernel_call(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, predecode, split_k):
+    """(the kernel's runtime arguments, its flags, its grid of a config's meta, the tensor it writes: ``out`` or the
+    split-K workspace, the split count) for ``_triton_gemm``'s call."""
     m, k = x16.shape if predecode else (x_packed.shape[0], 2 * x_packed.shape[1])
     n, device, cp = w_packed.shape[0], w_packed.device, w_scales.shape[1]
     use_asm = use_asm_split(w_packed)
@@ -403,46 +396,56 @@ def _triton_gemm(x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, 
     target = torch.empty((splits, m, n), dtype=torch.float32, device=device) if splits > 1 else out
     bias_arg = alpha if bias is None else bias  # unread without HAS_BIAS
     args = (x_arg, xs_arg, w_packed, w_words, alpha, bias_arg, target,
-            m, n, k, stride_x, w_packed.stride(0), out.stride(0), cp, chunk, _m_bucket(m))
+            m, n, k, stride_x, w_packed.stride(0), out.stride(0), cp, chunk, m_bucket(m))
     flags = dict(X_PACKED=not predecode, SPLIT=splits > 1, USE_ASM=use_asm, HAS_BIAS=bias is not None and splits == 1)
 
     def grid(meta):
         return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), splits)
 
-    if config is None and (INTERPRETING or not w_packed.is_cuda):
-        # The interpreter cannot time configs: use the smallest tile of the variant.
-        config = min(gemm_configs(not predecode), key=lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]))
-    if config is None:
-        _autotuned_launch(predecode, grid, args, flags)
-    else:
-        kw = dict(config.kwargs)
-        _nvfp4_gemm_kernel[grid](*args, **flags, EVEN_K=k % kw["BLOCK_K"] == 0, **kw,
-                                 num_warps=config.num_warps, num_stages=config.num_stages)
-    if splits > 1:
-        split_reduce(target, alpha, bias_arg, out, m, n, splits, bias is not None)
-    return out
+    return args, flags, grid, target, splits
 
 
-# (variant, the autotuner's key: M bucket, N, K, the dtypes that vary) -> the config it chose for that key.
-_CHOSEN: dict[tuple, triton.Config] = declare("kernels.nvfp4_gemm.chosen_configs", {}, "one entry per autotuner key; "
-                                              "kept for the process, like the autotuner's own cache")
+# (variant, M bucket, N, K, the dtypes that vary, device index) -> the config launched for that key.
+_CHOSEN: dict[tuple, triton.Config] = declare("kernels.nvfp4_gemm.chosen_configs", {}, "one entry per launch key "
+                                              "(shipped, default rule or autotuned); kept for the process")
 
 
-def _autotuned_launch(predecode: bool, grid, args: tuple, flags: dict) -> None:
-    """The autotuned kernel: the autotuner at the first call of its key (it times the configs, then launches the
-    best), later calls launch the chosen config by specialization key (``launch.launch_by_site``), past the
-    autotuner's and the heuristics' per-call Python. Same kernel, same config: the same binary and bytes."""
-    tuned = _tuned_fp16_x if predecode else _tuned_packed
+def gpu_arch(device: torch.device) -> str:
+    """The shipped table's architecture key of a CUDA device (``sm_90``)."""
+    return arch_name(cuda_capability(device))
+
+
+def autotune_enabled() -> bool:
+    """``DIFFUSERS_NVFP4_GEMM_AUTOTUNE`` (declared in diffusers_nvfp4_fast/switches.py): time the candidates on this
+    machine at the first call of each key instead of reading the shipped table. Read at that first call."""
+    return os.environ.get(AUTOTUNE_VAR, "").strip().lower() not in ("", "0", "false", "off", "no")
+
+
+def launch_config(x_packed: bool, m: int, n: int, k: int, device: torch.device) -> triton.Config:
+    """The config the Triton kernel launches for an (M, N, K) call on a CUDA ``device`` without the autotuner: the
+    shipped table's entry for the shape class, else the default rule (``gemm_config_table``). Times nothing."""
+    return shipped_config(gpu_arch(device), x_packed, m_bucket(m), n, k)[0]
+
+
+def _configured_launch(predecode: bool, grid, args: tuple, flags: dict) -> None:
+    """The kernel with the config of its key: looked up at the first call of the key (``launch_config``; with
+    ``DIFFUSERS_NVFP4_GEMM_AUTOTUNE`` the autotuner times the candidates instead and launches the best), then
+    launched by specialization key (``launch.launch_by_site``), past the autotuner's and the heuristics' per-call
+    Python. Same kernel, same config: the same binary and bytes."""
     x_arg, bias_arg, target = args[0], args[5], args[6]
-    n, k, m_bucket = args[8], args[9], args[15]
-    choice_key = (predecode, m_bucket, n, k, x_arg.dtype, bias_arg.dtype, target.dtype, x_arg.device.index)
+    n, k, bucket = args[8], args[9], args[15]
+    choice_key = (predecode, bucket, n, k, x_arg.dtype, bias_arg.dtype, target.dtype, x_arg.device.index)
     config = _CHOSEN.get(choice_key)
     if config is None:
-        tuned[grid](*args, **flags)
-        best = getattr(tuned, "best_config", None)
-        if isinstance(best, triton.Config) and best.pre_hook is None:
-            _CHOSEN[choice_key] = best
-        return
+        if autotune_enabled():
+            tuned = _tuned_fp16_x if predecode else _tuned_packed
+            tuned[grid](*args, **flags)
+            best = getattr(tuned, "best_config", None)
+            if isinstance(best, triton.Config) and best.pre_hook is None:
+                _CHOSEN[choice_key] = best
+            return
+        config = shipped_config(gpu_arch(x_arg.device), not predecode, bucket, n, k)[0]
+        _CHOSEN[choice_key] = config
     meta = config.all_kwargs()
     launch_by_site(_nvfp4_gemm_kernel, grid(meta), *args, **flags, EVEN_K=k % meta["BLOCK_K"] == 0, **meta)
 
@@ -473,7 +476,7 @@ def nvfp4_gemm(
         x_decode: ``"auto"`` (in the GEMM when ``M <= PREDECODE_MAX_M``, else once into an FP16 scratch),
             ``"in_kernel"`` or ``"predecode"``.
         split_k: force the number of K splits of the in-kernel-X variant (tests); default ``split_k_for(...)``.
-        config: run this ``triton.Config`` instead of autotuning (tests; the interpreter always uses one).
+        config: run this ``triton.Config`` instead of the shape class's (tests, ``benchmarks/tune_gemm_configs.py``).
         kernel: ``"auto"`` (one row: ``nvfp4_gemv``; else the SM90 Gluon kernel for pre-decoded X where it applies,
             else the Triton kernel), ``"triton"`` (always the Triton kernel), ``"sm90"`` (the Gluon kernel, or
             ``ValueError``) or ``"gemv"`` (``nvfp4_gemv``, one row only). The tensor-core kernels give the same bytes

@@ -390,8 +390,8 @@ def test_gpu_layer_plans_follow_moved_tensors_and_cuda_graphs():
 
 @pytest.mark.gpu
 def test_gpu_packed_quantize_and_small_gemm_sites_run_the_binders_binary(monkeypatch):
-    """The packed quantize (``launch_block_quantize``) and the autotuned small-M GEMM launched by site key
-    (``nvfp4_gemm._autotuned_launch``, after the autotuner chose for its key) run the binary Triton's binder picks,
+    """The packed quantize (``launch_block_quantize``) and the small-M GEMM launched by site key
+    (``nvfp4_gemm._configured_launch``, with the config its key looks up) run the binary Triton's binder picks,
     for rows equal to 1, divisible by 16 or not, inputs 16-byte aligned or only 8, both recipes, bias or not; keyed
     launches give the bytes of the first (Triton's own) call."""
     from support.launch_sites import check_sites_against_binder
