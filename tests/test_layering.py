@@ -284,8 +284,9 @@ def test_an_installed_package_uses_its_own_kernels(tmp_path):
     package, kernels, same = out.stdout.split()
     assert Path(package).parent == target / "diffusers_nvfp4_fast", out.stdout + out.stderr
     assert Path(kernels) == target / "diffusers_nvfp4_fast" / "kernels" / "__init__.py" and same == "True"
-    installed = target / "diffusers_nvfp4_fast" / "kernels" / "tiling.py"
-    assert installed.read_bytes() == (KERNELS / "tiling.py").read_bytes()
+    for name in ("tiling.py", "gemm_configs.json"):  # the shipped GEMM configs are package data
+        installed = target / "diffusers_nvfp4_fast" / "kernels" / name
+        assert installed.read_bytes() == (KERNELS / name).read_bytes(), name
 
 
 def test_a_checkout_root_on_sys_path_leaves_the_name_kernels_to_the_installed_package(tmp_path):

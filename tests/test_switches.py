@@ -46,6 +46,20 @@ def test_the_no_asm_switch_the_decode_kernel_reads_is_the_declared_one(monkeypat
     assert not nvfp4_decode.use_asm_split(cuda_tensor)
 
 
+def test_the_gemm_autotune_switch_the_gemm_reads_is_the_declared_one(monkeypatch):
+    pytest.importorskip("triton", reason="the kernels import Triton, so they were not checked; "
+                                         "this runs wherever Triton is installed, as in CI")
+    import importlib
+
+    nvfp4_gemm = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm")  # the package exports a function
+    assert nvfp4_gemm.AUTOTUNE_VAR == switches.GEMM_AUTOTUNE
+    monkeypatch.delenv(switches.GEMM_AUTOTUNE, raising=False)
+    assert not nvfp4_gemm.autotune_enabled()  # off by default: the shipped configs, nothing timed
+    for value, on in (("1", True), ("true", True), ("0", False), ("", False), (" off ", False)):
+        monkeypatch.setenv(switches.GEMM_AUTOTUNE, value)
+        assert nvfp4_gemm.autotune_enabled() is on, value
+
+
 def test_the_pdl_switch_the_launcher_reads_is_the_declared_one():
     """kernels/launch.py reads it once, at import: in a fresh process, the declared name set to 0 turns PDL off."""
     pytest.importorskip("triton", reason="the kernels import Triton, so they were not checked; "
