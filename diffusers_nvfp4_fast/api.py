@@ -104,7 +104,10 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
     Converts NVFP4 layers that diffusers' ``BFLQuantizationConfig`` or an in-memory ModelOpt quantization built to
     ``NVFP4Linear``, puts every NVFP4 layer's block scales in the 128x4 layout (once), and installs the fused paths
     per instance. Enabling twice is harmless; a model without NVFP4 layers gets a warning and is left alone. Call it
-    before enabling sequential CPU offload or group offloading.
+    before enabling sequential CPU offload or group offloading. Where the model's first call compiles Triton kernels
+    (a new machine, an empty Triton cache) a progress bar says so, ``pipe.progress_bar`` style
+    (``pipe.set_progress_bar_config(disable=True)`` turns it off); the report's ``preparation`` says how long the
+    compiles took and whether the cache was warm (docs/design.md §8, "Preparation").
 
     Args:
         verify: "first" compares each fused site kind with the unfused path byte for byte at its first call per
@@ -208,7 +211,9 @@ def execution_device(model: nn.Module, layer: nn.Module) -> torch.device:
 
 def fast_path_report(pipe_or_transformer) -> FastPathReport:
     """Per transformer: fused sites, fused calls, fallbacks by reason, verifications, NVFP4 layers (and how many were
-    converted from which source), the numerics note for converted layers, the GEMM backend that runs.
+    converted from which source), the numerics note for converted layers, the GEMM backend that runs, and the
+    kernels' first-call ``preparation`` (``cache``: "warm", "cold" or "unknown" with its ``reason``; ``seconds``,
+    ``compiled``, ``from_cache``).
 
     Counts come from the ops at run time (also under torch.compile, where a site that keeps diffusers' op counts once
     per trace); calls replayed from a CUDA graph run no Python and are not counted. ``print(report)`` shows it per

@@ -22,7 +22,8 @@ from .progress import BarFactory, CallProgress, repeated_blocks, tqdm_bar
 
 _WATCHED: weakref.WeakSet[Preparation] = weakref.WeakSet()
 _REMOVE_LISTENER: list[Callable[[], None]] = []
-NOT_CALLED = "the model has not been called since enable_fast_paths"
+NOT_CALLED = ("the model has not been called since enable_fast_paths (calls that torch.compile traces as a whole "
+              "are not watched)")
 NOTHING_HEARD = ("no NVFP4 Triton kernel was compiled or loaded during the first call (none runs on this device, "
                  "or this process had loaded them before)")
 
