@@ -73,8 +73,10 @@ class CallProgress:
         self._global = register_module_forward_hook(self._block_done)
 
     def _block_done(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not _outside_trace_and_capture():  # first: a trace must not see the block's identity (a graph per block)
+            return
         i = self._index.get(id(module))
-        if i is None or i in self.done or not _outside_trace_and_capture():
+        if i is None or i in self.done:
             return
         self.done.add(i)
         if self.bar is not None:
