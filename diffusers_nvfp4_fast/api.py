@@ -25,6 +25,7 @@ from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats
 from .patches.flux2 import patch_flux2
 from .patches.qwenimage import patch_qwenimage
 from .patches.qwenimage21 import patch_qwenimage21
+from .preparation import Preparation, pipeline_bar
 from .report import FastPathReport
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
@@ -35,7 +36,8 @@ _STATE_ATTR = "_nvfp4_fast_paths"
 @dataclass
 class ModelState:
     """What ``enable_fast_paths`` leaves on a model: its counters, the undo callables (run in reverse), the layers
-    it converted (source -> count), the GEMM warm-up it did, whether fused sites were asked for (``fused``) and
+    it converted (source -> count), the GEMM warm-up it did, its kernels' first-call ``preparation``, whether fused
+    sites were asked for (``fused``) and
     whether the model's class has any (``fused_paths``: False for a class this package has no patches for)."""
 
     stats: FastPathStats
@@ -45,6 +47,7 @@ class ModelState:
     restore: list[Callable[[], None]] = field(default_factory=list)
     converted: dict[str, int] = field(default_factory=dict)
     gemm_warm_up: dict = field(default_factory=dict)
+    preparation: Preparation | None = None
 
 
 def _state(model: nn.Module) -> ModelState | None:
@@ -101,7 +104,10 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
     Converts NVFP4 layers that diffusers' ``BFLQuantizationConfig`` or an in-memory ModelOpt quantization built to
     ``NVFP4Linear``, puts every NVFP4 layer's block scales in the 128x4 layout (once), and installs the fused paths
     per instance. Enabling twice is harmless; a model without NVFP4 layers gets a warning and is left alone. Call it
-    before enabling sequential CPU offload or group offloading.
+    before enabling sequential CPU offload or group offloading. Where the model's first call compiles Triton kernels
+    (a new machine, an empty Triton cache) a progress bar says so, ``pipe.progress_bar`` style
+    (``pipe.set_progress_bar_config(disable=True)`` turns it off); the report's ``preparation`` says how long the
+    compiles took and whether the cache was warm (docs/design.md §8, "Preparation").
 
     Args:
         verify: "first" compares each fused site kind with the unfused path byte for byte at its first call per
@@ -143,8 +149,10 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
         patcher = _PATCHERS.get(type(model).__name__)
         if patcher is not None and fused:
             stats.sites.update(patcher(model, stats_id, restore))
+        preparation = Preparation(model, execution_device(model, linears[0]), pipeline_bar(pipe_or_transformer))
+        restore.append(preparation.stop)
         model.__dict__[_STATE_ATTR] = ModelState(stats, stats_id, fused, patcher is not None, restore, converted,
-                                                 warmed)
+                                                 warmed, preparation)
         logger.info(
             "fast paths on for %s: %d NVFP4 linears (converted now: %s; %d scale tensors swizzled now), fused sites "
             "%s, GEMM backend %s", type(model).__name__, len(linears), converted or "none", swizzled,
@@ -203,7 +211,9 @@ def execution_device(model: nn.Module, layer: nn.Module) -> torch.device:
 
 def fast_path_report(pipe_or_transformer) -> FastPathReport:
     """Per transformer: fused sites, fused calls, fallbacks by reason, verifications, NVFP4 layers (and how many were
-    converted from which source), the numerics note for converted layers, the GEMM backend that runs.
+    converted from which source), the numerics note for converted layers, the GEMM backend that runs, and the
+    kernels' first-call ``preparation`` (``cache``: "warm", "cold" or "unknown" with its ``reason``; ``seconds``,
+    ``compiled``, ``from_cache``).
 
     Counts come from the ops at run time (also under torch.compile, where a site that keeps diffusers' op counts once
     per trace); calls replayed from a CUDA graph run no Python and are not counted. ``print(report)`` shows it per
@@ -228,6 +238,8 @@ def fast_path_report(pipe_or_transformer) -> FastPathReport:
             entry["converted"] = dict(state.converted)
             if state.gemm_warm_up:
                 entry["gemm_warm_up"] = dict(state.gemm_warm_up)
+            if state.preparation is not None:
+                entry["preparation"] = state.preparation.report()
             if BFL_SOURCE in state.converted:
                 entry["numerics"] = BFL_NUMERICS + (BFL_FP16_NUMERICS if _runs_fp16(linears) else "")
         if stats is not None:

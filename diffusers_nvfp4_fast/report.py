@@ -80,7 +80,20 @@ def format_entry(name: str, entry: dict) -> str:
     lines += _site_lines(entry)
     v = entry.get("verifications", {})
     lines.append(f"  verifications: {v.get('passed', 0)} passed, {v.get('failed', 0)} failed")
+    if "preparation" in entry:
+        lines.append("  preparation: " + preparation_line(entry["preparation"]))
     return "\n".join(lines)
+
+
+def preparation_line(prep: dict) -> str:
+    """``fast_path_report``'s ``preparation`` in words: the Triton cache state, kernels compiled of kernels, seconds."""
+    if prep["cache"] == "unknown":
+        return f"Triton cache unknown ({prep['reason']})"
+    total = prep["compiled"] + prep["from_cache"]
+    if prep["cache"] == "warm":
+        return f"Triton cache warm, {total} kernel(s) loaded from it in {prep['seconds']:.1f} s"
+    return (f"Triton cache cold, {prep['compiled']} of {total} kernel(s) compiled, {prep['seconds']:.1f} s "
+            f"(once per machine; first {prep['calls']} call(s))")
 
 
 class FastPathReport(dict):

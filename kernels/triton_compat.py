@@ -15,7 +15,9 @@ What is read, and where Triton keeps it:
 * a Gluon ``TensorDescriptor``'s instance dictionary (``descriptor_fields``, ``descriptor_over``) and an
   ``NVMMASharedLayout`` whose repr is computed once (``layout_with_fixed_repr``);
 * ``torch._C._cuda_getCurrentRawStream`` (``current_raw_stream``);
-* Triton's specialization rules (``specialization_key``, checked against ``native_specialize_impl``).
+* Triton's specialization rules (``specialization_key``, checked against ``native_specialize_impl``);
+* the compilation listener ``knobs.compilation.listener`` and the cache directory ``knobs.cache.dir``
+  (``add_compile_listener``, ``triton_cache_dir``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 import copy
 import functools
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -296,3 +300,77 @@ def layout_with_fixed_repr(layout):
     object.__setattr__(fixed, "__class__", _fixed_repr_class(type(layout)))
     fixed.__dict__["repr_once"] = repr(layout)
     return fixed
+
+
+# Triton's compilation listener. triton.compile calls ``knobs.compilation.listener`` (when set) after every compile and
+# every load from Triton's on-disk cache, with keyword arguments src, metadata, metadata_group, times (CompileTimes,
+# microseconds) and cache_hit: read in Triton 3.6, 3.8 and 3.9 (knobs.py, compiler/compiler.py); Triton < 3.4 has no
+# knobs. A kernel already loaded in this process launches without calling triton.compile, so without an event.
+
+
+@dataclass(frozen=True)
+class CompileEvent:
+    """One ``triton.compile`` call: the kernel's name, the module of its Python function (None for IR sources),
+    whether it was loaded from Triton's cache, and the seconds ``triton.compile`` measured for it."""
+
+    name: str
+    module: str | None
+    cache_hit: bool
+    seconds: float
+
+
+def compile_listener_unavailable() -> str | None:
+    """Why this Triton cannot report its compiles (None: it can)."""
+    compilation = getattr(knobs, "compilation", None) if knobs is not None else None
+    if compilation is None or not hasattr(compilation, "listener"):
+        import triton
+
+        return (f"Triton {getattr(triton, '__version__', '?')} has no compilation listener "
+                "(triton.knobs.compilation.listener, Triton 3.4 and later)")
+    return None
+
+
+def _event(src, metadata: dict, times, cache_hit: bool) -> CompileEvent:
+    fn = getattr(src, "fn", None)
+    name = getattr(src, "name", None) or metadata.get("name") or "?"
+    total = getattr(times, "total", None)
+    return CompileEvent(str(name), getattr(fn, "__module__", None), bool(cache_hit),
+                        total / 1e6 if isinstance(total, (int, float)) else 0.0)
+
+
+def add_compile_listener(callback: Callable[[CompileEvent], None]) -> Callable[[], None]:
+    """Call ``callback`` with a ``CompileEvent`` after each ``triton.compile`` in this process, after the listener
+    that was installed before (the user's, which keeps working). Returns the function that takes ``callback`` out:
+    the previous listener is put back where this one is still the installed one; where another listener was
+    installed on top since, this one only stops calling ``callback``. RuntimeError where
+    ``compile_listener_unavailable`` gives a reason."""
+    why = compile_listener_unavailable()
+    if why is not None:
+        raise RuntimeError(why)
+    previous = knobs.compilation.listener
+    active = [True]
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit, **more) -> None:
+        if previous is not None:
+            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit,
+                     **more)
+        if active[0]:
+            callback(_event(src, metadata, times, cache_hit))
+
+    knobs.compilation.listener = listener
+
+    def remove() -> None:
+        active[0] = False
+        if knobs.compilation.listener is listener:
+            knobs.compilation.listener = previous
+
+    return remove
+
+
+def triton_cache_dir() -> str:
+    """The directory Triton keeps compiled kernels in (``TRITON_CACHE_DIR``, by default ~/.triton/cache)."""
+    cache = getattr(knobs, "cache", None) if knobs is not None else None
+    found = getattr(cache, "dir", None)
+    if found:
+        return str(found)
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")

@@ -334,3 +334,50 @@ def test_the_verdict_on_direct_launch_for_the_installed_triton_is_stated():
     print(f"Triton {triton.__version__}: direct launch {'on' if reason is None else 'off: ' + reason}")
     assert (reason is None) == (head == compat.LAUNCHER_HEAD and not compat._missing_launcher_parts(
         compat._driver_module()))
+
+
+def test_the_compile_listener_hears_a_compile_then_a_cache_load_and_chains(monkeypatch, tmp_path):
+    """An SM90 build on the CPU by the installed Triton reaches ``add_compile_listener``'s callback with the kernel's
+    name and module: compiled the first time, loaded from the same (empty at first) cache directory the second time.
+    A listener installed before keeps hearing every event, and removing ours puts it back."""
+    from support.sass_count import compile_kernel
+
+    assert compat.compile_listener_unavailable() is None, "Triton 3.6 - 3.9 all have knobs.compilation.listener"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    assert compat.triton_cache_dir() == str(tmp_path)
+    users, ours = [], []
+    user_listener = lambda **kw: users.append(kw["cache_hit"])  # noqa: E731
+    monkeypatch.setattr(triton.knobs.compilation, "listener", user_listener)
+    remove = compat.add_compile_listener(ours.append)
+    try:
+        compile_kernel("quantize", 90, True)
+        compile_kernel("quantize", 90, True)
+    finally:
+        remove()
+    assert triton.knobs.compilation.listener is user_listener
+    name = "_quantize_nvfp4_kernel"
+    assert [(e.name, e.cache_hit) for e in ours] == [(name, False), (name, True)]
+    assert ours[0].module.endswith("kernels.quantize_nvfp4") and ours[0].seconds > ours[1].seconds >= 0
+    assert users == [False, True]
+
+
+def test_a_removed_listener_under_another_stops_calling_back(monkeypatch):
+    """Where a listener was installed on top of ours, removing ours leaves that one in place and silences ours."""
+    monkeypatch.setattr(triton.knobs.compilation, "listener", None)
+    ours: list = []
+    remove = compat.add_compile_listener(ours.append)
+    installed = triton.knobs.compilation.listener
+    outer = lambda **kw: installed(**kw)  # noqa: E731 (a later listener that chains to ours)
+    triton.knobs.compilation.listener = outer
+    remove()
+    assert triton.knobs.compilation.listener is outer
+    outer(src=types.SimpleNamespace(name="k", fn=None), metadata={}, metadata_group={}, times=None, cache_hit=False)
+    assert ours == []
+
+
+def test_without_a_listener_knob_the_reason_names_the_triton(monkeypatch):
+    monkeypatch.setattr(compat, "knobs", None)
+    assert compat.compile_listener_unavailable() == (f"Triton {triton.__version__} has no compilation listener "
+                                                     "(triton.knobs.compilation.listener, Triton 3.4 and later)")
+    with pytest.raises(RuntimeError, match="no compilation listener"):
+        compat.add_compile_listener(print)

@@ -1,0 +1,201 @@
+"""Progress and report of the kernels' one-time preparation (issue 58, "Say it"): the generic bar over a module's
+blocks during one call, and, on a tiny NVFP4 pipeline, the bar that opens exactly when the Triton compilation
+listener reports a compile during a first call (simulated: no kernel compiles on a CPU), its respect for the
+pipeline's progress-bar settings, and ``fast_path_report``'s ``preparation``."""
+
+from __future__ import annotations
+
+import io
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from diffusers_nvfp4_fast import disable_fast_paths, enable_fast_paths, fast_path_report
+from diffusers_nvfp4_fast.module_hooks import hooks_on
+from diffusers_nvfp4_fast.progress import CallProgress, repeated_blocks
+from diffusers_nvfp4_fast.utils import run_pipeline
+from support.fast_paths import pipeline
+
+triton = pytest.importorskip("triton", reason="the compilation listener is Triton's; without Triton the report says "
+                                               "'unknown' (tested below) and no bar can open")
+
+
+class _Bar:
+    def __init__(self, total: int):
+        self.total, self.n, self.description, self.postfix, self.closed = total, 0, "", "", False
+
+    def update(self, n: int) -> None:
+        self.n += n
+
+    def set_description(self, text: str) -> None:
+        self.description = text
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Blocks(nn.Module):
+    def __init__(self, on_block=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.on_block = on_block or (lambda i: None)
+
+    def forward(self, x):
+        for i, block in enumerate(self.blocks):
+            self.on_block(i)
+            x = block(x)
+        return x
+
+
+def test_the_generic_bar_counts_blocks_of_one_call_and_opens_only_when_shown():
+    bars: list[_Bar] = []
+    keep = [True]
+    model = _Blocks()
+    progress = CallProgress(model, repeated_blocks(model), lambda total: bars.append(_Bar(total)) or bars[-1],
+                            lambda: keep[0])
+    seen_inside: list = []
+
+    def on_block(i):
+        seen_inside.append([hooks_on(b) for b in model.blocks])
+        if i == 2:
+            progress.show("preparing")
+            progress.set_postfix("kernel_x")
+
+    model.on_block = on_block
+    model(torch.zeros(1, 4))
+    assert len(bars) == 1 and (bars[0].total, bars[0].n, bars[0].description) == (3, 3, "preparing")
+    assert bars[0].postfix == "kernel_x" and bars[0].closed
+    assert seen_inside == [[[], [], []]] * 3, "no hook inside the model while it runs"
+    model.on_block = lambda i: None
+    keep[0] = False
+    model(torch.zeros(1, 4))  # not shown: no new bar; then the watch ends
+    assert len(bars) == 1 and not model._forward_hooks and not model._forward_pre_hooks
+    progress.show("after")  # outside a call: nothing
+    assert len(bars) == 1
+
+
+def _event(cache_hit: bool, name: str = "_quantize_nvfp4_kernel"):
+    fn = types.SimpleNamespace(__module__="diffusers_nvfp4_fast.kernels.quantize_nvfp4")
+    return dict(src=types.SimpleNamespace(name=name, fn=fn), metadata={"name": name}, metadata_group={},
+                times=types.SimpleNamespace(total=2_500_000 if not cache_hit else 1000), cache_hit=cache_hit)
+
+
+def _fire_in_block(block: nn.Module, cache_hit: bool, event: dict | None = None):
+    """Triton's listener hears one of the package's kernels (or ``event``) once, as ``block`` starts its next call
+    (a pipeline with guidance calls its transformer twice a step: the second call hears nothing). An instance
+    forward, not a hook: a hook inside the model would keep the CUDA-graph runner from capturing the call."""
+    forward, fired = block.forward, []
+
+    def fire(*args, **kwargs):
+        if not fired:
+            fired.append(True)
+            triton.knobs.compilation.listener(**(event or _event(cache_hit)))
+        return forward(*args, **kwargs)
+
+    block.forward = fire
+
+
+@pytest.fixture
+def klein(modelopt_exports):
+    pipe, kwargs = pipeline("klein", modelopt_exports)
+    yield pipe, kwargs
+    disable_fast_paths(pipe)
+
+
+def _blocks(pipe) -> int:
+    return len(pipe.transformer.transformer_blocks) + len(pipe.transformer.single_transformer_blocks)
+
+
+def test_a_compile_during_the_first_call_shows_blocks_done_of_the_block_count(klein):
+    pipe, kwargs = klein
+    out = io.StringIO()
+    pipe.set_progress_bar_config(file=out, mininterval=0, ascii=True)
+    enable_fast_paths(pipe)
+    assert fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]["reason"].startswith("the model has not")
+    _fire_in_block(pipe.transformer.single_transformer_blocks[0], cache_hit=False)
+    run_pipeline(pipe, kwargs, steps=1)
+    text = out.getvalue()
+    n = _blocks(pipe)
+    assert "Compiling NVFP4 kernels for cpu, once per machine (Triton cache: " in text, text
+    assert f"1/{n}" in text and f"{n}/{n}" in text and "_quantize_nvfp4_kernel" in text, text
+    # the first call compiled, so the second (guidance's) was watched too; it compiled nothing: the watch ended there
+    prep = fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]
+    assert prep == {"cache": "cold", "seconds": 2.5, "compiled": 1, "from_cache": 0, "calls": 2,
+                    "kernels_compiled": {"_quantize_nvfp4_kernel": 2.5}}
+    assert text.count(f"{n}/{n}") >= 1 and "Compiling" not in text.rsplit(f"{n}/{n}", 1)[1], "one bar, one call"
+    assert "preparation: Triton cache cold, 1 of 1 kernel(s) compiled, 2.5 s" in str(fast_path_report(pipe))
+    assert not pipe.transformer._forward_hooks and not pipe.transformer._forward_pre_hooks
+
+
+def test_a_warm_cache_shows_nothing_and_is_reported_warm(klein):
+    pipe, kwargs = klein
+    out = io.StringIO()
+    pipe.set_progress_bar_config(file=out, mininterval=0)
+    enable_fast_paths(pipe)
+    _fire_in_block(pipe.transformer.transformer_blocks[0], cache_hit=True)
+    run_pipeline(pipe, kwargs, steps=1)
+    assert "Compiling" not in out.getvalue()
+    prep = fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]
+    assert prep == {"cache": "warm", "seconds": 0.001, "compiled": 0, "from_cache": 1, "calls": 1}
+    assert "preparation: Triton cache warm, 1 kernel(s) loaded from it in 0.0 s" in str(fast_path_report(pipe))
+    assert not pipe.transformer._forward_hooks, "a call without a compile ends the watch"
+
+
+def test_a_disabled_progress_bar_stays_disabled_and_the_report_still_counts(klein):
+    pipe, kwargs = klein
+    out = io.StringIO()
+    pipe.set_progress_bar_config(file=out, disable=True)
+    enable_fast_paths(pipe)
+    _fire_in_block(pipe.transformer.transformer_blocks[0], cache_hit=False)
+    run_pipeline(pipe, kwargs, steps=1)
+    assert out.getvalue() == ""
+    assert fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]["compiled"] == 1
+
+
+def test_events_outside_a_call_or_of_other_kernels_are_not_counted(klein):
+    pipe, kwargs = klein
+    enable_fast_paths(pipe)
+    triton.knobs.compilation.listener(**_event(False))  # outside any call of the model
+    other = _event(False, "triton_poi_fused_add_0")
+    other["src"].fn = types.SimpleNamespace(__module__="torch._inductor.generated")
+    _fire_in_block(pipe.transformer.transformer_blocks[0], False, other)
+    run_pipeline(pipe, kwargs, steps=1)
+    prep = fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]
+    assert (prep["cache"], prep["compiled"], prep["from_cache"]) == ("unknown", 0, 0)
+    assert prep["reason"].startswith("no NVFP4 Triton kernel was compiled or loaded during the first call")
+    disable_fast_paths(pipe)
+    assert triton.knobs.compilation.listener is None, "the listener goes once no model is watched"
+
+
+def test_without_a_listener_the_cache_is_unknown_with_the_reason(klein, monkeypatch):
+    from diffusers_nvfp4_fast import preparation
+
+    monkeypatch.setattr(preparation, "listener_unavailable", lambda: "Triton 3.3 has no compilation listener")
+    pipe, kwargs = klein
+    enable_fast_paths(pipe)
+    assert fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"] == {
+        "cache": "unknown", "reason": "Triton 3.3 has no compilation listener"}
+    assert "preparation: Triton cache unknown (Triton 3.3 has no" in str(fast_path_report(pipe))
+
+
+def test_under_the_graph_runner_the_first_call_is_captured_and_counted_once(klein):
+    """The watch puts no hook inside the model, so the CUDA-graph runner (simulated capture: the call runs again)
+    captures the first call as without it, and the blocks it runs twice count once."""
+    from diffusers_nvfp4_fast.graphs import capture_cuda_graphs
+
+    pipe, kwargs = klein
+    out = io.StringIO()
+    pipe.set_progress_bar_config(file=out, mininterval=0)
+    enable_fast_paths(pipe)
+    capture_cuda_graphs(pipe, backend="simulate")
+    _fire_in_block(pipe.transformer.single_transformer_blocks[0], cache_hit=False)
+    run_pipeline(pipe, kwargs, steps=1)
+    graphs = fast_path_report(pipe)["Flux2Transformer2DModel"]["cuda_graphs"]
+    assert graphs["captures"] >= 1 and not graphs["eager_calls"], graphs
+    n = _blocks(pipe)
+    assert f"{n}/{n}" in out.getvalue() and f"{n + 1}/{n}" not in out.getvalue(), out.getvalue()
