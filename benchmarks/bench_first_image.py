@@ -161,7 +161,8 @@ def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
     record["png_sha256"], record["png_equal_second"] = hashes[0], hashes[0] == hashes[1]
     record["breakdown"] = clock.breakdown(record["first_image_s"] - record["second_image_s"])
     if dtype == "nvfp4":
-        record["report"] = {k: v for k, v in fast_path_report(pipe).items() if "prepar" in k or "cache" in k}
+        record["preparation"] = {name: entry.get("preparation") for name, entry in fast_path_report(pipe).items()
+                                 if isinstance(entry, dict) and entry.get("preparation")}
     return record
 
 
