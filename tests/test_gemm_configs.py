@@ -226,7 +226,7 @@ def test_the_autotune_switch_times_the_candidates_at_the_first_call(no_timing, m
 def test_gpu_first_call_launches_the_shipped_config_and_times_nothing(m, n, k, monkeypatch):
     """A real first call of a model's shape class (Triton kernel forced; on SM90 M > 64 runs the Gluon kernel
     otherwise): nothing timed, the class's config launched, the bytes of that config run directly."""
-    skip_unless_sm80_to_sm90()
+    skip_unless_sm80_to_sm90("the shipped-config launch")
     def refuse(*args, **kwargs):
         raise AssertionError("timed on the user's machine")
 
