@@ -1,17 +1,13 @@
 """The first image in a fresh process: an empty Triton cache (a new user's first run), the cache that run left, BF16.
 
-    python benchmarks/bench_first_image.py --model flux2-klein-4b          # 4 steps, CFG
-    python benchmarks/bench_first_image.py --model qwen-image flux2-dev    # 30 steps true CFG; 28 steps
-    python benchmarks/bench_first_image.py --model qwen-image --tiny       # CPU dry run of the logic
+    python benchmarks/bench_first_image.py --model flux2-klein-4b qwen-image flux2-dev   # --tiny: CPU dry run
 
-Each case runs in a new Python process (``--child``) with ``TRITON_CACHE_DIR`` set: ``cold`` to a new empty
-directory, ``warm`` to the directory the cold run filled, and BF16 (fast paths off) to another empty one. The child
-times the imports, building the pipeline (``bench_pipeline.build``: real-size components, random weights),
-``enable_fast_paths``, the first and the second 1024x1024 image, and splits the first image's extra time: Triton
-compiles by kernel (``JITFunction._do_compile``), autotune timing (``Autotuner._bench`` less the compiles inside it),
-first-use verification (``verify.run_checked`` calls that verified, less their compiles), launch-plan building, and
-``other`` (the rest of first minus second). Those hooks are Triton and project internals, read here only.
-Writes benchmarks/results/first_image-<device>.json (cases of other models are kept, each dated).
+Each case is a new process (``--child``) with ``TRITON_CACHE_DIR`` set: ``cold`` a new empty directory, ``warm`` the
+one the cold run filled, BF16 (fast paths off) another empty one. The child times the imports, building the pipeline
+(``bench_pipeline.build``: real sizes, random weights), ``enable_fast_paths``, the first and second 1024x1024 image,
+and splits the first image's extra time into Triton compiles by kernel (``JITFunction._do_compile``), autotune timing,
+first-use verification and launch-plan building (each less the compiles inside it) and ``other``: Triton and project
+internals, read here only. Writes benchmarks/results/first_image-<device>.json (other models' cases kept, dated).
 """
 
 from __future__ import annotations
@@ -121,13 +117,6 @@ class FirstUseClock:
                 "other_s": round(extra_s - named, 2)}
 
 
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
     """One case in this fresh process: times, PNG hashes and the first image's breakdown."""
     import bench_pipeline
@@ -138,6 +127,7 @@ def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
     from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
 
     record: dict = {"import_s": time.perf_counter() - T_START}
+    _sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     t = time.perf_counter()
     pipe, call = bench_pipeline.build(model, dtype, tiny)
     pipe.set_progress_bar_config(disable=True)

@@ -408,29 +408,11 @@ def time_graph_phases(model: nn.Module, inputs: dict, warmup: int, timed: int, d
     return runs
 
 
-def _launches(direct: bool, switch):
-    """``switch`` with the launch plans and direct launches of ``kernels.launch`` on or off (off: every launch through
-    the kernel wrappers, as before plans existed)."""
-    import importlib
-
-    launch = importlib.import_module("diffusers_nvfp4_fast.kernels.launch")
-
-    def switched(model):
-        launch.DIRECT_LAUNCH = direct
-        return switch(model)
-
-    return switched
-
-
-def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device, enable, disable,
-                compare_launch: bool = False) -> dict:
+def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device, enable, disable) -> dict:
     """Fast paths off and on, timed in alternating rounds (off, on, off, on, ...) so that clock or thermal drift
     during the run cannot favour either side. Returns per mode: median ms, peak GB, the last output, and for "on"
-    the fast-path report taken after its last round. ``compare_launch`` adds the mode "on_before_plans" (fast paths
-    on, launch plans and direct launches off) to the rotation."""
-    modes = [("off", _launches(True, disable)), ("on", _launches(True, enable))]
-    if compare_launch:
-        modes.append(("on_before_plans", _launches(False, enable)))
+    the fast-path report taken after its last round."""
+    modes = [("off", disable), ("on", enable)]
     runs = {mode: {"times": [], "host": [], "peak": 0.0} for mode, _ in modes}
     for _ in range(warmup):  # compile, autotune and first-use verification happen here, for both modes
         for _, switch in modes:
@@ -444,7 +426,7 @@ def time_off_on(model: nn.Module, inputs: dict, warmup: int, timed: int, device,
             runs[mode]["times"].append(t)
             runs[mode]["host"].append(h)
             runs[mode]["peak"] = max(runs[mode]["peak"], _peak_gb(device))
-    runs["on"]["report"] = _launches(True, enable)(model)  # the report (its counts cover the last round)
+    runs["on"]["report"] = enable(model)  # the report (its counts cover the last round)
     disable(model)
     for r in runs.values():
         r["ms"], r["host_ms"] = _median(r["times"]), _median(r["host"])
@@ -568,13 +550,12 @@ def _time_nvfp4(args, model: nn.Module, runner, inputs: dict, device, log) -> di
         return time_off_then_on(runner, inputs, args.warmup, args.steps_timed, device, *switches)
     if args.cuda_graph:
         return time_graph_phases(runner, inputs, args.warmup, args.steps_timed, device, *switches)
-    return time_off_on(runner, inputs, args.warmup, args.steps_timed, device, *switches,
-                       compare_launch=args.compare_launch)
+    return time_off_on(runner, inputs, args.warmup, args.steps_timed, device, *switches)
 
 
 def _on_cases(runs: dict, shape: dict, out_off: torch.Tensor, out_off2: torch.Tensor, weight_bytes: int,
               log) -> list[dict]:
-    """The fast-paths-on case (and, with ``--compare-launch``, the one with launch plans off)."""
+    """The fast-paths-on case."""
     on = runs["on"]
     exact = same_bytes(on["out"], out_off) and same_bytes(out_off2, out_off)
     log(f"fast paths on: {on['ms']:.1f} ms/step (host {on['host_ms']:.1f} ms), peak {on['peak']:.1f} GB, "
@@ -583,12 +564,6 @@ def _on_cases(runs: dict, shape: dict, out_off: torch.Tensor, out_off2: torch.Te
         log(f"fused calls {entry.get('fused_calls')}, fallbacks {entry.get('fallbacks')}")
     cases = [_step_case(shape, "nvfp4_fast_on", on["ms"], on["host_ms"], on["peak"], weight_bytes, exact) | {
         "times_ms": [round(t, 2) for t in on["times"]], "fast_path_report": _jsonable(on["report"])}]
-    if "on_before_plans" in runs:
-        before = runs["on_before_plans"]
-        log(f"fast paths on, launch plans off: {before['ms']:.1f} ms/step (host {before['host_ms']:.1f} ms)")
-        cases.append(_step_case(shape, "nvfp4_fast_on_before_plans", before["ms"], before["host_ms"], before["peak"],
-                                weight_bytes, same_bytes(before["out"], out_off)) | {
-            "times_ms": [round(t, 2) for t in before["times"]]})
     return cases
 
 
@@ -754,8 +729,6 @@ def main() -> None:
     ap.add_argument("--steps-timed", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2, help="untimed forwards first (Triton compile + GEMM autotune)")
     ap.add_argument("--skip-bf16", action="store_true", help="do not build/time the BF16 model")
-    ap.add_argument("--compare-launch", action="store_true",
-                    help="eager: also time fast paths on with launch plans and direct launches off, in the rotation")
     ap.add_argument("--tiny", action="store_true",
                     help="tiny config on CPU (emulated GEMM): checks the logic, no timing value")
     ap.add_argument("--cuda-graph", "--cuda-graphs", action="store_true",

@@ -1,4 +1,4 @@
-"""``benchmarks/quality_vs_bf16.py``: PSNR / SSIM (Wang et al. 2004) of NVFP4 vs BF16 images, and its --tiny run."""
+"""``examples/quality_vs_bf16.py``: PSNR / SSIM (Wang et al. 2004) of NVFP4 vs BF16 images, and its --tiny run."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """How close NVFP4 images are to BF16 ones: PSNR and SSIM for the same prompts and seeds.
 
-    python benchmarks/quality_vs_bf16.py --tiny --model klein           # CPU, seconds: tiny model, made here
-    python benchmarks/quality_vs_bf16.py --pipeline black-forest-labs/FLUX.2-dev --nvfp4 flux2-dev-nvfp4 \\
+    python examples/quality_vs_bf16.py --tiny --model klein           # CPU, seconds: tiny model, made here
+    python examples/quality_vs_bf16.py --pipeline black-forest-labs/FLUX.2-dev --nvfp4 flux2-dev-nvfp4 \\
         --prompts "a red fox in fresh snow" "a street market at dusk" --seeds 0 1 --device cuda
 
 SSIM is the mean structural similarity of Wang, Bovik, Sheikh and Simoncelli, "Image quality assessment: from error
