@@ -411,8 +411,7 @@ def test_step_benchmark_tiny_run(kv_cached):
     import bench_transformer_step as bench
 
     args = argparse.Namespace(model="qwen-image-2.1", tiny=True, height=64, width=64, text_tokens=8, steps_timed=1,
-                              warmup=1, skip_bf16=True, cuda_graph=False, compile=None, kv_cached=kv_cached,
-                              compare_launch=False)
+                              warmup=1, skip_bf16=True, cuda_graph=False, compile=None, kv_cached=kv_cached)
     result = bench.run(args)
     on = next(c for c in result["cases"] if c["variant"] == "nvfp4_fast_on")
     assert on["exact"] and result["layers"]["nvfp4_linears"] == 14, result["layers"]
