@@ -30,8 +30,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_quantize(sub) -> None:
-    q = sub.add_parser("quantize", help="make an NVFP4 checkpoint from a BF16 diffusers transformer (streamed layer "
-                                        "by layer; docs/checkpoints.md)",
+    q = sub.add_parser("quantize", help="make an NVFP4 checkpoint from a BF16 diffusers transformer, or from a "
+                                        "pipeline's transformers text encoder (--subfolder text_encoder), streamed "
+                                        "layer by layer (docs/checkpoints.md)",
                        epilog="Exit status: 0 written; 2 refused, with one line saying why (nothing is written); 130 "
                               "(Ctrl-C) or 143 (SIGTERM) stopped, its hidden work directory beside OUT removed. A "
                               "work directory left by a killed run (SIGKILL) is removed by the next run for the same "
@@ -113,6 +114,41 @@ def _call_kwargs(text: str) -> dict:
     return {key: _with_images(key, value) for key, value in call_kwargs.items()}
 
 
+def _is_text_encoder(source: str, subfolder: str | None) -> bool:
+    """Whether SOURCE (with --subfolder) is a transformers model (``architectures``, e.g. a pipeline's
+    ``text_encoder``) rather than a diffusers one; unreadable sources go the transformer way, which names the
+    problem."""
+    from ..loaders.modelopt_export import read_json, resolve_dir
+    from ..quantize.text_source import is_text_encoder_config
+
+    try:
+        return is_text_encoder_config(read_json(resolve_dir(source, subfolder) / "config.json"))
+    except (OSError, ValueError):
+        return False
+
+
+TEXT_ENCODER_UNUSED = {"offload": "--offload", "allow_empty": "--allow-empty", "height": "--height",
+                       "width": "--width"}
+
+
+def _quantize_text_encoder(args: argparse.Namespace, call_kwargs: dict):
+    """The text-encoder route: options that only a denoising run uses are refused (the prompts are encoded once)."""
+    import torch
+
+    from ..quantize.text_encoder import quantize_text_encoder
+
+    given = [flag for name, flag in TEXT_ENCODER_UNUSED.items() if getattr(args, name)]
+    if given or args.steps != 4:
+        raise ValueError(f"{', '.join(given + (['--steps'] if args.steps != 4 else []))}: not used for a text "
+                         "encoder (calibration runs the pipeline's encode_prompt once per prompt; --call-kwargs go "
+                         "to encode_prompt)")
+    return quantize_text_encoder(
+        args.source, args.out, subfolder=args.subfolder, pipeline=args.pipeline, prompts=args.prompts,
+        call_kwargs=call_kwargs, dynamic=args.dynamic, dtype=getattr(torch, args.dtype), device=args.device,
+        exclude=args.exclude, overwrite=args.overwrite, max_shard_size=args.max_shard_size,
+        progress=not args.no_progress, method=args.method)
+
+
 def _quantize(args: argparse.Namespace) -> int:
     """``quantize`` exits 2 for a source, option or target it refuses (nothing is written), 0 when written, 130 on
     Ctrl-C and 128 + N on signal N (SIGTERM: 143), after removing its work directory."""
@@ -121,7 +157,8 @@ def _quantize(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"diffusers-nvfp4-fast quantize: {e}", file=sys.stderr)
         return 2
-    call_kwargs.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
+    if not _is_text_encoder(args.source, args.subfolder):
+        call_kwargs.update({k: v for k, v in (("height", args.height), ("width", args.width)) if v is not None})
     import torch
 
     from ..quantize import quantize_transformer
@@ -129,12 +166,15 @@ def _quantize(args: argparse.Namespace) -> int:
     from ..quantize.workdir import Terminated
 
     try:
-        result = quantize_transformer(
-            args.source, args.out, subfolder=args.subfolder, pipeline=args.pipeline, prompts=args.prompts,
-            call_kwargs=call_kwargs, num_inference_steps=args.steps, seed=args.seed, dynamic=args.dynamic,
-            dtype=getattr(torch, args.dtype), device=args.device, offload=args.offload, exclude=args.exclude,
-            overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.no_progress,
-            method=args.method, allow_empty=args.allow_empty)
+        if _is_text_encoder(args.source, args.subfolder):
+            result = _quantize_text_encoder(args, call_kwargs)
+        else:
+            result = quantize_transformer(
+                args.source, args.out, subfolder=args.subfolder, pipeline=args.pipeline, prompts=args.prompts,
+                call_kwargs=call_kwargs, num_inference_steps=args.steps, seed=args.seed, dynamic=args.dynamic,
+                dtype=getattr(torch, args.dtype), device=args.device, offload=args.offload, exclude=args.exclude,
+                overwrite=args.overwrite, max_shard_size=args.max_shard_size, progress=not args.no_progress,
+                method=args.method, allow_empty=args.allow_empty)
     except (OSError, ValueError, ModelOptUnavailableError) as e:
         print(f"diffusers-nvfp4-fast quantize: {e}", file=sys.stderr)
         return 2

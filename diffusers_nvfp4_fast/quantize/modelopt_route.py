@@ -60,3 +60,21 @@ def export_with_modelopt(source: BF16Source, quant: Sequence[str], pipeline: Any
     finally:
         free(model)
     return json.loads((work_dir / "config.json").read_text())
+
+
+def export_text_encoder_with_modelopt(model: torch.nn.Module, pipe: Any, quantized: set[str], run: Any,
+                                      work_dir: Path) -> None:
+    """ModelOpt's LLM route for a text encoder: ``mtq.quantize(model, NVFP4_DEFAULT_CFG, forward_loop)`` with the
+    pipeline encoding ``run.prompts`` (``text_calibration.encode_prompts``), every quantizer outside ``quantized``
+    disabled (the recipe's own disables, plus ``exclude`` and in_features not a multiple of 16), exported by
+    ``export_hf_checkpoint`` into ``work_dir``."""
+    from .text_calibration import encode_prompts, text_encoder_in
+
+    mtq, export_hf_checkpoint = _modelopt()
+    encode = encode_prompts(pipe, run.prompts, run.call_kwargs, run.device, run.progress)
+    with text_encoder_in(pipe, model), torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ModelOpt's own notices (inserted quantizers, export steps)
+        model.to(run.device)
+        mtq.quantize(model, mtq.NVFP4_DEFAULT_CFG, lambda _model: encode())
+        mtq.disable_quantizer(model, lambda name: name.rpartition(".")[0] not in quantized)
+        export_hf_checkpoint(model, dtype=run.dtype, export_dir=work_dir)

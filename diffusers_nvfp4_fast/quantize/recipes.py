@@ -14,6 +14,7 @@ is_excluded``). Sources (NVIDIA/TensorRT-Model-Optimizer, ``examples/diffusers/q
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -72,3 +73,38 @@ def exclude_patterns(class_name: str, config: Mapping[str, Any], source: object 
         f"{where}_class_name={class_name!r} has no NVFP4 exclusion recipe (known: {', '.join(RECIPE_SOURCES)}); "
         "pass the layers to keep in BF16 explicitly (--exclude PATTERN ... / exclude=[...])"
     )
+
+
+# --- Text encoders (transformers models) -------------------------------------------------------------------------
+# ModelOpt's LLM recipe: the quantizers NVIDIA/TensorRT-Model-Optimizer 0.47 disables in NVFP4_DEFAULT_CFG
+# (modelopt/torch/quantization/config.py, `_default_disabled_quantizer_cfg` merged into the "nvfp4" preset, the config
+# examples/llm_ptq/hf_ptq.py uses for `--qformat nvfp4`), as fnmatch patterns over ModelOpt's quantizer names
+# (`<module>.weight_quantizer`, `<module>.input_quantizer`). Embeddings are disabled there by class (nn.Embedding); they
+# are not Linears, so they stay as stored here too. tests/test_quantize_text_encoder.py checks this tuple against the
+# installed ModelOpt's config.
+MODELOPT_LLM_DISABLED = (
+    "*block_sparse_moe.gate*", "*linear_attn.conv1d*", "*self_attention.conv1d*", "*linear_attn.in_proj_a*",
+    "*linear_attn.in_proj_b*", "*lm_head*", "*mixer.conv1d*", "*mlp.gate.*", "*mlp.shared_expert_gate.*",
+    "*output_layer*", "*proj_out.*", "*router*", "mtp.*", "output.*", "*embed_vision*", "*vision_tower*", "*visual*",
+    "*vision_model*", "*multi_modal_projector*",
+)
+TEXT_ENCODER_RECIPE = ("ModelOpt's LLM recipe: the quantizers NVFP4_DEFAULT_CFG disables (modelopt 0.47, as "
+                       "examples/llm_ptq hf_ptq.py --qformat nvfp4): lm_head, embeddings, routers / gates, vision "
+                       "towers and projectors")
+# The pipelines' text encoders (transformers classes) this recipe is declared for.
+TEXT_ENCODER_CLASSES = {
+    "Mistral3ForConditionalGeneration": "Flux2Pipeline (FLUX.2-dev)",
+    "Qwen2_5_VLForConditionalGeneration": "QwenImagePipeline and its Edit pipelines",
+    "Qwen3ForCausalLM": "Flux2KleinPipeline (FLUX.2-klein)",
+    "Qwen3VLForConditionalGeneration": "QwenImage21Pipeline",
+}
+# Linears that read one input together, whose NVFP4 scales ModelOpt's LLM export unifies (the max of their amaxes):
+# `requantize_resmooth_fused_llm_layers` groups the modules that see the same input tensor; in these four classes'
+# language models those are q/k/v and gate/up (checked against ModelOpt's export by the tests).
+TEXT_SHARED_INPUT_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def modelopt_llm_disabled(module_name: str, patterns: Sequence[str] = MODELOPT_LLM_DISABLED) -> bool:
+    """Whether ModelOpt's LLM recipe disables the quantizers of Linear ``module_name`` (its in-memory name)."""
+    return any(fnmatch.fnmatchcase(f"{module_name}.{q}", p) for p in patterns
+               for q in ("weight_quantizer", "input_quantizer"))

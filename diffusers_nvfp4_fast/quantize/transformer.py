@@ -51,11 +51,13 @@ class QuantizedCheckpoint:
     def summary(self) -> str:
         """A few readable lines (the command prints them)."""
         scales = self.input_scales
-        how = (f"calibrated: max |input| over {len(scales['prompts'])} prompt(s), {scales['num_inference_steps']} "
-               f"steps each; input_scale = amax / 2688 ({scales['min_input_scale']:.4g} .. "
-               f"{scales['max_input_scale']:.4g})" if scales["method"] == "calibrated"
-               else f"ModelOpt's max calibration over {len(scales['prompts'])} prompt(s), "
-                    f"{scales['num_inference_steps']} steps each" if scales["method"] == "modelopt"
+        steps = (f"{scales['num_inference_steps']} steps each" if "num_inference_steps" in scales
+                 else "each encoded once (encode_prompt)")
+        how = (f"calibrated: max |input| over {len(scales['prompts'])} prompt(s), {steps}; input_scale = amax / "
+               f"2688 ({scales['min_input_scale']:.4g} .. {scales['max_input_scale']:.4g})"
+               if scales["method"] == "calibrated"
+               else f"ModelOpt's max calibration over {len(scales['prompts'])} prompt(s), {steps}"
+               if scales["method"] == "modelopt"
                else "none: no layer is NVFP4 (allow_empty)" if scales["method"] == "none"
                else "dynamic: each call uses amax(input) / 2688 (not a calibrated recipe; fused paths fall back)")
         timing = ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items())

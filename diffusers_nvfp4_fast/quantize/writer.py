@@ -39,10 +39,13 @@ def check_target(out_dir: Path, overwrite: bool) -> None:
 
 class ShardWriter:
     """Collects tensors and writes a safetensors shard whenever ``max_shard_size`` bytes are held; ``finish`` names
-    the shards as diffusers does and writes the index (a single shard is ``diffusion_pytorch_model.safetensors``)."""
+    the shards as diffusers does and writes the index (a single shard is ``diffusion_pytorch_model.safetensors``;
+    ``weights_name="model.safetensors"`` names them as transformers does)."""
 
-    def __init__(self, directory: Path, max_shard_size: int | str) -> None:
+    def __init__(self, directory: Path, max_shard_size: int | str, weights_name: str = WEIGHTS_NAME,
+                 index_name: str = WEIGHTS_INDEX_NAME) -> None:
         self.directory = directory
+        self.weights_name, self.index_name = weights_name, index_name
         self.max_bytes = parse_size(max_shard_size)
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
@@ -70,16 +73,17 @@ class ShardWriter:
         if self.pending or not self.shards:
             self._flush()
         count = len(self.shards)
-        names = [WEIGHTS_NAME] if count == 1 else [
-            WEIGHTS_NAME.replace(".safetensors", f"-{i + 1:05d}-of-{count:05d}.safetensors") for i in range(count)]
+        names = [self.weights_name] if count == 1 else [
+            self.weights_name.replace(".safetensors", f"-{i + 1:05d}-of-{count:05d}.safetensors")
+            for i in range(count)]
         weight_map = {}
         for (path, keys), name in zip(self.shards, names):
             os.replace(path, self.directory / name)
             weight_map.update(dict.fromkeys(keys, name))
         if count > 1:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
-            (self.directory / WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
-            names.append(WEIGHTS_INDEX_NAME)
+            (self.directory / self.index_name).write_text(json.dumps(index, indent=2, sort_keys=True))
+            names.append(self.index_name)
         return names
 
 
