@@ -229,6 +229,30 @@ def quantize_nvfp4(
     return packed, scales
 
 
+def quantize_nvfp4_weight(
+    weight: torch.Tensor, weight_scale_2: torch.Tensor | float, *, scale_layout: ScaleLayout = "linear"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a weight as ModelOpt's exporter does (ModelOpt 0.47 ``NVFP4QTensor.quantize``): the block scales of
+    ``quantize_nvfp4(weight, 1 / weight_scale_2, fast_math=False)``, then each value divided in FP32 by
+    ``block_scale * weight_scale_2`` and rounded to E2M1 (nearest, ties to even). The activation recipe multiplies by
+    a reciprocal instead, which rounds about one BF16 weight value in 750 the other way (docs/format.md).
+
+    Returns ``(packed, scales)`` as ``quantize_nvfp4``: packed uint8 ``[M, K/2]``, E4M3 bytes in ``scale_layout``
+    (``"linear"`` ``[M, K/16]`` by default, as checkpoints store them).
+    """
+    if scale_layout not in ("128x4", "linear"):
+        raise ValueError(f"scale_layout must be '128x4' or 'linear', got {scale_layout!r}")
+    rows = _as_rows(weight)
+    ws2 = _as_global_scale(weight_scale_2, rows.device, "weight_scale_2")
+    m, k = rows.shape
+    blocks = rows.reshape(m, k // BLOCK_SIZE, BLOCK_SIZE).to(torch.float32)
+    sf_byte, _ = block_scales_and_factors(_nan_skipping_block_max(blocks), 1.0 / ws2, fast_math=False)
+    divisor = (e4m3_value(sf_byte) * ws2).unsqueeze(-1)
+    values = torch.where(divisor != 0, blocks / divisor, torch.zeros_like(blocks))
+    packed = pack_nibbles(e2m1_round(values).reshape(m, k))
+    return packed, swizzle_scales(sf_byte) if scale_layout == "128x4" else sf_byte
+
+
 def decode_nvfp4(
     packed: torch.Tensor, scales: torch.Tensor, *, scale_layout: ScaleLayout = "128x4", dtype=torch.bfloat16,
     nibble_order: Literal["lo_first", "hi_first"] = "lo_first",

@@ -8,6 +8,7 @@ from diffusers_nvfp4_fast.format import (
     dequantize_nvfp4,
     e2m1_round,
     quantize_nvfp4,
+    quantize_nvfp4_weight,
     round_up,
     swap_nibbles,
     swizzle_scales,
@@ -126,7 +127,7 @@ def test_bad_input_errors_name_the_problem():
 
 
 def test_modelopt_weight_quantizer_agrees_except_documented_differences(tmp_path):
-    """ModelOpt's exported weight bytes vs ours with g = 1/weight_scale_2 (precise). The two documented
+    """ModelOpt's exported weight bytes vs ``quantize_nvfp4_weight`` (ModelOpt's division). The two documented
     differences are planted and asserted exactly: an all-zero block (ModelOpt scale 1.0, ours 0) and a block whose
     scale is below 2^-9 (ModelOpt clamps to 2^-9, ours flushes to 0). Zero blocks dequantize alike; an underflowing
     block dequantizes to 0 here and to a small nonzero value there."""
@@ -161,8 +162,7 @@ def test_modelopt_weight_quantizer_agrees_except_documented_differences(tmp_path
     assert len(layers) == 16
     for layer in layers:
         ws2 = sd[f"{layer}.weight_scale_2"]
-        packed, scales = quantize_nvfp4(base[f"{layer}.weight"], 1.0 / ws2.float(), scale_layout="linear",
-                                        fast_math=False)
+        packed, scales = quantize_nvfp4_weight(base[f"{layer}.weight"], ws2)
         theirs = sd[f"{layer}.weight_scale"].view(torch.uint8)
         if layer != name:
             assert torch.equal(packed, sd[f"{layer}.weight"]), layer
@@ -180,3 +180,30 @@ def test_modelopt_weight_quantizer_agrees_except_documented_differences(tmp_path
         true = base[f"{layer}.weight"][1, :16].float()
         assert ours[1, :16].eq(0).all() and theirs_deq[1, :16].ne(0).all()
         assert (theirs_deq[1, :16] - true).abs().max() < (ours[1, :16] - true).abs().max()
+
+
+def test_the_package_weight_quantizer_writes_modelopt_bytes_on_a_real_sized_layer():
+    """ModelOpt 0.47 divides each weight value by ``block_scale * weight_scale_2`` (``NVFP4QTensor.quantize``); the
+    activation recipe multiplies by a reciprocal, which lands on the other side of an E2M1 rounding tie for about one
+    value in 750 of a BF16 layer. The package's checkpoints (``quantize/layers.nvfp4_layer_tensors``, used by the
+    quantize commands and the load-time quantizer) must carry ModelOpt's bytes."""
+    from modelopt.torch.export.model_config import QUANTIZATION_NVFP4
+    from modelopt.torch.export.quant_utils import to_quantized_weight
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    from diffusers_nvfp4_fast.quantize.layers import nvfp4_layer_tensors
+
+    torch.manual_seed(0)
+    w = (torch.randn(1024, 1024) * 0.02).to(torch.bfloat16)
+    ws2 = NVFP4QTensor.get_weights_scaling_factor_2(w)
+    scale = NVFP4QTensor.get_weights_scaling_factor(w, 16, ws2)[0]
+    theirs = to_quantized_weight(w, scale, QUANTIZATION_NVFP4, ws2, 16).view(torch.uint8)
+    ours = nvfp4_layer_tensors(w, w.float().abs().max().item(), None)
+    assert torch.equal(ours["weight_scale_2"], ws2.reshape(()))
+    assert torch.equal(ours["weight_scale"].view(torch.uint8), scale.view(torch.uint8))
+    assert torch.equal(ours["weight"], theirs)
+    packed, scales = quantize_nvfp4_weight(w, ws2)
+    assert torch.equal(packed, theirs) and torch.equal(scales, scale.view(torch.uint8))
+    # the activation recipe on the same values: the ties it rounds the other way are why weights have their own verb
+    act, _ = quantize_nvfp4(w, 1.0 / ws2, scale_layout="linear", fast_math=False)
+    assert 0 < int((act != theirs).sum()) < theirs.numel() // 200

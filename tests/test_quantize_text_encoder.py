@@ -145,7 +145,7 @@ def test_failed_run_leaves_no_output(sources, tmp_path, monkeypatch):
     def boom(*_args, **_kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(module, "modelopt_nvfp4_layer_tensors", boom)
+    monkeypatch.setattr(module, "nvfp4_layer_tensors", boom)
     with pytest.raises(KeyboardInterrupt):
         quantize_text_encoder(sources["Qwen3ForCausalLM"], tmp_path / "out", dynamic=True, progress=False)
     assert list(tmp_path.iterdir()) == []

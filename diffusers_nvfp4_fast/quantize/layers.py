@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..format import E2M1_MAX, E4M3_MAX, e2m1_round, pack_nibbles, quantize_nvfp4
+from ..format import E2M1_MAX, E4M3_MAX, quantize_nvfp4_weight
 
 NVFP4_AMAX_DIVISOR = E4M3_MAX * E2M1_MAX  # 2688: amax -> FP32 per-tensor scale
 
@@ -41,24 +41,9 @@ def nvfp4_layer_tensors(weight: torch.Tensor, group_weight_amax: float,
         (linear layout), ``weight_scale_2`` and ``input_scale`` FP32 0-d.
     """
     weight_scale_2 = scale_from_amax(group_weight_amax)
-    packed, scales = quantize_nvfp4(weight, 1.0 / weight_scale_2, scale_layout="linear", fast_math=False)
+    packed, scales = quantize_nvfp4_weight(weight, weight_scale_2)  # ModelOpt's rounding (docs/format.md)
     return {"weight": packed, "weight_scale": scales.view(torch.float8_e4m3fn),
             "weight_scale_2": weight_scale_2,
             "input_scale": torch.ones((), dtype=torch.float32) if input_amax is None else scale_from_amax(input_amax)}
 
 
-def modelopt_nvfp4_layer_tensors(weight: torch.Tensor, group_weight_amax: float,
-                                 input_amax: float | None) -> dict[str, torch.Tensor]:
-    """``nvfp4_layer_tensors`` with the packed weight rounded as ModelOpt 0.47's export rounds it: each value divided
-    in FP32 by ``block_scale * weight_scale_2`` (``NVFP4QTensor.quantize``), then E2M1 round-to-nearest-even. The
-    precise recipe multiplies by ``1 / (block_scale / global_scale)`` instead, which lands on the other side of a
-    rounding tie for a value now and then (about 1 in 500 on the tiny text encoders); the scales are the same."""
-    tensors = nvfp4_layer_tensors(weight, group_weight_amax, None)
-    rows, k = weight.shape
-    block = tensors["weight_scale"].to(torch.float32) * tensors["weight_scale_2"].to(weight.device)
-    blocks = weight.to(torch.float32).reshape(rows, k // 16, 16)
-    scaled = torch.where(block[..., None] != 0, blocks / block[..., None], torch.zeros_like(blocks))
-    tensors["weight"] = pack_nibbles(e2m1_round(scaled.reshape(rows, k)))
-    if input_amax is not None:
-        tensors["input_scale"] = scale_from_amax(input_amax)
-    return tensors

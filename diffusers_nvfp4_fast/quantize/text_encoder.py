@@ -19,7 +19,7 @@ import torch
 from ..loaders.common import is_excluded
 from ..utils import check_device
 from .calibration import DEFAULT_PROMPTS, free
-from .layers import modelopt_nvfp4_layer_tensors, weight_amax
+from .layers import nvfp4_layer_tensors, weight_amax
 from .recipes import (
     MODELOPT_LLM_DISABLED,
     TEXT_ENCODER_CLASSES,
@@ -138,7 +138,7 @@ def _stream(run: _TextRun, amax: dict[str, float] | None, writer: ShardWriter) -
         group_amax = max(weight_amax(w) for w in weights.values())
         a_amax = None if amax is None else max(amax[g] for g in group)
         for g in group:
-            for suffix, t in modelopt_nvfp4_layer_tensors(weights[g], group_amax, a_amax).items():
+            for suffix, t in nvfp4_layer_tensors(weights[g], group_amax, a_amax).items():
                 writer.add(f"{run.hub(g)}.{suffix}", t)
             done.add(g)
             bar.update(1)
