@@ -17,7 +17,8 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "enable_fast_paths": "api", "disable_fast_paths": "api", "fast_paths": "api", "fast_path_report": "api",
     "NVFP4Linear": "linear", "fit_to_budget": "budget",
-    "load_nvfp4_transformer": "loaders", "load_summary": "loaders", "NVFP4CheckpointError": "loaders",
+    "load_nvfp4_transformer": "loaders", "load_nvfp4_text_encoder": "loaders", "load_summary": "loaders",
+    "NVFP4CheckpointError": "loaders",
     "quantize_nvfp4": "format", "dequantize_nvfp4": "format", "swizzle_scales": "format", "unswizzle_scales": "format",
     "swap_nibbles": "format", "exact_inductor": "inductor",
     "quantize_transformer": "quantize", "QuantizedCheckpoint": "quantize", "NVFP4FastConfig": "diffusers_backend",
@@ -26,8 +27,8 @@ _PUBLIC = {
 __all__ = [
     "NVFP4CheckpointError", "NVFP4FastConfig", "NVFP4Linear", "QuantizedCheckpoint", "capture_cuda_graphs",
     "dequantize_nvfp4", "disable_fast_paths", "enable_fast_paths", "exact_inductor", "fast_path_report", "fast_paths",
-    "fit_to_budget", "load_nvfp4_transformer", "load_summary", "quantize_nvfp4", "quantize_transformer",
-    "release_cuda_graphs", "swap_nibbles", "swizzle_scales", "unswizzle_scales",
+    "fit_to_budget", "load_nvfp4_text_encoder", "load_nvfp4_transformer", "load_summary", "quantize_nvfp4",
+    "quantize_transformer", "release_cuda_graphs", "swap_nibbles", "swizzle_scales", "unswizzle_scales",
 ]
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from .graphs import capture_cuda_graphs, release_cuda_graphs
     from .inductor import exact_inductor
     from .linear import NVFP4Linear
-    from .loaders import NVFP4CheckpointError, load_nvfp4_transformer, load_summary
+    from .loaders import NVFP4CheckpointError, load_nvfp4_text_encoder, load_nvfp4_transformer, load_summary
     from .quantize import QuantizedCheckpoint, quantize_transformer
 
 

@@ -79,6 +79,28 @@ def _transformers(pipe_or_model) -> list[nn.Module]:
     return [getattr(m, "_orig_mod", m) for m in denoisers(pipe_or_model)]
 
 
+TEXT_ENCODER_COMPONENTS = ("text_encoder", "text_encoder_2")
+
+
+def _text_encoders(pipe_or_model) -> dict[str, nn.Module]:
+    """A pipeline's text encoders that hold ``NVFP4Linear`` layers (``load_nvfp4_text_encoder``), by component name;
+    a BF16 text encoder is not visited."""
+    if not hasattr(pipe_or_model, "components"):
+        return {}
+    found = {}
+    for name in TEXT_ENCODER_COMPONENTS:
+        model = getattr(getattr(pipe_or_model, name, None), "_orig_mod", getattr(pipe_or_model, name, None))
+        if isinstance(model, nn.Module) and any(isinstance(m, NVFP4Linear) for m in model.modules()):
+            found[name] = model
+    return found
+
+
+def _models(pipe_or_model) -> list[tuple[str | None, nn.Module]]:
+    """(component, model) for every model the fast paths visit: the denoiser(s) (component None), then the NVFP4
+    text encoders."""
+    return [(None, m) for m in _transformers(pipe_or_model)] + list(_text_encoders(pipe_or_model).items())
+
+
 def _convert(model: nn.Module, restore: list, dynamic_input_scale: bool) -> dict[str, int]:
     """Convert NVFP4 layers that diffusers or ModelOpt built to ``NVFP4Linear``; returns {source: count}."""
     from .loaders.modelopt_memory import convert_modelopt_model, has_modelopt_modules
@@ -103,7 +125,10 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
 
     Converts NVFP4 layers that diffusers' ``BFLQuantizationConfig`` or an in-memory ModelOpt quantization built to
     ``NVFP4Linear``, puts every NVFP4 layer's block scales in the 128x4 layout (once), and installs the fused paths
-    per instance. Enabling twice is harmless; a model without NVFP4 layers gets a warning and is left alone. Call it
+    per instance. A pipeline's NVFP4 text encoders (``load_nvfp4_text_encoder``) are covered too: their layers already
+    are ``NVFP4Linear`` (the GEMV for one-row calls, the GEMM for a prompt's prefill), nothing is installed on their
+    BF16 layers, and the report has an entry for each (``component``). Enabling twice is harmless; a model without
+    NVFP4 layers gets a warning and is left alone. Call it
     before enabling sequential CPU offload or group offloading. Where the model's first call compiles Triton kernels
     (a new machine, an empty Triton cache) a progress bar says so, ``pipe.progress_bar`` style
     (``pipe.set_progress_bar_config(disable=True)`` turns it off); the report's ``preparation`` says how long the
@@ -123,7 +148,7 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
     Returns:
         ``fast_path_report`` of the pipeline.
     """
-    for model in _transformers(pipe_or_transformer):
+    for component, model in _models(pipe_or_transformer):
         state = _state(model)
         if state is not None and state.fused != fused:
             disable_fast_paths(model)
@@ -132,7 +157,8 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
             continue
         restore: list = []
         _restore_config(model, restore)
-        converted = _convert(model, restore, dynamic_input_scale)
+        # a text encoder's NVFP4 layers are loaded as NVFP4Linear: nothing to convert, and no diffusers methods
+        converted = _convert(model, restore, dynamic_input_scale) if component is None else {}
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
         if not linears:
             warnings.warn(
@@ -141,7 +167,8 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
                 stacklevel=2,
             )
             continue
-        install_model_methods(model)
+        if component is None:
+            install_model_methods(model)
         swizzled = sum(m.swizzle_weight_scales_() for m in linears)
         record_checkpoint_config(model)
         warmed = _warm_up_gemm(model, linears, restore)
@@ -182,7 +209,7 @@ def disable_fast_paths(pipe_or_transformer) -> None:
     of the loaded weights, not a fast path, and both layouts give the same outputs.
     """
     release_cuda_graphs(pipe_or_transformer)
-    for model in _transformers(pipe_or_transformer):
+    for _, model in _models(pipe_or_transformer):
         state = _state(model)
         if state is None:
             continue
@@ -195,7 +222,7 @@ def disable_fast_paths(pipe_or_transformer) -> None:
 @contextlib.contextmanager
 def fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first") -> Iterator[dict]:
     """``with fast_paths(pipe): ...`` enables the fast paths for the block and restores the model after it."""
-    already = all(_state(m) is not None for m in _transformers(pipe_or_transformer))
+    already = all(_state(m) is not None for _, m in _models(pipe_or_transformer))
     report = enable_fast_paths(pipe_or_transformer, verify=verify)
     try:
         yield report
@@ -210,10 +237,10 @@ def execution_device(model: nn.Module, layer: nn.Module) -> torch.device:
 
 
 def fast_path_report(pipe_or_transformer) -> FastPathReport:
-    """Per transformer: fused sites, fused calls, fallbacks by reason, verifications, NVFP4 layers (and how many were
-    converted from which source), the numerics note for converted layers, the GEMM backend that runs, and the
-    kernels' first-call ``preparation`` (``cache``: "warm", "cold" or "unknown" with its ``reason``; ``seconds``,
-    ``compiled``, ``from_cache``).
+    """Per transformer and NVFP4 text encoder (its entry names its ``component``): fused sites, fused calls,
+    fallbacks by reason, verifications, NVFP4 layers (and how many were converted from which source), the numerics
+    note for converted layers, the GEMM backend that runs, and the kernels' first-call ``preparation`` (``cache``:
+    "warm", "cold" or "unknown" with its ``reason``; ``seconds``, ``compiled``, ``from_cache``).
 
     Counts come from the ops at run time (also under torch.compile, where a site that keeps diffusers' op counts once
     per trace); calls replayed from a CUDA graph run no Python and are not counted. ``print(report)`` shows it per
@@ -221,11 +248,13 @@ def fast_path_report(pipe_or_transformer) -> FastPathReport:
     """
     report = FastPathReport()
     graphs = {id(getattr(t, "_orig_mod", t)): graph_report(t) for t in denoisers(pipe_or_transformer)}
-    for model in _transformers(pipe_or_transformer):
+    for component, model in _models(pipe_or_transformer):
         linears = [m for m in model.modules() if isinstance(m, NVFP4Linear)]
         state = _state(model)
         stats = state.stats if state else None
         entry: dict[str, Any] = {"enabled": state is not None, "nvfp4_linears": len(linears)}
+        if component is not None:
+            entry["component"] = component
         if linears:
             device = execution_device(model, linears[0])
             entry["gemm_backend"] = gemm_backend(device)
@@ -247,5 +276,5 @@ def fast_path_report(pipe_or_transformer) -> FastPathReport:
             entry["site_modules"] = {kind: list(names) for kind, names in stats.site_modules.items()}
         if graphs.get(id(model)) is not None:
             entry["cuda_graphs"] = graphs[id(model)]
-        report[type(model).__name__] = entry
+        report[component if type(model).__name__ in report else type(model).__name__] = entry
     return report

@@ -3,6 +3,7 @@
 ``load_nvfp4_transformer`` reads files (ModelOpt export directories; single files: ComfyUI / BFL, diffusers' BFL
 files, declared layouts, of FLUX.2, Qwen-Image and Qwen-Image 2.1); the in-memory
 routes (ModelOpt-quantized models, diffusers' own BFL quantizer) are converted by ``enable_fast_paths``.
+``load_nvfp4_text_encoder`` reads NVFP4 text encoders (ModelOpt Hugging Face exports, ComfyUI single files).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from torch import nn
 from ..format import ScaleLayout
 from .common import load_summary
 from .errors import NVFP4CheckpointError
+from .text_encoder import load_nvfp4_text_encoder
 
-__all__ = ["NVFP4CheckpointError", "load_nvfp4_transformer", "load_summary"]
+__all__ = ["NVFP4CheckpointError", "load_nvfp4_text_encoder", "load_nvfp4_transformer", "load_summary"]
 
 
 SINGLE_FILE_KWARGS = ("config", "nibble_order", "input_scales", "dynamic_input_scale")

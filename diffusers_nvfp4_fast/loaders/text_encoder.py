@@ -1,0 +1,283 @@
+"""Load an NVFP4 text encoder into the transformers class its pipeline uses, with ``NVFP4Linear`` layers that never
+exist in BF16 (docs/checkpoints.md, "NVFP4 text encoders").
+
+Two formats: a ModelOpt Hugging Face export directory (``export_hf_checkpoint`` of an ``mtq.quantize``d transformers
+model: ``hf_quant_config.json`` and/or ``quantization_config``; linear E4M3 scales, low nibble first) and ComfyUI's
+single files (``comfy_quant`` markers per layer, comfy-kitchen's layout: high nibble first, 128x4 scales). Both go
+through the ModelOpt export reader's checks (``modelopt_export.plan_export_into``) once the stored keys are renamed
+as transformers renames them; every problem is one ``NVFP4CheckpointError``, raised before a model is returned.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..format import BLOCK_SIZE, ScaleLayout
+from ..linear import NVFP4Linear
+from .bfl.metadata import MARKER_SUFFIX, read_quant_metadata
+from .common import raise_scale_problems, record_load_summary
+from .errors import NVFP4CheckpointError
+from .modelopt_export import (
+    ExportPlan,
+    QuantizationInfo,
+    _load_nvfp4_layer,
+    plan_export_into,
+    raise_plan_problems,
+    read_json,
+    read_quantization_info,
+    resolve_dir,
+)
+from .safetensors_header import CheckpointIndex, SafetensorsHeader
+from .transformers_compat import checkpoint_key_renamer, empty_model
+
+# The text encoders of the pipelines this package serves: class -> the pipelines that use it.
+TEXT_ENCODER_CLASSES = {
+    "Mistral3ForConditionalGeneration": "Flux2Pipeline (FLUX.2-dev)",
+    "Qwen2_5_VLForConditionalGeneration": "QwenImagePipeline and the Edit pipelines",
+    "Qwen3ForCausalLM": "Flux2KleinPipeline (FLUX.2-klein 4B / 9B)",
+    "Qwen3VLForConditionalGeneration": "QwenImage21Pipeline (Qwen-Image 2.1)",
+}
+_MODEL_TYPES = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                "qwen3": "Qwen3ForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+# A ComfyUI file says nothing of its config: where the keys tell the family, the pipeline repo whose text_encoder
+# config it is (a key present in the file, the hidden size, the repo).
+_COMFY_DEFAULT_CONFIGS = (
+    ("visual.merger.mlp.0.weight", 3584, "Qwen/Qwen-Image"),
+    ("model.layers.0.self_attn.q_norm.weight", 2560, "black-forest-labs/FLUX.2-klein-4B"),
+    ("model.layers.0.self_attn.q_norm.weight", 4096, "black-forest-labs/FLUX.2-klein-9B"),
+    ("model.layers.0.self_attn.o_proj.weight", 5120, "black-forest-labs/FLUX.2-dev"),
+)
+COMFY_PRODUCER = "comfy"
+
+
+class RenamedIndex(CheckpointIndex):
+    """A ``CheckpointIndex`` whose keys are the model's names (``rename`` of the stored ones), without ``skip``ped
+    keys; two stored keys that rename to one name are a problem."""
+
+    def __init__(self, files: Sequence[Path], rename: Callable[[str], str], skip: Callable[[str], bool],
+                 problems: list[str]) -> None:
+        super().__init__(files)
+        self.stored: dict[str, str] = {}
+        entries = {}
+        for key, entry in self.entries.items():
+            if skip(key):
+                continue
+            name = rename(key)
+            if name in self.stored:
+                problems.append(f"{key} and {self.stored[name]} in {entry[0].name} are both read as {name}")
+            self.stored[name], entries[name] = key, entry
+        self.entries = entries
+
+    def load(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.entries[k][0], []).append(k)
+        out: dict[str, torch.Tensor] = {}
+        for path, names in by_file.items():
+            stored = self._by_path[path].load(self.stored[n] for n in names)
+            out.update({n: stored[self.stored[n]] for n in names})
+        return out
+
+
+def text_encoder_class(config: Mapping[str, Any], source: str) -> type:
+    """The transformers class of a text encoder config (``architectures``, else ``model_type``); one of
+    ``TEXT_ENCODER_CLASSES``."""
+    import transformers
+
+    names = list(config.get("architectures") or []) or [_MODEL_TYPES.get(str(config.get("model_type")), "")]
+    name = names[0]
+    if name not in TEXT_ENCODER_CLASSES:
+        raise NVFP4CheckpointError(
+            f"{source}: architectures {config.get('architectures')!r} / model_type {config.get('model_type')!r} is "
+            f"not a text encoder this loader reads ({', '.join(TEXT_ENCODER_CLASSES)})")
+    return getattr(transformers, name)
+
+
+def _index_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a transformers export: its index's shards, or every ``*.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise NVFP4CheckpointError(f"{index}: no 'weight_map' object")
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise NVFP4CheckpointError(f"{index}: lists shard(s) that are not in {model_dir}: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise NVFP4CheckpointError(f"{model_dir}: no .safetensors weights")
+    return files
+
+
+def _config_dict(config: Mapping[str, Any] | str | os.PathLike) -> tuple[dict, str]:
+    """(config dict, where it came from) from a dict, a config.json, a directory (its ``text_encoder/``, else
+    itself) or a Hugging Face pipeline repo id (its ``text_encoder/config.json``)."""
+    if isinstance(config, Mapping):
+        return dict(config), "config= (dict)"
+    path = Path(config)
+    if path.is_file():
+        return read_json(path), str(path)
+    if path.is_dir():
+        for candidate in (path / "text_encoder", path):
+            if (candidate / "config.json").is_file():
+                return read_json(candidate / "config.json"), str(candidate / "config.json")
+        raise FileNotFoundError(f"{path}: no config.json (nor text_encoder/config.json)")
+    from huggingface_hub import hf_hub_download
+
+    return read_json(Path(hf_hub_download(str(config), "config.json", subfolder="text_encoder"))), \
+        f"{config}/text_encoder"
+
+
+def _drop_quantization(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k != "quantization_config"}
+
+
+def _plan(model: nn.Module, model_dir: Path, qinfo: QuantizationInfo, files: Sequence[Path],
+          scale_layout: ScaleLayout | None, skip: Callable[[str], bool]) -> ExportPlan:
+    problems: list[str] = []
+    rename = checkpoint_key_renamer(model)
+    index = RenamedIndex(files, rename, skip, problems)
+    qinfo.exclude_patterns = [rename(p) for p in qinfo.exclude_patterns]
+    plan = plan_export_into(model, model_dir, qinfo, index, scale_layout)
+    plan.problems[:0] = problems
+    return plan
+
+
+def _materialize(plan: ExportPlan, dtype: torch.dtype, device, source, **facts) -> nn.Module:
+    """Every tensor into the model planned on the meta device; tied weights tied again; nothing left on meta."""
+    raise_plan_problems(plan)
+    model = plan.model
+    plain = plan.index.load(plan.plain_keys)
+    model.load_state_dict({k: v.to(dtype) for k, v in plain.items()}, strict=False, assign=True)
+    problems: list[str] = []
+    swizzled = sum(_load_nvfp4_layer(model, name, plan.index, stored, plan.qinfo, dtype, problems)
+                   for name, stored in plan.quantized.items())
+    raise_scale_problems(source, problems)
+    tie_weights = getattr(model, "tie_weights", None)
+    if callable(tie_weights):  # a transformers model: an lm_head tied to the embeddings shares them again
+        tie_weights()
+    meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise NVFP4CheckpointError(f"{source}: no data for {len(meta)} tensor(s) of {type(model).__name__}: "
+                                   f"{', '.join(meta[:8])}{' ...' if len(meta) > 8 else ''}")
+    model.eval()
+    if device is not None:
+        model.to(device)
+    record_load_summary(model, source, scales_swizzled_on_load=swizzled, **facts)
+    return model
+
+
+def _load_export(model_dir: Path, dtype: torch.dtype, device, scale_layout: ScaleLayout | None) -> nn.Module:
+    config = read_json(model_dir / "config.json")
+    qinfo = read_quantization_info(model_dir, config)
+    cls = text_encoder_class(config, str(model_dir / "config.json"))
+    model = empty_model(cls, _drop_quantization(config), dtype)
+    plan = _plan(model, model_dir, qinfo, _index_files(model_dir), scale_layout, lambda key: False)
+    return _materialize(plan, dtype, device, model_dir, format="modelopt_export")
+
+
+def _comfy_quant_info(header: SafetensorsHeader) -> QuantizationInfo:
+    """ComfyUI's per-layer markers, read as the export reader's ``QuantizationInfo``: every marked layer ``nvfp4`` in
+    comfy-kitchen's layout (high nibble first, 128x4 scales), every other Linear BF16."""
+    problems: list[str] = []
+    meta = read_quant_metadata(header, "", problems)
+    for info in meta.layers.values():
+        if info.format != "nvfp4":
+            problems.append(f"{info.sources[0]}: format {info.format!r}; this loader reads 'nvfp4' layers only")
+        for fact, value in {**meta.file_flags, **info.flags}.items():
+            expected = {"nibble_order": "hi_first", "scale_layout": "128x4"}[fact]
+            if value != expected:
+                problems.append(f"{info.sources[0]}: {fact}={value!r}; ComfyUI text encoders are read in "
+                                f"comfy-kitchen's layout only ({fact}={expected!r})")
+    if not meta.layers:
+        problems.append(f"no {MARKER_SUFFIX} marker and no _quantization_metadata header: not a ComfyUI NVFP4 file")
+    if problems:
+        raise NVFP4CheckpointError(f"{header.path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
+    return QuantizationInfo(quant_algo="NVFP4", group_size=BLOCK_SIZE, source=str(header.path),
+                            producer=COMFY_PRODUCER, scale_layout="128x4", nibble_order="hi_first")
+
+
+def default_comfy_config(header: SafetensorsHeader) -> str:
+    """The pipeline repo whose ``text_encoder`` config a ComfyUI file of a known family has (key and hidden size)."""
+    embed = header.tensors.get("model.embed_tokens.weight")
+    hidden = embed.shape[-1] if embed is not None and embed.shape else None
+    for key, size, repo in _COMFY_DEFAULT_CONFIGS:
+        if key in header.tensors and hidden == size:
+            return repo
+    raise NVFP4CheckpointError(
+        f"{header.path}: the keys name no text encoder with a known config (hidden size {hidden}); pass config= "
+        "(a pipeline repo id or directory, a config.json, or a dict with 'architectures' or 'model_type')")
+
+
+def _bf16_modules(header: SafetensorsHeader) -> list[str]:
+    """The stored modules whose weight the file keeps in floating point (not marked, not packed)."""
+    marked = {k.removesuffix("." + MARKER_SUFFIX) for k in header.tensors if k.endswith("." + MARKER_SUFFIX)}
+    return [k.removesuffix(".weight") for k, info in header.tensors.items()
+            if k.endswith(".weight") and info.dtype != "U8" and k.removesuffix(".weight") not in marked]
+
+
+def _load_comfy(file: Path, config, dtype: torch.dtype, device) -> nn.Module:
+    header = SafetensorsHeader(file)
+    qinfo = _comfy_quant_info(header)
+    qinfo.exclude_patterns = _bf16_modules(header)
+    config_dict, config_source = _config_dict(config if config is not None else default_comfy_config(header))
+    cls = text_encoder_class(config_dict, config_source)
+    model = empty_model(cls, _drop_quantization(config_dict), dtype)
+    plan = _plan(model, file, qinfo, [file], "128x4", lambda key: key.endswith("." + MARKER_SUFFIX))
+    return _materialize(plan, dtype, device, file, format="comfy_single_file", config_source=config_source)
+
+
+def load_nvfp4_text_encoder(
+    path_or_repo_id: str | os.PathLike,
+    *,
+    subfolder: str | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    filename: str | None = None,
+    config: Mapping[str, Any] | str | os.PathLike | None = None,
+    scale_layout: ScaleLayout | None = None,
+) -> nn.Module:
+    """Load an NVFP4 text encoder as the transformers class its pipeline uses (``text_encoder=`` of
+    ``Flux2Pipeline``, ``QwenImagePipeline``, ``Flux2KleinPipeline``, ``QwenImage21Pipeline``).
+
+    A directory (or repo id) is read as a ModelOpt Hugging Face export; a ``.safetensors`` file (or ``filename=``
+    inside a directory or repo) as a ComfyUI single file. Layers the file keeps BF16 (embeddings, ``lm_head``, vision
+    towers) stay BF16; the NVFP4 ones become ``NVFP4Linear``.
+
+    Args:
+        path_or_repo_id: a ModelOpt export directory, a ComfyUI ``.safetensors`` file, or a Hugging Face repo id.
+        subfolder: where the export (or ``filename``) is inside a repo or directory (``"text_encoder"``).
+        dtype: dtype of the BF16 layers (default BF16).
+        device: where to put the model (default: stays on CPU).
+        filename: a single file inside ``path_or_repo_id``.
+        config: a single file's model config: a pipeline repo id or directory (its ``text_encoder/config.json``; a
+            directory may be the text encoder's own), a config.json, or a dict with ``architectures`` or
+            ``model_type``. Default: the config of the pipeline whose text encoder the file's keys and hidden size
+            name (docs/checkpoints.md).
+        scale_layout: how an export's block scales are stored ("linear" or "128x4") where the file cannot tell.
+
+    Raises:
+        NVFP4CheckpointError: every problem of the checkpoint (file, key, value), before anything is returned.
+    """
+    dtype = dtype or torch.bfloat16
+    path = Path(path_or_repo_id)
+    if filename is not None or path.is_file():
+        from .bfl import resolve_single_file
+
+        return _load_comfy(resolve_single_file(path_or_repo_id, filename, subfolder), config, dtype, device)
+    if config is not None:
+        raise TypeError(f"config= applies to single files; {path_or_repo_id} is read as a ModelOpt export directory, "
+                        "whose config.json is the config")
+    return _load_export(resolve_dir(path_or_repo_id, subfolder), dtype, device, scale_layout)
+
+
+def nvfp4_layers(model: nn.Module) -> dict[str, NVFP4Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
