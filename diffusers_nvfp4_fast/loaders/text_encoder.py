@@ -141,11 +141,19 @@ def _drop_quantization(config: dict) -> dict:
 
 
 def _plan(model: nn.Module, model_dir: Path, qinfo: QuantizationInfo, files: Sequence[Path],
-          scale_layout: ScaleLayout | None, skip: Callable[[str], bool]) -> ExportPlan:
+          scale_layout: ScaleLayout | None, markers: bool = False) -> ExportPlan:
+    """The export reader's plan over the stored keys renamed as transformers renames them. ``markers``: the file
+    marks its NVFP4 layers (ComfyUI), and every Linear without a marker is one the file keeps BF16."""
     problems: list[str] = []
     rename = checkpoint_key_renamer(model)
-    index = RenamedIndex(files, rename, skip, problems)
-    qinfo.exclude_patterns = [rename(p) for p in qinfo.exclude_patterns]
+    index = RenamedIndex(files, rename, lambda key: False, problems)
+    if markers:
+        marked = {k for k in index.entries if k.endswith("." + MARKER_SUFFIX)}
+        index.entries = {k: v for k, v in index.entries.items() if k not in marked}
+        qinfo.exclude_patterns = [n for n, m in model.named_modules()
+                                  if isinstance(m, nn.Linear) and f"{n}.{MARKER_SUFFIX}" not in marked]
+    else:
+        qinfo.exclude_patterns = [rename(p) for p in qinfo.exclude_patterns]
     plan = plan_export_into(model, model_dir, qinfo, index, scale_layout)
     plan.problems[:0] = problems
     return plan
@@ -180,7 +188,7 @@ def _load_export(model_dir: Path, dtype: torch.dtype, device, scale_layout: Scal
     qinfo = read_quantization_info(model_dir, config)
     cls = text_encoder_class(config, str(model_dir / "config.json"))
     model = empty_model(cls, _drop_quantization(config), dtype)
-    plan = _plan(model, model_dir, qinfo, _index_files(model_dir), scale_layout, lambda key: False)
+    plan = _plan(model, model_dir, qinfo, _index_files(model_dir), scale_layout)
     return _materialize(plan, dtype, device, model_dir, format="modelopt_export")
 
 
@@ -217,21 +225,13 @@ def default_comfy_config(header: SafetensorsHeader) -> str:
         "(a pipeline repo id or directory, a config.json, or a dict with 'architectures' or 'model_type')")
 
 
-def _bf16_modules(header: SafetensorsHeader) -> list[str]:
-    """The stored modules whose weight the file keeps in floating point (not marked, not packed)."""
-    marked = {k.removesuffix("." + MARKER_SUFFIX) for k in header.tensors if k.endswith("." + MARKER_SUFFIX)}
-    return [k.removesuffix(".weight") for k, info in header.tensors.items()
-            if k.endswith(".weight") and info.dtype != "U8" and k.removesuffix(".weight") not in marked]
-
-
 def _load_comfy(file: Path, config, dtype: torch.dtype, device) -> nn.Module:
     header = SafetensorsHeader(file)
     qinfo = _comfy_quant_info(header)
-    qinfo.exclude_patterns = _bf16_modules(header)
     config_dict, config_source = _config_dict(config if config is not None else default_comfy_config(header))
     cls = text_encoder_class(config_dict, config_source)
     model = empty_model(cls, _drop_quantization(config_dict), dtype)
-    plan = _plan(model, file, qinfo, [file], "128x4", lambda key: key.endswith("." + MARKER_SUFFIX))
+    plan = _plan(model, file, qinfo, [file], "128x4", markers=True)
     return _materialize(plan, dtype, device, file, format="comfy_single_file", config_source=config_source)
 
 

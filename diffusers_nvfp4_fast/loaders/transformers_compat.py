@@ -27,9 +27,12 @@ def checkpoint_key_renamer(model: Any) -> Callable[[str], str]:
 
 
 def empty_model(cls: type, config: dict, dtype: torch.dtype) -> nn.Module:
-    """``cls`` built from the config dict with its parameters on the meta device (buffers real) in ``dtype``."""
+    """``cls`` built from the config dict with its parameters on the meta device (buffers real) in ``dtype``, its
+    tied weights tied (an ``lm_head`` tied to the embeddings is one parameter, which a file stores once)."""
     from accelerate import init_empty_weights
 
     config_obj = cls.config_class.from_dict(config)  # type: ignore[attr-defined]  # a PreTrainedModel class
     with init_empty_weights(include_buffers=False):
-        return cls._from_config(config_obj, dtype=dtype)  # type: ignore[attr-defined]  # (as above)
+        model = cls._from_config(config_obj, dtype=dtype)  # type: ignore[attr-defined]  # (as above)
+    model.tie_weights()
+    return model

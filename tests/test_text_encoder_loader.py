@@ -1,0 +1,276 @@
+"""NVFP4 text encoders: ModelOpt Hugging Face exports and ComfyUI single files of the four classes the pipelines use,
+loaded as ``NVFP4Linear`` and decoded byte for byte as their producers decode them; fast paths on == off for the
+prompt embeddings and the PNG; every problem in one ``NVFP4CheckpointError``."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from diffusers_nvfp4_fast import (
+    NVFP4CheckpointError,
+    NVFP4Linear,
+    disable_fast_paths,
+    enable_fast_paths,
+    fast_path_report,
+    load_nvfp4_text_encoder,
+    load_summary,
+)
+from diffusers_nvfp4_fast.format import dequantize_nvfp4
+from diffusers_nvfp4_fast.loaders.transformers_compat import checkpoint_key_renamer
+from diffusers_nvfp4_fast.utils import png_sha256
+from support import text_encoders as te
+from support.comfy_files import ck_dequantize, ck_quantize
+
+CLASS_NAMES = {"mistral3": "Mistral3ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+               "qwen3": "Qwen3ForCausalLM", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    """which -> the ModelOpt export directory of the tiny text encoder (built once per module)."""
+    cache: dict[str, Path] = {}
+
+    def get(which: str) -> Path:
+        if which not in cache:
+            cache[which] = te.export_with_modelopt(which, tmp_path_factory.mktemp(f"te_{which}"))
+        return cache[which]
+
+    return get
+
+
+def _file_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _decoded(layer: NVFP4Linear, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize_nvfp4(layer.weight, layer.weight_scale, weight_scale_2=layer.weight_scale_2,
+                            scale_layout=layer.scale_layout, dtype=dtype)
+
+
+def _modelopt_decoded(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """ModelOpt 0.47's own dequantize of an exported layer (``NVFP4QTensor.dequantize``, FP32)."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
+    shape = torch.Size([packed.shape[0], packed.shape[1] * 2])
+    return NVFP4QTensor(shape, torch.float32, packed).dequantize(
+        dtype=torch.float32, scale=scale, double_scale=scale_2, block_sizes={-1: 16})
+
+
+@pytest.mark.parametrize("which", te.CLASSES)
+def test_modelopt_export_loads_as_modelopt_decodes_it(which, exports):
+    directory = exports(which)
+    model = load_nvfp4_text_encoder(directory)
+    assert type(model).__name__ == CLASS_NAMES[which]
+    stored = _file_tensors(directory)
+    rename = checkpoint_key_renamer(model)
+    by_name = {rename(k).removesuffix(".weight"): k.removesuffix(".weight") for k, v in stored.items()
+               if k.endswith(".weight") and v.dtype == torch.uint8}
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert set(layers) == set(by_name) and layers
+    for name, layer in layers.items():
+        key = by_name[name]
+        theirs = _modelopt_decoded(stored[f"{key}.weight"], stored[f"{key}.weight_scale"],
+                                   stored[f"{key}.weight_scale_2"])
+        assert torch.equal(_decoded(layer, torch.float32), theirs), name
+        assert torch.equal(layer.input_scale, stored[f"{key}.input_scale"].float()), name
+    # what the recipe keeps BF16 stays BF16: embeddings, lm_head, the vision tower
+    assert isinstance(model.get_output_embeddings(), nn.Linear)
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16
+    vision = [m for n, m in model.named_modules() if ("visual" in n or "vision" in n) and isinstance(m, nn.Linear)]
+    assert (which in ("mistral3", "qwen2_5_vl", "qwen3_vl")) == bool(vision)
+    summary = load_summary(model)
+    assert summary["format"] == "modelopt_export" and summary["nvfp4_linears"] == len(layers)
+
+
+@pytest.mark.parametrize("which", te.CLASSES)
+def test_comfy_file_loads_as_comfy_kitchen_decodes_it(which, tmp_path):
+    file = tmp_path / f"{which}_nvfp4.safetensors"
+    written = te.write_comfy_file(which, file, ck_quantize)
+    model = load_nvfp4_text_encoder(file, config=te.config_of(which))
+    stored = _file_tensors(tmp_path)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert set(layers) == set(written)
+    for name, layer in layers.items():
+        key = written[name]
+        theirs = ck_dequantize(stored[f"{key}.weight"], stored[f"{key}.weight_scale_2"], stored[f"{key}.weight_scale"])
+        assert torch.equal(_decoded(layer, torch.float64), theirs), name
+        assert torch.equal(layer.input_scale, stored[f"{key}.input_scale"]), name
+    plain = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    embeddings = model.get_input_embeddings().weight
+    for name, linear in plain.items():  # every BF16 Linear holds the file's bytes (a tied lm_head: the embeddings)
+        key = te.stored_name(which, name) + ".weight"
+        assert torch.equal(linear.weight, stored[key]) if key in stored else linear.weight is embeddings, name
+    assert load_summary(model)["format"] == "comfy_single_file"
+
+
+def _generate_off_on_off(pipe, kwargs):
+    """(embeddings, PNG SHA256) with fast paths off, on, off again."""
+    results = [te.encoder_outputs(pipe, kwargs)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tiny pipeline's transformer is BF16: enable_fast_paths says so
+        report = enable_fast_paths(pipe)
+    assert report[type(pipe.text_encoder).__name__]["enabled"]
+    results.append(te.encoder_outputs(pipe, kwargs))
+    disable_fast_paths(pipe)
+    results.append(te.encoder_outputs(pipe, kwargs))
+    return [(embeds, png_sha256(image)) for embeds, image in results]
+
+
+@pytest.mark.parametrize("which", te.CLASSES)
+def test_fast_paths_on_equal_off_for_embeddings_and_png(which, exports):
+    encoder = load_nvfp4_text_encoder(exports(which))
+    pipe, kwargs = te.tiny_pipeline(which, encoder)
+    (off, sha_off), (on, sha_on), (again, sha_again) = _generate_off_on_off(pipe, kwargs)
+    assert sha_off == sha_on == sha_again
+    assert len(off) == len(on) == len(again) > 0
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(off, on, again, strict=True))
+
+
+@pytest.mark.parametrize("which", ["qwen3", "qwen2_5_vl"])
+def test_report_lists_the_text_encoder_and_nothing_is_installed_on_bf16_layers(which, exports):
+    encoder = load_nvfp4_text_encoder(exports(which))
+    pipe, kwargs = te.tiny_pipeline(which, encoder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = enable_fast_paths(pipe)
+    entry = report[CLASS_NAMES[which]]
+    assert entry["component"] == "text_encoder" and entry["enabled"]
+    assert entry["nvfp4_linears"] == load_summary(encoder)["nvfp4_linears"] and entry["fused_paths"] is False
+    touched = [n for n, m in encoder.named_modules() if not isinstance(m, NVFP4Linear) and "forward" in m.__dict__]
+    assert touched == []
+    assert not hasattr(encoder.save_pretrained, "__self__") or encoder.save_pretrained.__func__ is \
+        type(encoder).save_pretrained  # transformers' own save_pretrained stays
+    disable_fast_paths(pipe)
+    assert fast_path_report(pipe)[CLASS_NAMES[which]]["enabled"] is False
+
+
+def test_a_bf16_text_encoder_is_not_visited():
+    pipe, _ = te.tiny_pipeline("qwen3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = enable_fast_paths(pipe)
+    assert "Qwen3ForCausalLM" not in report
+    disable_fast_paths(pipe)
+
+
+def test_checkpoint_key_renames_are_transformers_own():
+    """transformers 5.25 renames Qwen2.5-VL's stored keys (``model.layers``, ``visual``) and keeps Qwen3's."""
+    pipe, _ = te.tiny_pipeline("qwen2_5_vl")
+    rename = checkpoint_key_renamer(pipe.text_encoder)
+    assert rename("model.layers.0.mlp.up_proj.weight_scale") == "model.language_model.layers.0.mlp.up_proj.weight_scale"
+    assert rename("visual.blocks.0.attn.qkv.weight") == "model.visual.blocks.0.attn.qkv.weight"
+    assert rename("lm_head.weight") == "lm_head.weight"
+    klein, _ = te.tiny_pipeline("qwen3")
+    assert checkpoint_key_renamer(klein.text_encoder)("model.layers.0.mlp.up_proj.weight") == \
+        "model.layers.0.mlp.up_proj.weight"
+
+
+def _edit_export(directory: Path, edit) -> None:
+    from safetensors.torch import save_file
+
+    tensors = _file_tensors(directory)
+    edit(tensors)
+    for f in directory.glob("*.safetensors"):
+        f.unlink()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_every_export_problem_is_in_one_error(exports, tmp_path):
+    import shutil
+
+    directory = tmp_path / "broken"
+    shutil.copytree(exports("qwen3"), directory)
+
+    def edit(t):
+        del t["model.layers.0.mlp.up_proj.input_scale"]
+        t["model.layers.1.mlp.down_proj.weight_scale_2"] = torch.tensor(float("nan"))
+        t["model.layers.0.self_attn.q_proj.weight"] = t["model.layers.0.self_attn.q_proj.weight"][:, :4].clone()
+
+    _edit_export(directory, edit)
+    with pytest.raises(NVFP4CheckpointError) as err:
+        load_nvfp4_text_encoder(directory)
+    text = str(err.value)
+    assert str(directory) in text
+    assert "missing key model.layers.0.mlp.up_proj.input_scale" in text
+    assert "model.layers.0.self_attn.q_proj.weight in model.safetensors: shape [16, 4]" in text
+
+
+def test_bad_scale_values_are_refused_naming_key_and_value(exports, tmp_path):
+    import shutil
+
+    directory = tmp_path / "nan"
+    shutil.copytree(exports("qwen3"), directory)
+    _edit_export(directory, lambda t: t.update({"model.layers.1.mlp.down_proj.weight_scale_2": torch.tensor(-1.0)}))
+    with pytest.raises(NVFP4CheckpointError, match=r"model\.layers\.1\.mlp\.down_proj\.weight_scale_2 is -1\.0"):
+        load_nvfp4_text_encoder(directory)
+
+
+def test_an_export_of_another_class_is_refused(exports, tmp_path):
+    import shutil
+
+    directory = tmp_path / "llama"
+    shutil.copytree(exports("qwen3"), directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NVFP4CheckpointError, match=r"config\.json: architectures \['LlamaForCausalLM'\]"):
+        load_nvfp4_text_encoder(directory)
+
+
+def test_comfy_file_problems_are_in_one_error(tmp_path):
+    file = tmp_path / "bad.safetensors"
+
+    def edit(t):
+        del t["model.layers.0.mlp.gate_proj.input_scale"]
+        t["model.layers.1.mlp.up_proj.weight_scale"] = t["model.layers.1.mlp.up_proj.weight_scale"][:16].clone()
+
+    te.write_comfy_file("qwen3", file, ck_quantize, edit)
+    with pytest.raises(NVFP4CheckpointError) as err:
+        load_nvfp4_text_encoder(file, config=te.config_of("qwen3"))
+    text = str(err.value)
+    assert str(file) in text and "missing key model.layers.0.mlp.gate_proj.input_scale" in text
+    assert "model.layers.1.mlp.up_proj.weight_scale" in text
+
+
+def test_comfy_layer_in_another_format_is_refused(tmp_path):
+    file = tmp_path / "fp8.safetensors"
+    te.write_comfy_file("qwen3", file, ck_quantize, lambda t: t.update(
+        {"model.layers.0.mlp.up_proj.comfy_quant": te._marker({"format": "float8_e4m3fn"})}))
+    with pytest.raises(NVFP4CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.comfy_quant: format "
+                                                   r"'float8_e4m3fn'"):
+        load_nvfp4_text_encoder(file, config=te.config_of("qwen3"))
+
+
+def test_comfy_file_of_unknown_size_asks_for_config(tmp_path):
+    file = tmp_path / "tiny.safetensors"
+    te.write_comfy_file("qwen3", file, ck_quantize)
+    with pytest.raises(NVFP4CheckpointError, match=r"hidden size 16\); pass config="):
+        load_nvfp4_text_encoder(file)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", te.CLASSES)
+def test_gpu_embeddings_on_equal_off_and_decode_rows_take_the_gemv(which, exports):
+    from diffusers_nvfp4_fast.ops.linear import takes_one_row
+
+    encoder = load_nvfp4_text_encoder(exports(which), device="cuda")
+    pipe, kwargs = te.tiny_pipeline(which, encoder)
+    pipe.to("cuda")
+    (off, sha_off), (on, sha_on), (again, _) = _generate_off_on_off(pipe, kwargs)
+    assert sha_off == sha_on
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(off, on, again, strict=True))
+    layer = next(m for m in encoder.modules() if isinstance(m, NVFP4Linear))
+    if torch.cuda.get_device_capability()[0] in (8, 9):  # SM80-SM90: one row is the GEMV, a prefill the GEMM
+        args = (layer.weight.device, layer.bias, torch.bfloat16, layer.scale_layout == "128x4")
+        assert takes_one_row(1, *args) and not takes_one_row(20, *args)
