@@ -16,6 +16,7 @@ from diffusers_nvfp4_fast.testing import tiny
 from support.bfl_files import write_bfl_file
 from support.comfy_files import FAMILIES, FileCase, make_source, write_case
 from support.comfy_writer import COMFY_PREFIX
+from support.text_encoders import export_with_modelopt as export_text_encoder
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -46,6 +47,7 @@ def files(modelopt_exports, tmp_path_factory) -> dict[str, str]:
         '"black-forest-labs/FLUX.2-dev"': repr(str(tmp / "flux2-pipeline")),
         '"path/to/flux2-nvfp4-diffusers-layout.safetensors"': repr(str(tmp / "native.safetensors")),
         '"path/to/lora.safetensors"': repr(str(tmp / "lora.safetensors")),
+        '"path/to/qwen-image-te-nvfp4"': repr(str(export_text_encoder("qwen2_5_vl", tmp / "qwen-image-te-nvfp4"))),
         **{f'"{name}"': repr(str(path)) for name, path in comfy.items()},
     }
 
@@ -64,7 +66,7 @@ def test_readme_has_the_blocks_this_test_substitutes():
     text = "\n".join(python_blocks())
     for needle in ("load_nvfp4_transformer(", "BFLQuantizationConfig()", "load_lora_weights(", "num_inference_steps=28",
                    'prompt="a red fox in fresh snow",', '"flux2-dev-nvfp4.safetensors"',
-                   '"qwen_image_nvfp4.safetensors"'):
+                   '"qwen_image_nvfp4.safetensors"', "load_nvfp4_text_encoder("):
         assert needle in text, needle
 
 
@@ -78,6 +80,7 @@ def test_readme_python_blocks_run_in_order(files):
         exec(compile(code, f"README.md python block {i}", "exec"), namespace)  # noqa: S102 - the README's own code
     assert isinstance(namespace["image"].size, tuple)
     assert type(namespace["qwen"]).__name__ == "QwenImageTransformer2DModel"  # the "Where to get checkpoints" lines
+    assert type(namespace["text_encoder"]).__name__ == "Qwen2_5_VLForConditionalGeneration"
     assert type(namespace["flux2"]).__name__ == "Flux2Transformer2DModel"
     assert not any(type(m).__name__ == "NVFP4LoraLinear" for m in namespace["pipe"].transformer.modules())
     report = namespace["enable_fast_paths"](namespace["pipe"])["Flux2Transformer2DModel"]

@@ -274,3 +274,36 @@ def test_gpu_embeddings_on_equal_off_and_decode_rows_take_the_gemv(which, export
     if torch.cuda.get_device_capability()[0] in (8, 9):  # SM80-SM90: one row is the GEMV, a prefill the GEMM
         args = (layer.weight.device, layer.bias, torch.bfloat16, layer.scale_layout == "128x4")
         assert takes_one_row(1, *args) and not takes_one_row(20, *args)
+
+
+def test_sharded_export_and_hf_quant_config_alone_load_the_same_bytes(exports, tmp_path):
+    import shutil
+
+    from safetensors.torch import save_file
+
+    directory = tmp_path / "sharded"
+    shutil.copytree(exports("qwen2_5_vl"), directory)
+    tensors = _file_tensors(directory)
+    (directory / "model.safetensors").unlink()
+    keys = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
+              "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for name, part in shards.items():
+        save_file({k: tensors[k] for k in part}, str(directory / name), metadata={"format": "pt"})
+    weight_map = {k: name for name, part in shards.items() for k in part}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    config = json.loads((directory / "config.json").read_text())
+    del config["quantization_config"]  # hf_quant_config.json alone says what is quantized
+    (directory / "config.json").write_text(json.dumps(config))
+    ours, reference = load_nvfp4_text_encoder(directory), load_nvfp4_text_encoder(exports("qwen2_5_vl"))
+    theirs = dict(reference.state_dict())
+    assert all(torch.equal(v, theirs[k]) for k, v in ours.state_dict().items())
+
+
+def test_arguments_that_do_not_apply_are_refused(exports, tmp_path):
+    with pytest.raises(TypeError, match="config= applies to single files"):
+        load_nvfp4_text_encoder(exports("qwen3"), config={"model_type": "qwen3"})
+    file = tmp_path / "klein.safetensors"
+    te.write_comfy_file("qwen3", file, ck_quantize)
+    with pytest.raises(TypeError, match="scale_layout= applies to ModelOpt export directories"):
+        load_nvfp4_text_encoder(file, config=te.config_of("qwen3"), scale_layout="linear")

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from ..format import BLOCK_SIZE, ScaleLayout
-from ..linear import NVFP4Linear
 from .bfl.metadata import MARKER_SUFFIX, read_quant_metadata
 from .common import raise_scale_problems, record_load_summary
 from .errors import NVFP4CheckpointError
@@ -272,12 +271,11 @@ def load_nvfp4_text_encoder(
     if filename is not None or path.is_file():
         from .bfl import resolve_single_file
 
+        if scale_layout is not None:
+            raise TypeError("scale_layout= applies to ModelOpt export directories; a ComfyUI file's layout is "
+                            "comfy-kitchen's (128x4 block scales)")
         return _load_comfy(resolve_single_file(path_or_repo_id, filename, subfolder), config, dtype, device)
     if config is not None:
         raise TypeError(f"config= applies to single files; {path_or_repo_id} is read as a ModelOpt export directory, "
                         "whose config.json is the config")
     return _load_export(resolve_dir(path_or_repo_id, subfolder), dtype, device, scale_layout)
-
-
-def nvfp4_layers(model: nn.Module) -> dict[str, NVFP4Linear]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
