@@ -98,7 +98,14 @@ def _text_encoders(pipe_or_model) -> dict[str, nn.Module]:
 def _models(pipe_or_model) -> list[tuple[str | None, nn.Module]]:
     """(component, model) for every model the fast paths visit: the denoiser(s) (component None), then the NVFP4
     text encoders."""
-    return [(None, m) for m in _transformers(pipe_or_model)] + list(_text_encoders(pipe_or_model).items())
+    denoisers_ = [(_component_of(m), m) for m in _transformers(pipe_or_model)]
+    return denoisers_ + list(_text_encoders(pipe_or_model).items())
+
+
+def _component_of(model: nn.Module) -> str | None:
+    """None for a denoiser; "text_encoder" for a transformers model passed alone (``enable_fast_paths(encoder)``),
+    which must not get the diffusers methods a transformer gets."""
+    return "text_encoder" if type(model).__module__.startswith("transformers.") else None
 
 
 def _convert(model: nn.Module, restore: list, dynamic_input_scale: bool) -> dict[str, int]:

@@ -307,3 +307,13 @@ def test_arguments_that_do_not_apply_are_refused(exports, tmp_path):
     te.write_comfy_file("qwen3", file, ck_quantize)
     with pytest.raises(TypeError, match="scale_layout= applies to ModelOpt export directories"):
         load_nvfp4_text_encoder(file, config=te.config_of("qwen3"), scale_layout="linear")
+
+
+def test_a_text_encoder_passed_alone_is_a_text_encoder(exports):
+    encoder = load_nvfp4_text_encoder(exports("qwen3"))
+    save_pretrained = type(encoder).save_pretrained
+    report = enable_fast_paths(encoder)
+    assert report["Qwen3ForCausalLM"]["component"] == "text_encoder"
+    assert encoder.save_pretrained.__func__ is save_pretrained  # not replaced by the diffusers checkpoint writer
+    disable_fast_paths(encoder)
+    assert fast_path_report(encoder)["Qwen3ForCausalLM"]["enabled"] is False
