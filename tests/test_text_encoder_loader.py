@@ -317,3 +317,58 @@ def test_a_text_encoder_passed_alone_is_a_text_encoder(exports):
     assert encoder.save_pretrained.__func__ is save_pretrained  # not replaced by the diffusers checkpoint writer
     disable_fast_paths(encoder)
     assert fast_path_report(encoder)["Qwen3ForCausalLM"]["enabled"] is False
+
+
+@pytest.mark.parametrize("cls", ["Qwen3ForCausalLM", "Qwen2_5_VLForConditionalGeneration",
+                                 "Mistral3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"])
+def test_quantize_text_encoder_output_loads_back_byte_for_byte(cls, tmp_path):
+    """The quantize command's text encoders (``quantize_text_encoder``) load back: every stored NVFP4 tensor is a
+    layer's, the per-layer dynamic flags follow the renamed keys."""
+    from diffusers_nvfp4_fast.quantize.text_encoder import quantize_text_encoder
+    from support.tiny_text_encoders import PromptEncoder, save_tiny_text_encoder
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        source = save_tiny_text_encoder(cls, tmp_path / "bf16")
+        quantize_text_encoder(source, tmp_path / "static", pipeline=PromptEncoder(), prompts=["a red fox"],
+                              progress=False)
+        quantize_text_encoder(source, tmp_path / "dynamic", dynamic=True, progress=False)
+    for variant in ("static", "dynamic"):
+        model = load_nvfp4_text_encoder(tmp_path / variant)
+        assert type(model).__name__ == cls
+        stored = _file_tensors(tmp_path / variant)
+        rename = checkpoint_key_renamer(model)
+        by_name = {rename(k).removesuffix(".weight"): k.removesuffix(".weight") for k, v in stored.items()
+                   if k.endswith(".weight") and v.dtype == torch.uint8}
+        layers = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+        assert set(layers) == set(by_name) and layers
+        for name, layer in layers.items():
+            key = by_name[name]
+            theirs = _modelopt_decoded(stored[f"{key}.weight"], stored[f"{key}.weight_scale"],
+                                       stored[f"{key}.weight_scale_2"])
+            assert torch.equal(_decoded(layer, torch.float32), theirs), name
+            assert layer.dynamic_input_scale == (variant == "dynamic"), name
+
+
+def test_an_undeclared_layout_of_modelopts_format_is_linear_where_shapes_fit_both(tmp_path):
+    """A ``[128, 64]`` layer's block scales ``[128, 4]`` fit both layouts; ModelOpt's HF export format
+    (``quant_method: "modelopt"``) stores them linear, which ``quantize_text_encoder`` does without saying so."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from diffusers_nvfp4_fast.quantize.text_encoder import quantize_text_encoder
+
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, head_dim=32, vocab_size=272, architectures=["Qwen3ForCausalLM"])
+    Qwen3ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        quantize_text_encoder(tmp_path / "bf16", tmp_path / "nvfp4", dynamic=True, progress=False)
+    model = load_nvfp4_text_encoder(tmp_path / "nvfp4")
+    stored = _file_tensors(tmp_path / "nvfp4")
+    up = model.model.layers[0].mlp.up_proj
+    assert tuple(stored["model.layers.0.mlp.up_proj.weight_scale"].shape) == (128, 4)
+    theirs = _modelopt_decoded(stored["model.layers.0.mlp.up_proj.weight"],
+                               stored["model.layers.0.mlp.up_proj.weight_scale"],
+                               stored["model.layers.0.mlp.up_proj.weight_scale_2"])
+    assert torch.equal(_decoded(up, torch.float32), theirs)

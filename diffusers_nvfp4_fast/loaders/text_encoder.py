@@ -153,6 +153,7 @@ def _plan(model: nn.Module, model_dir: Path, qinfo: QuantizationInfo, files: Seq
                                   if isinstance(m, nn.Linear) and f"{n}.{MARKER_SUFFIX}" not in marked]
     else:
         qinfo.exclude_patterns = [rename(p) for p in qinfo.exclude_patterns]
+    qinfo.dynamic_layers = [rename(f"{n}.weight").removesuffix(".weight") for n in qinfo.dynamic_layers]
     plan = plan_export_into(model, model_dir, qinfo, index, scale_layout)
     plan.problems[:0] = problems
     return plan
@@ -182,9 +183,18 @@ def _materialize(plan: ExportPlan, dtype: torch.dtype, device, source, **facts) 
     return model
 
 
+def _modelopt_format(model_dir: Path, config: Mapping[str, Any]) -> bool:
+    """Whether the export says it is in ModelOpt's HF export format (``quant_method: "modelopt"``, or ModelOpt's
+    ``hf_quant_config.json``), whoever wrote it (ModelOpt, or ``quantize_text_encoder`` of this package)."""
+    qc = config.get("quantization_config") or {}
+    return qc.get("quant_method") == "modelopt" or (model_dir / "hf_quant_config.json").is_file()
+
+
 def _load_export(model_dir: Path, dtype: torch.dtype, device, scale_layout: ScaleLayout | None) -> nn.Module:
     config = read_json(model_dir / "config.json")
     qinfo = read_quantization_info(model_dir, config)
+    if qinfo.scale_layout is None and _modelopt_format(model_dir, config):
+        qinfo.scale_layout = "linear"  # ModelOpt's HF export format stores linear [N, K/16] block scales
     cls = text_encoder_class(config, str(model_dir / "config.json"))
     model = empty_model(cls, _drop_quantization(config), dtype)
     plan = _plan(model, model_dir, qinfo, _index_files(model_dir), scale_layout)
