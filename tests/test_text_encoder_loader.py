@@ -372,3 +372,13 @@ def test_an_undeclared_layout_of_modelopts_format_is_linear_where_shapes_fit_bot
                                stored["model.layers.0.mlp.up_proj.weight_scale"],
                                stored["model.layers.0.mlp.up_proj.weight_scale_2"])
     assert torch.equal(_decoded(up, torch.float32), theirs)
+
+
+@pytest.mark.parametrize("header_only", [False, True])
+def test_comfy_markers_or_header_alone_say_which_layers_are_nvfp4(header_only, tmp_path, caplog):
+    file = tmp_path / "qwen_2.5_vl_nvfp4.safetensors"
+    written = te.write_comfy_file("qwen2_5_vl", file, ck_quantize, header_only=header_only)
+    with caplog.at_level("WARNING", logger="diffusers_nvfp4_fast"):
+        model = load_nvfp4_text_encoder(file, config=te.config_of("qwen2_5_vl"))
+    assert {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)} == set(written)
+    assert "stored differently" not in caplog.text

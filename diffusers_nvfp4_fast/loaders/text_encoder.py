@@ -140,20 +140,23 @@ def _drop_quantization(config: dict) -> dict:
 
 
 def _plan(model: nn.Module, model_dir: Path, qinfo: QuantizationInfo, files: Sequence[Path],
-          scale_layout: ScaleLayout | None, markers: bool = False) -> ExportPlan:
-    """The export reader's plan over the stored keys renamed as transformers renames them. ``markers``: the file
-    marks its NVFP4 layers (ComfyUI), and every Linear without a marker is one the file keeps BF16."""
+          scale_layout: ScaleLayout | None, marked: Iterable[str] | None = None) -> ExportPlan:
+    """The export reader's plan over the stored keys renamed as transformers renames them. ``marked``: the stored
+    layers a ComfyUI file marks NVFP4 (markers or header); every other Linear is one the file keeps BF16."""
     problems: list[str] = []
     rename = checkpoint_key_renamer(model)
-    index = RenamedIndex(files, rename, lambda key: False, problems)
-    if markers:
-        marked = {k for k in index.entries if k.endswith("." + MARKER_SUFFIX)}
-        index.entries = {k: v for k, v in index.entries.items() if k not in marked}
-        qinfo.exclude_patterns = [n for n, m in model.named_modules()
-                                  if isinstance(m, nn.Linear) and f"{n}.{MARKER_SUFFIX}" not in marked]
+
+    def module(stored: str) -> str:  # the renames match key prefixes: a module name renames as its weight's key
+        return rename(f"{stored}.weight").removesuffix(".weight")
+
+    index = RenamedIndex(files, rename, lambda key: key.endswith("." + MARKER_SUFFIX) and marked is not None,
+                         problems)
+    if marked is not None:
+        nvfp4 = {module(m) for m in marked}
+        qinfo.exclude_patterns = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in nvfp4]
     else:
         qinfo.exclude_patterns = [rename(p) for p in qinfo.exclude_patterns]
-    qinfo.dynamic_layers = [rename(f"{n}.weight").removesuffix(".weight") for n in qinfo.dynamic_layers]
+    qinfo.dynamic_layers = [module(n) for n in qinfo.dynamic_layers]
     plan = plan_export_into(model, model_dir, qinfo, index, scale_layout)
     plan.problems[:0] = problems
     return plan
@@ -201,25 +204,26 @@ def _load_export(model_dir: Path, dtype: torch.dtype, device, scale_layout: Scal
     return _materialize(plan, dtype, device, model_dir, format="modelopt_export")
 
 
-def _comfy_quant_info(header: SafetensorsHeader) -> QuantizationInfo:
+def _comfy_quant_info(header: SafetensorsHeader) -> tuple[QuantizationInfo, list[str]]:
     """ComfyUI's per-layer markers, read as the export reader's ``QuantizationInfo``: every marked layer ``nvfp4`` in
-    comfy-kitchen's layout (high nibble first, 128x4 scales), every other Linear BF16."""
+    comfy-kitchen's layout (high nibble first, 128x4 scales), every other Linear BF16; and the marked layers."""
     problems: list[str] = []
     meta = read_quant_metadata(header, "", problems)
-    for info in meta.layers.values():
-        if info.format != "nvfp4":
-            problems.append(f"{info.sources[0]}: format {info.format!r}; this loader reads 'nvfp4' layers only")
-        for fact, value in {**meta.file_flags, **info.flags}.items():
+    for layer in meta.layers.values():
+        if layer.format != "nvfp4":
+            problems.append(f"{layer.sources[0]}: format {layer.format!r}; this loader reads 'nvfp4' layers only")
+        for fact, value in {**meta.file_flags, **layer.flags}.items():
             expected = {"nibble_order": "hi_first", "scale_layout": "128x4"}[fact]
             if value != expected:
-                problems.append(f"{info.sources[0]}: {fact}={value!r}; ComfyUI text encoders are read in "
+                problems.append(f"{layer.sources[0]}: {fact}={value!r}; ComfyUI text encoders are read in "
                                 f"comfy-kitchen's layout only ({fact}={expected!r})")
     if not meta.layers:
         problems.append(f"no {MARKER_SUFFIX} marker and no _quantization_metadata header: not a ComfyUI NVFP4 file")
     if problems:
         raise NVFP4CheckpointError(f"{header.path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems))
-    return QuantizationInfo(quant_algo="NVFP4", group_size=BLOCK_SIZE, source=str(header.path),
+    info = QuantizationInfo(quant_algo="NVFP4", group_size=BLOCK_SIZE, source=str(header.path),
                             producer=COMFY_PRODUCER, scale_layout="128x4", nibble_order="hi_first")
+    return info, list(meta.layers)
 
 
 def default_comfy_config(header: SafetensorsHeader) -> str:
@@ -236,11 +240,11 @@ def default_comfy_config(header: SafetensorsHeader) -> str:
 
 def _load_comfy(file: Path, config, dtype: torch.dtype, device) -> nn.Module:
     header = SafetensorsHeader(file)
-    qinfo = _comfy_quant_info(header)
+    qinfo, marked = _comfy_quant_info(header)
     config_dict, config_source = _config_dict(config if config is not None else default_comfy_config(header))
     cls = text_encoder_class(config_dict, config_source)
     model = empty_model(cls, _drop_quantization(config_dict), dtype)
-    plan = _plan(model, file, qinfo, [file], "128x4", markers=True)
+    plan = _plan(model, file, qinfo, [file], "128x4", marked)
     return _materialize(plan, dtype, device, file, format="comfy_single_file", config_source=config_source)
 
 

@@ -93,10 +93,12 @@ def _marker(spec: dict) -> torch.Tensor:
 
 
 def write_comfy_file(which: str, out_file: Path, quantize: Callable[[torch.Tensor], dict[str, torch.Tensor]],
-                     edit: Callable[[dict[str, torch.Tensor]], None] | None = None) -> dict[str, str]:
+                     edit: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                     header_only: bool = False) -> dict[str, str]:
     """The tiny pipeline's BF16 text encoder as a ComfyUI NVFP4 file: the decoder layers' Linears quantized by
-    ``quantize``, each with a ``comfy_quant`` marker and an ``input_scale`` calibrated on one generation, the rest
-    BF16, stored names. Returns {model layer name: stored layer name} of the NVFP4 layers."""
+    ``quantize``, each with a ``comfy_quant`` marker (or, ``header_only``, named in the ``_quantization_metadata``
+    header alone) and an ``input_scale`` calibrated on one generation, the rest BF16, stored names. Returns
+    {model layer name: stored layer name} of the NVFP4 layers."""
     from safetensors.torch import save_file
 
     pipe, kwargs = tiny_pipeline(which)
@@ -112,12 +114,16 @@ def write_comfy_file(which: str, out_file: Path, quantize: Callable[[torch.Tenso
         stored = stored_name(which, name)
         tensors.update({f"{stored}.{k}": v for k, v in quantize(tensors[f"{stored}.weight"]).items()})
         tensors[f"{stored}.input_scale"] = torch.tensor((amax[name] or 1.0) / (E4M3_MAX * E2M1_MAX))
-        tensors[f"{stored}.comfy_quant"] = _marker({"format": "nvfp4"})
+        if not header_only:
+            tensors[f"{stored}.comfy_quant"] = _marker({"format": "nvfp4"})
         written[name] = stored
     if edit is not None:
         edit(tensors)
+    layers = {f"{stored}.weight": {"format": "nvfp4"} for stored in written.values()}
+    metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers})}
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_file))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_file),
+              metadata=metadata if header_only else None)
     return written
 
 
