@@ -21,14 +21,16 @@ _PUBLIC = {
     "NVFP4CheckpointError": "loaders",
     "quantize_nvfp4": "format", "dequantize_nvfp4": "format", "swizzle_scales": "format", "unswizzle_scales": "format",
     "swap_nibbles": "format", "exact_inductor": "inductor",
-    "quantize_transformer": "quantize", "QuantizedCheckpoint": "quantize", "NVFP4FastConfig": "diffusers_backend",
+    "quantize_transformer": "quantize", "quantize_text_encoder": "quantize", "QuantizedCheckpoint": "quantize",
+    "NVFP4FastConfig": "diffusers_backend",
     "capture_cuda_graphs": "graphs", "release_cuda_graphs": "graphs",
 }
 __all__ = [
     "NVFP4CheckpointError", "NVFP4FastConfig", "NVFP4Linear", "QuantizedCheckpoint", "capture_cuda_graphs",
     "dequantize_nvfp4", "disable_fast_paths", "enable_fast_paths", "exact_inductor", "fast_path_report", "fast_paths",
     "fit_to_budget", "load_nvfp4_text_encoder", "load_nvfp4_transformer", "load_summary", "quantize_nvfp4",
-    "quantize_transformer", "release_cuda_graphs", "swap_nibbles", "swizzle_scales", "unswizzle_scales",
+    "quantize_text_encoder", "quantize_transformer", "release_cuda_graphs", "swap_nibbles", "swizzle_scales",
+    "unswizzle_scales",
 ]
 
 if TYPE_CHECKING:
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
     from .inductor import exact_inductor
     from .linear import NVFP4Linear
     from .loaders import NVFP4CheckpointError, load_nvfp4_text_encoder, load_nvfp4_transformer, load_summary
-    from .quantize import QuantizedCheckpoint, quantize_transformer
+    from .quantize import QuantizedCheckpoint, quantize_text_encoder, quantize_transformer
 
 
 registration.install()
