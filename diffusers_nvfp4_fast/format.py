@@ -232,10 +232,11 @@ def quantize_nvfp4(
 def quantize_nvfp4_weight(
     weight: torch.Tensor, weight_scale_2: torch.Tensor | float, *, scale_layout: ScaleLayout = "linear"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize a weight as ModelOpt's exporter does (ModelOpt 0.47 ``NVFP4QTensor.quantize``): the block scales of
-    ``quantize_nvfp4(weight, 1 / weight_scale_2, fast_math=False)``, then each value divided in FP32 by
-    ``block_scale * weight_scale_2`` and rounded to E2M1 (nearest, ties to even). The activation recipe multiplies by
-    a reciprocal instead, which rounds about one BF16 weight value in 750 the other way (docs/format.md).
+    """Quantize a weight as ModelOpt's exporter does (ModelOpt 0.47 ``NVFP4QTensor.get_weights_scaling_factor`` and
+    ``quantize``): block scale ``max|w| / (6 * weight_scale_2)`` in FP32 (an all-zero block 1.0, clamped to
+    [2^-9, 448]) rounded to E4M3, then each value divided in FP32 by ``block_scale * weight_scale_2`` and rounded to
+    E2M1 (nearest, ties to even). The activation recipe (``quantize_nvfp4``) multiplies by reciprocals, gives an
+    all-zero block scale 0 and does not clamp, so a tie can round the other way (docs/format.md).
 
     Returns ``(packed, scales)`` as ``quantize_nvfp4``: packed uint8 ``[M, K/2]``, E4M3 bytes in ``scale_layout``
     (``"linear"`` ``[M, K/16]`` by default, as checkpoints store them).
@@ -246,10 +247,11 @@ def quantize_nvfp4_weight(
     ws2 = _as_global_scale(weight_scale_2, rows.device, "weight_scale_2")
     m, k = rows.shape
     blocks = rows.reshape(m, k // BLOCK_SIZE, BLOCK_SIZE).to(torch.float32)
-    sf_byte, _ = block_scales_and_factors(_nan_skipping_block_max(blocks), 1.0 / ws2, fast_math=False)
-    divisor = (e4m3_value(sf_byte) * ws2).unsqueeze(-1)
-    values = torch.where(divisor != 0, blocks / divisor, torch.zeros_like(blocks))
-    packed = pack_nibbles(e2m1_round(values).reshape(m, k))
+    scale = _nan_skipping_block_max(blocks) / (E2M1_MAX * ws2)
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale).clamp(min=2.0**-9, max=E4M3_MAX)
+    sf_byte = e4m3_round(scale)
+    codes = e2m1_round(blocks / (e4m3_value(sf_byte) * ws2).unsqueeze(-1))
+    packed = pack_nibbles(codes.reshape(m, k))
     return packed, swizzle_scales(sf_byte) if scale_layout == "128x4" else sf_byte
 
 

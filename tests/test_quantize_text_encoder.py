@@ -48,12 +48,7 @@ def test_recipe_is_modelopts_nvfp4_default_disables():
     assert disabled == MODELOPT_LLM_DISABLED
 
 
-# Qwen2.5-VL and Qwen3-VL: a few packed bytes of some layers differ (scales, keys and configs equal); ModelOpt's
-# nibbles there are one step larger in magnitude than its own formula gives for the stored weight. Not yet explained.
-VL_BYTES_OPEN = pytest.mark.xfail(strict=True, reason="ModelOpt's export rounds some VL-model nibbles differently")
-
-
-@pytest.mark.parametrize("cls", [c if "VL" not in c else pytest.param(c, marks=VL_BYTES_OPEN) for c in CLASSES])
+@pytest.mark.parametrize("cls", CLASSES)
 def test_package_route_writes_what_modelopt_exports(cls, sources, tmp_path):
     pytest.importorskip("modelopt")
     ours = quantize_text_encoder(sources[cls], tmp_path / "ours", pipeline=PromptEncoder(), prompts=PROMPTS,
