@@ -382,3 +382,35 @@ def test_comfy_markers_or_header_alone_say_which_layers_are_nvfp4(header_only, t
         model = load_nvfp4_text_encoder(file, config=te.config_of("qwen2_5_vl"))
     assert {n for n, m in model.named_modules() if isinstance(m, NVFP4Linear)} == set(written)
     assert "stored differently" not in caplog.text
+
+
+@pytest.mark.parametrize("plan", ["text_encoder_offload", "group_offload_leaf"])
+def test_budget_plans_count_the_nvfp4_text_encoder_and_keep_the_image(plan, exports):
+    """``fit_to_budget``'s estimates take an NVFP4 text encoder at its NVFP4 size (packed weights and block scales,
+    byte for byte), and the plans that offload the text encoder (leaf-level group offload moves each NVFP4Linear as
+    its own group) keep the resident image and embeddings."""
+    from diffusers_nvfp4_fast import budget
+    from diffusers_nvfp4_fast.utils import tensor_bytes
+
+    encoder = load_nvfp4_text_encoder(exports("qwen2_5_vl"))
+    layers = [m for m in encoder.modules() if isinstance(m, NVFP4Linear)]
+    # each layer is counted with its packed weight and its block scales (128x4-padded: at 16x16, more than BF16)
+    assert layers and all(tensor_bytes(m) >= m.out_features * m.in_features * 9 // 16 for m in layers)
+    pipe, kwargs = te.tiny_pipeline("qwen2_5_vl", encoder)
+    before = budget.plan_estimates(pipe)
+    pipe.text_encoder = nn.Linear(8, 8).to(torch.bfloat16)  # the estimate follows the encoder's bytes
+    shrunk = budget.plan_estimates(pipe)
+    pipe.register_modules(text_encoder=encoder)
+    assert (before["resident"] - shrunk["resident"]) * budget.GIB == tensor_bytes(encoder) - 8 * 8 * 2 - 8 * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tiny pipeline's transformer is BF16
+        enable_fast_paths(pipe)
+    want = te.encoder_outputs(pipe, kwargs)
+    budget.apply_plan(pipe, plan, "cpu")
+    from diffusers.hooks import HookRegistry
+
+    assert all(HookRegistry.check_if_exists_or_initialize(m).get_hook("group_offloading") for m in layers)
+    got = te.encoder_outputs(pipe, kwargs)
+    assert png_sha256(got[1]) == png_sha256(want[1])
+    assert all(torch.equal(a, b) for a, b in zip(want[0], got[0], strict=True))
+    disable_fast_paths(pipe)
