@@ -188,14 +188,19 @@ def checkpoint_config(model: nn.Module) -> dict | None:
                                layouts.pop(), [name for name, m in layers.items() if m.dynamic_input_scale])
 
 
+def producer() -> dict[str, str]:
+    """The ``producer`` entry of every checkpoint config this package writes."""
+    from .. import __version__  # the package's version, read at call time (the package imports its loaders)
+
+    return {"name": PRODUCER, "version": __version__}
+
+
 def quantization_config(bf16_linears: list[str], scale_layout: str, dynamic_layers: list[str]) -> dict:
     """The ``quantization_config`` of a checkpoint this package writes: ModelOpt's keys, the Linears kept BF16
     (``ignore``), the block-scale layout, the nibble order, the layers that compute their activation scale per call."""
-    from .. import __version__
-
     group = {"num_bits": 4, "type": "float", "group_size": BLOCK_SIZE}
     return {
-        "quant_method": PRODUCER, "quant_algo": "NVFP4", "producer": {"name": PRODUCER, "version": __version__},
+        "quant_method": PRODUCER, "quant_algo": "NVFP4", "producer": producer(),
         "config_groups": {"group_0": {"weights": group, "input_activations": group, "targets": ["Linear"]}},
         "ignore": sorted(bf16_linears), "weight_scale_layout": scale_layout, "nibble_order": "lo_first",
         "dynamic_input_scale": sorted(dynamic_layers),

@@ -11,6 +11,8 @@ from typing import Any
 
 from torch import nn
 
+from ..loaders.common import producer
+
 MODELOPT_VERSION_WRITTEN = "0.47.0"  # the ModelOpt export these files follow
 QUANTIZER_CARRIERS = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
                       nn.ConvTranspose2d, nn.ConvTranspose3d, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -57,15 +59,12 @@ def unquantized_carriers(skeleton: nn.Module, quantized: set[str]) -> list[str]:
 def export_configs(ignore: list[str], dynamic: bool) -> tuple[dict[str, Any], dict[str, Any]]:
     """(``config.json``'s ``quantization_config``, ``hf_quant_config.json``) for an NVFP4 export. ``dynamic``: the
     activation scales are computed per call (this package's ``--dynamic``; ModelOpt writes ``false``)."""
-    from .. import __version__
-
     group = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
-    producer = {"name": "diffusers-nvfp4-fast", "version": __version__}
     qconfig = {
         "config_groups": {"group_0": {"input_activations": {**group, "dynamic": dynamic}, "weights": group,
                                       "targets": ["Linear"]}},
-        "ignore": ignore, "quant_algo": "NVFP4", "producer": producer, "quant_method": "modelopt",
+        "ignore": ignore, "quant_algo": "NVFP4", "producer": producer(), "quant_method": "modelopt",
     }
-    hf_quant = {"producer": producer, "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
+    hf_quant = {"producer": producer(), "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": None,
                                                        "group_size": 16, "exclude_modules": ignore}}
     return qconfig, hf_quant
