@@ -1,31 +1,23 @@
 """Whole FLUX.2-dev and Qwen-Image pipelines under a GPU memory cap: which offload plan fits, and how fast it is.
 
     python benchmarks/bench_pipeline_budget.py --model flux2-dev --dtype nvfp4 --budgets 24 32
-    python benchmarks/bench_pipeline_budget.py --model qwen-image --dtype bf16 --budgets 24 32
+    python benchmarks/bench_pipeline_budget.py --model qwen-image --dtype nvfp4-te --budgets 24   # + NVFP4 text encoder
     python benchmarks/bench_pipeline_budget.py --model flux2-dev --tiny --out /tmp/x.json   # CPU dry run of the logic
 
-Pipelines: real-size configs of every component, random weights made on the GPU, never downloaded.
-- FLUX.2-dev: ``Flux2Pipeline`` with the FLUX.2-dev transformer (8 double + 48 single blocks), a Mistral Small 3.1
-  text encoder (``Mistral3ForConditionalGeneration``, 24B parameters, untied embeddings) and ``AutoencoderKLFlux2``;
-  28 steps, guidance 4.0, 512 text tokens.
-- Qwen-Image: ``QwenImagePipeline`` with the Qwen-Image transformer (60 blocks), a Qwen2.5-VL-7B text encoder and
-  ``AutoencoderKLQwenImage``; 30 steps, true CFG 4.0 with a negative prompt (two transformer calls per step).
-The transformer is NVFP4 as ``bench_transformer_step.py`` builds it (``--dtype nvfp4``, fast paths on) or BF16 with
-the same random values before quantization (``--dtype bf16``). Weights: ``randn * 0.02`` (norms 1 and 0); VAEs with
-their default initialisation. The tokenizers are the byte-level ones of ``diffusers_nvfp4_fast.testing.tiny`` (no
-download; a prompt is a few more tokens than with the real vocabularies, which changes nothing for FLUX.2, whose
-prompts are padded to 512).
+Pipelines: real-size configs, random weights made on the GPU, never downloaded. FLUX.2-dev: ``Flux2Pipeline``, a
+Mistral Small 3.1 text encoder (24B, untied embeddings), ``AutoencoderKLFlux2``; 28 steps, guidance 4.0, 512 text
+tokens. Qwen-Image: ``QwenImagePipeline``, a Qwen2.5-VL-7B text encoder, ``AutoencoderKLQwenImage``; 30 steps, true
+CFG 4.0 with a negative prompt. The transformer is NVFP4 as ``bench_transformer_step.py`` builds it (``--dtype
+nvfp4``, fast paths on) or BF16 with the same random values (``--dtype bf16``); ``--dtype nvfp4-te`` also makes the
+text encoder's Linears that ModelOpt's LLM recipe quantizes NVFP4. Weights ``randn * 0.02`` (norms 1 and 0), VAEs
+default-initialised, the byte-level tokenizers of ``diffusers_nvfp4_fast.testing.tiny``.
 
-Each case runs in a process of its own (its peak host memory is its high-water mark; the driver process never
-touches CUDA, so the GPU holds nothing else: run nothing else on it): build the pipeline on the GPU,
-apply the plan (``diffusers_nvfp4_fast.budget``: diffusers' model CPU offload or group offloading with CUDA streams),
-cap the PyTorch allocator at the budget minus what the CUDA context already holds
-(``torch.cuda.set_per_process_memory_fraction``), generate one warm-up image with one step (Triton compile, autotune,
-first-use verification), then the timed 1024x1024 image. A plan whose offloaded weights do not fit the machine's free
-host memory is not run and says so. The first case of a run is the uncapped, resident pipeline: its PNG SHA256 is the
-one every capped case must reproduce (``png_equal``). A plan that fitted a smaller budget, or failed there for want of
-host memory, is not run again for a larger one (the cap changes no computation and no host need): that case says
-``same_run_as_budget_gib``.
+Each case runs in a process of its own (the driver never touches CUDA; run nothing else on the GPU): build on the GPU,
+apply the plan (``diffusers_nvfp4_fast.budget``), cap the allocator at the budget minus the CUDA context
+(``torch.cuda.set_per_process_memory_fraction``), one warm-up image of one step, then the timed 1024x1024 image. A
+plan whose offloaded weights do not fit the free host memory is not run and says so. The first case is the uncapped
+resident pipeline, whose PNG SHA256 every capped case must reproduce (``png_equal``); a plan that fitted (or lacked
+host memory) under a smaller budget is not run again for a larger one (``same_run_as_budget_gib``).
 
 Writes benchmarks/results/pipeline_budget-<device>.json (cases of other models/dtypes already there are kept):
 cases ``{model, dtype, budget_gib, plan, estimate_gib, fits, s_per_image, s_text, s_denoise, s_decode,
@@ -50,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 GIB = 2**30
 STEPS = {"flux2-dev": 28, "qwen-image": 30}
+NVFP4 = ("nvfp4", "nvfp4-te")  # NVFP4 transformer; -te: and NVFP4 text encoder
 HOST_MARGIN_GIB = 8.0  # host memory left to the OS and this process when a plan offloads weights
 
 
@@ -103,15 +96,33 @@ def qwen25_vl_7b_config():
         video_token_id=151656)
 
 
-def text_encoder(model: str, device) -> nn.Module:
-    """The text encoder with random weights on ``device``, or left on the meta device where ``device`` is "meta"."""
+def text_encoder(model: str, device, nvfp4: bool = False) -> nn.Module:
+    """The text encoder with random weights on ``device``, or left on the meta device where ``device`` is "meta";
+    ``nvfp4``: the Linears ModelOpt's LLM recipe quantizes become NVFP4 (``quantize_text_encoder``'s recipe)."""
     from accelerate import init_empty_weights
     from transformers import Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
 
     with init_empty_weights(include_buffers=False):
         te = (Mistral3ForConditionalGeneration(mistral_small_31_config()) if model == "flux2-dev"
               else Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config()))
-    return te.to(torch.bfloat16) if str(device) == "meta" else randomize_(te, device, seed=1)
+    te = te.to(torch.bfloat16) if str(device) == "meta" else randomize_(te, device, seed=1)
+    return nvfp4_linears_(te, "meta" if str(device) == "meta" else None) if nvfp4 else te
+
+
+def nvfp4_linears_(module: nn.Module, device=None) -> nn.Module:
+    """Every Linear that ModelOpt's LLM recipe quantizes, as an NVFP4Linear of its weight (shapes only on "meta")."""
+    import bench_transformer_step as step
+
+    from diffusers_nvfp4_fast import NVFP4Linear
+    from diffusers_nvfp4_fast.quantize.recipes import modelopt_llm_disabled
+
+    for name, lin in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]:
+        if not modelopt_llm_disabled(name) and lin.in_features % 16 == 0:
+            bias = None if lin.bias is None else lin.bias.data
+            module.set_submodule(name, NVFP4Linear(lin.in_features, lin.out_features, bias is not None, device="meta")
+                                 if device == "meta" else NVFP4Linear.from_weight(lin.weight.data, bias,
+                                                                                  step.INPUT_AMAX / 2688))
+    return module
 
 
 def transformer(model: str, dtype: str, device) -> nn.Module:
@@ -124,11 +135,11 @@ def transformer(model: str, dtype: str, device) -> nn.Module:
 
     net = step.empty_model(model, tiny=False)
     if str(device) != "meta":
-        step.materialize(net, model, device, nvfp4=dtype == "nvfp4")
+        step.materialize(net, model, device, nvfp4=dtype in NVFP4)
         return net
     patterns = list(step.exclude_patterns(model, dict(net.config)))
     for name, lin in [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]:
-        if dtype == "nvfp4" and not is_excluded(name, patterns) and lin.in_features % 16 == 0:
+        if dtype in NVFP4 and not is_excluded(name, patterns) and lin.in_features % 16 == 0:
             net.set_submodule(name, NVFP4Linear(lin.in_features, lin.out_features, lin.bias is not None,
                                                 device="meta"))
     return net.to(torch.bfloat16)
@@ -150,7 +161,8 @@ def full_pipeline(model: str, dtype: str, device):
     with torch.device(device):  # default initialisation, or shapes only on "meta"
         vae = AutoencoderKLFlux2() if model == "flux2-dev" else AutoencoderKLQwenImage()
     parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), vae=vae.to(torch.bfloat16),
-                 text_encoder=text_encoder(model, device), transformer=transformer(model, dtype, device))
+                 text_encoder=text_encoder(model, device, nvfp4=dtype == "nvfp4-te"),
+                 transformer=transformer(model, dtype, device))
     prompt = "a red fox in fresh snow, morning light, a wooden sign reading WINTER"
     if model == "flux2-dev":
         return Flux2Pipeline(tokenizer=tiny.mistral_tokenizer(), **parts), dict(prompt=prompt, guidance_scale=4.0)
@@ -167,7 +179,9 @@ def tiny_pipeline(model: str, dtype: str):
     from diffusers_nvfp4_fast.testing import tiny
 
     pipe, call = tiny.TINY_PIPELINES["flux2" if model == "flux2-dev" else "qwen"]()
-    if dtype == "nvfp4":
+    if dtype == "nvfp4-te":
+        nvfp4_linears_(pipe.text_encoder)
+    if dtype in NVFP4:
         net = pipe.transformer
         patterns = list(step.exclude_patterns(model, dict(net.config)))
         for name, lin in [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]:
@@ -253,7 +267,7 @@ def run_case(model: str, dtype: str, plan: str, budget_gib: float | None, tiny: 
         return dict(case, fits=False, error=f"not run: the plan keeps {offloaded:.1f} GiB of weights in host memory "
                                             f"(peak about {offloaded * budget.HOST_PEAK_FACTOR:.0f} GiB while "
                                             f"offloading), {have:.1f} GiB is available")
-    if dtype == "nvfp4":
+    if dtype in NVFP4:
         enable_fast_paths(pipe)
     budget.apply_plan(pipe, plan, device)
     if cuda and budget_gib is not None:
@@ -272,8 +286,8 @@ def run_case(model: str, dtype: str, plan: str, budget_gib: float | None, tiny: 
         text, decode = timer.seconds["text"], timer.seconds["decode"]
         case.update(fits=True, s_per_image=round(total, 2), s_text=round(text, 2), s_decode=round(decode, 2),
                     s_denoise=round(total - text - decode, 2), png_sha256=png_sha256(image))
-        if dtype == "nvfp4":
-            report = next(iter(fast_path_report(pipe).values()))
+        if dtype in NVFP4:
+            report = fast_path_report(pipe)[type(pipe.transformer).__name__]
             case["fused_calls"] = dict(report["fused_calls"])
     if cuda:
         outside = case.get("outside_allocator_gib", 0.0)
@@ -387,7 +401,8 @@ def merge(path: Path, header: dict, cases: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", choices=sorted(STEPS), required=True)
-    ap.add_argument("--dtype", choices=("nvfp4", "bf16"), default="nvfp4")
+    ap.add_argument("--dtype", choices=(*NVFP4, "bf16"), default="nvfp4",
+                    help="nvfp4-te: the text encoder NVFP4 too (ModelOpt's LLM recipe)")
     ap.add_argument("--budgets", type=float, nargs="+", default=[24.0, 32.0], help="GPU memory caps in GiB")
     ap.add_argument("--plans", default="chosen",
                     help="'chosen' (the plan budget.choose_plan picks for each budget) or a comma-separated list")

@@ -1,53 +1,37 @@
 """One denoising step of the full-size FLUX.2-dev / Qwen-Image transformer: NVFP4 (fast paths off / on) vs BF16.
 
-Usage:
-    python benchmarks/bench_transformer_step.py --model flux2-dev --height 1024 --width 1024 [--steps-timed 5]
-    python benchmarks/bench_transformer_step.py --model qwen-image --height 1024 --width 1024
+    python benchmarks/bench_transformer_step.py --model qwen-image [--cuda-graphs] [--steps-timed 11]
     python benchmarks/bench_transformer_step.py --model qwen-image-2.1 [--kv-cached]
-    python benchmarks/bench_transformer_step.py --model flux2-dev --compile  # under torch.compile (inductor)
-    python benchmarks/bench_transformer_step.py --model flux2-dev --compile blocks  # compile_repeated_blocks
+    python benchmarks/bench_transformer_step.py --model flux2-dev --compile [blocks]  # torch.compile (inductor)
     python benchmarks/bench_transformer_step.py --model flux2-dev --tiny     # CPU dry run of the whole logic
 Writes benchmarks/results/transformer_step-<model>[-graph|-compile|-compile-blocks]-<device>.json (docs/design.md
-§10) and prints a table. ``--compile blocks`` compiles each transformer block as diffusers'
-``compile_repeated_blocks(fullgraph=True)`` does (regional compilation: one compile per block class, so minutes
-less). With ``--compile`` fast paths off and on are timed in two phases (alternating would recompile at each switch)
+§10) and prints a table. ``--compile blocks`` compiles each block as ``compile_repeated_blocks(fullgraph=True)``
+does. With ``--compile`` fast paths off and on are timed in two phases (alternating would recompile at each switch)
 with inductor's precision-cast emulation on, under which compiled on equals compiled off.
 
-How the NVFP4 model is built without ever holding the BF16 model: the diffusers model is created on the meta device
-(``accelerate.init_empty_weights(include_buffers=False)``, class defaults = the public FLUX.2-dev / Qwen-Image configs).
-Each Linear that the public NVFP4 checkpoints quantize (exclusion patterns ``FLUX2_EXCLUDE`` / ``qwen_exclude(60)`` from
-``diffusers_nvfp4_fast.testing.tiny``, matched like the loader does with ``loaders.common.is_excluded``, and
-``in_features % 16 == 0``) gets a random BF16 weight ``randn * 0.02`` on the GPU, quantized at once (precise mode, 128x4
-scales, ``weight_scale_2 = amax / 2688``) into an ``NVFP4Linear``; the BF16 weight is freed before the next layer.
-``input_scale`` is fixed to ``8 / 2688`` (activation amax 8: the block inputs are normalized and modulated, O(1) with
-tails of a few units; the value only changes which FP4 codes occur, not the speed). Every other parameter (excluded
-Linears, norms, embeddings) is random BF16 (norm weights 1, norm biases 0). The BF16 reference model is built the same
-way with BF16 Linears, after the NVFP4 model is freed, when it fits in memory.
+The NVFP4 model never exists in BF16: built on the meta device (class defaults = the public configs), each Linear the
+public NVFP4 checkpoints quantize (``FLUX2_EXCLUDE`` / ``qwen_exclude(60)`` of ``testing.tiny``, matched with
+``loaders.common.is_excluded``, ``in_features % 16 == 0``) gets a random BF16 weight ``randn * 0.02`` on the GPU,
+quantized at once into an ``NVFP4Linear`` (``NVFP4Linear.from_weight``); the BF16 weight is freed before the next.
+``input_scale`` is ``8 / 2688`` (block inputs are normalized and modulated; it changes which codes occur, not the
+speed). Every other parameter is random BF16 (norm weights 1, biases 0). The BF16 reference model is built the same
+way after the NVFP4 model is freed, when it fits in memory.
 
 Inputs at H x W: FLUX.2: latent (H/16)*(W/16) tokens of 128 channels (4096 at 1024x1024) + ``--text-tokens`` text
 tokens of 15360 channels, timestep 0.5, guidance 4.0, position ids as Flux2Pipeline builds them. Qwen-Image:
-(H/16)*(W/16) tokens of 64 channels + text tokens of 3584 channels, no text mask (QwenImagePipeline drops an
-all-valid mask), ``img_shapes = [[(1, H/16, W/16)]]``. Qwen-Image 2.1 (``QwenImage21Transformer2DModel``, diffusers
-0.42.1's defaults: 32 blocks of width 4096, 32 heads of 128, feed-forward 12288, 64 latent channels, text width 4096,
-``causal_condition``): (H/16)*(W/16) target tokens of 64 channels after the text tokens (vision-language width 4096),
-no condition image, timestep 0.5; the step is the full prefill (``kv_cache=None``: the block-causal attention in
-segments, text and target tokens modulated from their own rows), or with ``--kv-cached`` a decode step
-(``kv_cache_mode="cached"``: the target tokens only, against a cache filled once by an ``extract`` call, which is what
-QwenImage21Pipeline runs at every step after the first; the CUDA-graph runner runs such calls eagerly, since the
-cache is an argument it cannot capture). Not run on a GPU yet; expected there: ``--cuda-graphs`` does not capture
-the 2.1 forward either, which reads its token masks on the host (``.tolist()``, a sync that capture refuses), so the
-runner runs it eagerly and counts the failed capture.
+(H/16)*(W/16) tokens of 64 channels + text tokens of 3584 channels, no text mask, ``img_shapes = [[(1, H/16,
+W/16)]]``. Qwen-Image 2.1 (diffusers 0.42.1's defaults: 32 blocks of width 4096): the target tokens after the text
+tokens, no condition image; the full prefill (``kv_cache=None``), or with ``--kv-cached`` a decode step against a
+cache filled once by an ``extract`` call (what QwenImage21Pipeline runs after its first step; the CUDA-graph runner
+runs such calls, and the 2.1 forward, which reads its token masks on the host, eagerly).
 
-Measured per variant: ms per step (median of ``--steps-timed`` forwards after ``--warmup`` forwards, CUDA events;
-fast paths off and on alternate round by round so that clock drift cannot favour either). With ``--cuda-graphs`` each
-variant runs through the package's CUDA-graph runner (``capture_cuda_graphs``, what users call) after the eager
-warm-up (which compiles, autotunes and verifies): fast paths off, then on (disabling frees the graphs), then BF16
-eager and BF16 through the same runner; ``replay_equals_eager`` compares each replayed output with the eager output
-of the same variant. Results go to ``transformer_step-<model>-graph-<device>.json``. Models: ``flux2-dev``,
-``flux2-klein-4b``, ``flux2-klein-9b`` (configs from the model cards' transformer/config.json, see ``MODELS``),
-``qwen-image``, ``qwen-image-2.1``.
-peak GPU memory during the timed forwards, weight bytes (parameters + buffers). ``exact``: the fast-paths-on output
-has the same bytes as the fast-paths-off output (and off is repeatable), compared in this run.
+Measured per variant: ms per step (median of ``--steps-timed`` forwards after ``--warmup``, CUDA events; fast paths
+off and on alternate round by round so that clock drift cannot favour either), host ms, peak GPU memory, weight bytes.
+With ``--cuda-graphs`` each variant runs through ``capture_cuda_graphs`` after the eager warm-up: fast paths off, then
+on, then BF16 eager and BF16 through the same runner; ``replay_equals_eager`` compares each replay with the eager
+output of its variant (``transformer_step-<model>-graph-<device>.json``). ``exact``: the fast-paths-on output has the
+bytes of the fast-paths-off output (and off is repeatable). Models: ``flux2-dev``, ``flux2-klein-4b``,
+``flux2-klein-9b`` (configs from the model cards, ``MODELS``), ``qwen-image``, ``qwen-image-2.1``.
 """
 
 from __future__ import annotations

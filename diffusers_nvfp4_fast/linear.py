@@ -7,9 +7,15 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from .format import BLOCK_SIZE, ScaleLayout, fast_math_from_env, padded_scale_shape, swizzle_scales
+from .format import (
+    BLOCK_SIZE,
+    ScaleLayout,
+    fast_math_from_env,
+    padded_scale_shape,
+    quantize_nvfp4_weight,
+    swizzle_scales,
+)
 from .ops.linear import linear_fp16_x, nvfp4_linear, quantized_linear, takes_decoded_activation
-from .ops.quantize import quantize
 
 
 def _frozen(t: torch.Tensor) -> nn.Parameter:
@@ -163,11 +169,12 @@ class NVFP4Linear(nn.Module):
     def from_weight(
         cls, weight: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | float
     ) -> NVFP4Linear:
-        """Quantize a BF16 ``[N, K]`` weight the way ModelOpt does (``weight_scale_2 = amax / (448 * 6)``, precise
-        recipe) into a new layer on the weight's device; ``input_scale`` is the activation scale (FP32 scalar)."""
+        """Quantize a BF16 ``[N, K]`` weight the way ModelOpt does (``weight_scale_2 = amax / (448 * 6)``,
+        ``format.quantize_nvfp4_weight``) into a new layer on the weight's device; ``input_scale`` is the activation
+        scale (FP32 scalar)."""
         n, k = weight.shape
         weight_scale_2 = (weight.abs().max().float() / (448.0 * 6.0)).reshape(())
-        packed, scales = quantize(weight.to(torch.bfloat16), (1.0 / weight_scale_2).reshape(1), False)
+        packed, scales = quantize_nvfp4_weight(weight.to(torch.bfloat16), weight_scale_2, scale_layout="128x4")
         layer = cls(k, n, bias=bias is not None, device=weight.device)
         return layer.load_nvfp4(packed, scales, weight_scale_2, torch.as_tensor(input_scale, dtype=torch.float32), bias,
                                 scale_layout="128x4")

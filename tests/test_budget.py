@@ -167,3 +167,21 @@ def test_budget_benchmark_dry_run(tmp_path):
     for case in cases:
         assert case["fits"] and case["png_equal"] and case["fused_calls"]["flux2_token_cat_swiglu"] > 0, case
         assert case["s_per_image"] >= case["s_text"] + case["s_decode"] and case["peak_host_gib"] > 0, case
+
+
+def test_budget_benchmark_builds_nvfp4_text_encoders_by_modelopts_recipe():
+    """``bench_pipeline_budget.py --dtype nvfp4-te`` (on the meta device, as its estimates are made): the real-size
+    Qwen2.5-VL-7B's Linears that ModelOpt's LLM recipe quantizes are NVFP4, the rest (vision tower, lm_head) BF16, and
+    the estimates follow the smaller encoder."""
+    import bench_pipeline_budget as bench
+
+    from diffusers_nvfp4_fast.quantize.recipes import modelopt_llm_disabled
+
+    bf16_te, nvfp4 = bench.meta_pipeline("qwen-image", "nvfp4"), bench.meta_pipeline("qwen-image", "nvfp4-te")
+    linears = {n: m for n, m in nvfp4.text_encoder.named_modules() if isinstance(m, (torch.nn.Linear, NVFP4Linear))}
+    assert all(isinstance(m, NVFP4Linear) != modelopt_llm_disabled(n) for n, m in linears.items())
+    assert any(isinstance(m, NVFP4Linear) for m in linears.values())
+    saved = tensor_bytes(bf16_te.text_encoder) - tensor_bytes(nvfp4.text_encoder)
+    assert saved > 0
+    before, after = budget.plan_estimates(bf16_te), budget.plan_estimates(nvfp4)
+    assert (before["resident"] - after["resident"]) * budget.GIB == pytest.approx(saved, rel=1e-9)
