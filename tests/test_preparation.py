@@ -199,3 +199,47 @@ def test_under_the_graph_runner_the_first_call_is_captured_and_counted_once(klei
     assert graphs["captures"] >= 1 and not graphs["eager_calls"], graphs
     n = _blocks(pipe)
     assert f"{n}/{n}" in out.getvalue() and f"{n + 1}/{n}" not in out.getvalue(), out.getvalue()
+
+
+_TWO_PROCESSES = """
+import json, sys, tempfile
+from pathlib import Path
+import torch
+from diffusers_nvfp4_fast import enable_fast_paths, fast_path_report, load_nvfp4_transformer
+from diffusers_nvfp4_fast.testing.export import quantize_tiny_pipeline
+from diffusers_nvfp4_fast.testing.tiny import TINY_PIPELINES
+from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+
+with tempfile.TemporaryDirectory() as tmp:
+    checkpoint = quantize_tiny_pipeline("flux2", Path(tmp) / "flux2", steps=1)
+    pipe, kwargs = TINY_PIPELINES["flux2"](load_nvfp4_transformer(checkpoint, device="cuda"))
+pipe.to("cuda")
+enable_fast_paths(pipe)
+sha = png_sha256(run_pipeline(pipe, kwargs, size=64, steps=2))
+print(json.dumps({"sha": sha, **fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]}))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_a_new_cache_is_reported_cold_and_the_next_process_warm(tmp_path):
+    """Two fresh processes on one empty Triton cache directory: the first compiles the NVFP4 kernels it runs and says
+    "cold", the second loads every one of them from the cache and says "warm"; the same PNG."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU: runs on the GPU machine (pytest -m gpu tests/test_preparation.py)")
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _TWO_PROCESSES], env=env, capture_output=True, text=True,
+                              timeout=280)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["cache"] == "cold" and cold["compiled"] > 0 and cold["seconds"] > 0, cold
+    assert warm["cache"] == "warm" and warm["compiled"] == 0, warm
+    assert warm["from_cache"] == cold["compiled"] + cold["from_cache"], (cold, warm)
+    assert cold["sha"] == warm["sha"]
