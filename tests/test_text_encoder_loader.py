@@ -67,12 +67,9 @@ def _modelopt_decoded(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.
         dtype=torch.float32, scale=scale, double_scale=scale_2, block_sizes={-1: 16})
 
 
-@pytest.mark.parametrize("which", te.CLASSES)
-def test_modelopt_export_loads_as_modelopt_decodes_it(which, exports):
-    directory = exports(which)
-    model = load_nvfp4_text_encoder(directory)
-    assert type(model).__name__ == CLASS_NAMES[which]
-    stored = _file_tensors(directory)
+def _decodes_as_modelopt(model: nn.Module, stored: dict[str, torch.Tensor]) -> dict[str, tuple[NVFP4Linear, str]]:
+    """Every NVFP4Linear of ``model`` and its stored key, after checking that the layers are exactly the file's packed
+    weights and that each decodes ``torch.equal`` to ModelOpt's own dequantize of its tensors."""
     rename = checkpoint_key_renamer(model)
     by_name = {rename(k).removesuffix(".weight"): k.removesuffix(".weight") for k, v in stored.items()
                if k.endswith(".weight") and v.dtype == torch.uint8}
@@ -83,6 +80,17 @@ def test_modelopt_export_loads_as_modelopt_decodes_it(which, exports):
         theirs = _modelopt_decoded(stored[f"{key}.weight"], stored[f"{key}.weight_scale"],
                                    stored[f"{key}.weight_scale_2"])
         assert torch.equal(_decoded(layer, torch.float32), theirs), name
+    return {name: (layer, by_name[name]) for name, layer in layers.items()}
+
+
+@pytest.mark.parametrize("which", te.CLASSES)
+def test_modelopt_export_loads_as_modelopt_decodes_it(which, exports):
+    directory = exports(which)
+    model = load_nvfp4_text_encoder(directory)
+    assert type(model).__name__ == CLASS_NAMES[which]
+    stored = _file_tensors(directory)
+    layers = _decodes_as_modelopt(model, stored)
+    for name, (layer, key) in layers.items():
         assert torch.equal(layer.input_scale, stored[f"{key}.input_scale"].float()), name
     # what the recipe keeps BF16 stays BF16: embeddings, lm_head, the vision tower
     assert isinstance(model.get_output_embeddings(), nn.Linear)
@@ -336,17 +344,7 @@ def test_quantize_text_encoder_output_loads_back_byte_for_byte(cls, tmp_path):
     for variant in ("static", "dynamic"):
         model = load_nvfp4_text_encoder(tmp_path / variant)
         assert type(model).__name__ == cls
-        stored = _file_tensors(tmp_path / variant)
-        rename = checkpoint_key_renamer(model)
-        by_name = {rename(k).removesuffix(".weight"): k.removesuffix(".weight") for k, v in stored.items()
-                   if k.endswith(".weight") and v.dtype == torch.uint8}
-        layers = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
-        assert set(layers) == set(by_name) and layers
-        for name, layer in layers.items():
-            key = by_name[name]
-            theirs = _modelopt_decoded(stored[f"{key}.weight"], stored[f"{key}.weight_scale"],
-                                       stored[f"{key}.weight_scale_2"])
-            assert torch.equal(_decoded(layer, torch.float32), theirs), name
+        for name, (layer, _) in _decodes_as_modelopt(model, _file_tensors(tmp_path / variant)).items():
             assert layer.dynamic_input_scale == (variant == "dynamic"), name
 
 

@@ -128,9 +128,11 @@ def resolve_dir(path_or_repo_id: str | os.PathLike, subfolder: str | None) -> Pa
     return model_dir
 
 
-def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of an export: the index's shards, the single weights file, or every ``*.safetensors``."""
-    index = model_dir / WEIGHTS_INDEX_NAME
+def weight_files(model_dir: Path, index_name: str = WEIGHTS_INDEX_NAME) -> list[Path]:
+    """The safetensors files of an export: the shards of its index ``index_name`` (diffusers' by default;
+    transformers' ``model.safetensors.index.json`` for a text encoder), the single weights file, or every
+    ``*.safetensors``."""
+    index = model_dir / index_name
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -307,7 +309,7 @@ def build_nvfp4_layer(linear: nn.Linear, name: str, tensors: dict[str, torch.Ten
     return new, new.swizzle_weight_scales_()
 
 
-def _load_nvfp4_layer(model: nn.Module, name: str, index: CheckpointIndex, layout: ScaleLayout,
+def load_nvfp4_layer(model: nn.Module, name: str, index: CheckpointIndex, layout: ScaleLayout,
                       qinfo: QuantizationInfo, torch_dtype: torch.dtype, problems: list[str]) -> bool:
     """Replace Linear ``name`` by an ``NVFP4Linear`` holding the stored tensors; True if its scales were swizzled.
     Unusable scale values are added to ``problems``."""
@@ -419,7 +421,7 @@ def load_modelopt_export(
     problems: list[str] = []
     plain = plan.index.load(plan.plain_keys)
     model.load_state_dict({k: v.to(torch_dtype) for k, v in plain.items()}, strict=False, assign=True)
-    swizzled = sum(_load_nvfp4_layer(model, name, plan.index, stored, plan.qinfo, torch_dtype, problems)
+    swizzled = sum(load_nvfp4_layer(model, name, plan.index, stored, plan.qinfo, torch_dtype, problems)
                    for name, stored in plan.quantized.items())
     raise_scale_problems(plan.model_dir, problems)
     finish_model(model, plan.model_dir, device)

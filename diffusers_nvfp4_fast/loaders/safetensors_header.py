@@ -145,11 +145,16 @@ class CheckpointIndex:
         entry = self.entries.get(key)
         return entry[1] if entry else None
 
+    def file_key(self, key: str) -> str:
+        """The name ``key`` is stored under in its file (the same here; a renaming index maps it)."""
+        return key
+
     def load(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
         by_file: dict[Path, list[str]] = {}
         for k in keys:
             by_file.setdefault(self.entries[k][0], []).append(k)
         out: dict[str, torch.Tensor] = {}
         for path, ks in by_file.items():
-            out.update(self._by_path[path].load(ks))
+            stored = self._by_path[path].load(self.file_key(k) for k in ks)
+            out.update({k: stored[self.file_key(k)] for k in ks})
         return out

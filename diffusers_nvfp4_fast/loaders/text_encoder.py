@@ -25,12 +25,13 @@ from .errors import NVFP4CheckpointError
 from .modelopt_export import (
     ExportPlan,
     QuantizationInfo,
-    _load_nvfp4_layer,
+    load_nvfp4_layer,
     plan_export_into,
     raise_plan_problems,
     read_json,
     read_quantization_info,
     resolve_dir,
+    weight_files,
 )
 from .safetensors_header import CheckpointIndex, SafetensorsHeader
 from .transformers_compat import checkpoint_key_renamer, empty_model
@@ -73,15 +74,8 @@ class RenamedIndex(CheckpointIndex):
             self.stored[name], entries[name] = key, entry
         self.entries = entries
 
-    def load(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        by_file: dict[Path, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self.entries[k][0], []).append(k)
-        out: dict[str, torch.Tensor] = {}
-        for path, names in by_file.items():
-            stored = self._by_path[path].load(self.stored[n] for n in names)
-            out.update({n: stored[self.stored[n]] for n in names})
-        return out
+    def file_key(self, key: str) -> str:
+        return self.stored[key]
 
 
 def text_encoder_class(config: Mapping[str, Any], source: str) -> type:
@@ -96,24 +90,6 @@ def text_encoder_class(config: Mapping[str, Any], source: str) -> type:
             f"{source}: architectures {config.get('architectures')!r} / model_type {config.get('model_type')!r} is "
             f"not a text encoder this loader reads ({', '.join(TEXT_ENCODER_CLASSES)})")
     return getattr(transformers, name)
-
-
-def _index_files(model_dir: Path) -> list[Path]:
-    """The safetensors files of a transformers export: its index's shards, or every ``*.safetensors``."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise NVFP4CheckpointError(f"{index}: no 'weight_map' object")
-        files = [model_dir / f for f in sorted(set(weight_map.values()))]
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise NVFP4CheckpointError(f"{index}: lists shard(s) that are not in {model_dir}: {', '.join(missing)}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise NVFP4CheckpointError(f"{model_dir}: no .safetensors weights")
-    return files
 
 
 def _config_dict(config: Mapping[str, Any] | str | os.PathLike) -> tuple[dict, str]:
@@ -169,7 +145,7 @@ def _materialize(plan: ExportPlan, dtype: torch.dtype, device, source, **facts) 
     plain = plan.index.load(plan.plain_keys)
     model.load_state_dict({k: v.to(dtype) for k, v in plain.items()}, strict=False, assign=True)
     problems: list[str] = []
-    swizzled = sum(_load_nvfp4_layer(model, name, plan.index, stored, plan.qinfo, dtype, problems)
+    swizzled = sum(load_nvfp4_layer(model, name, plan.index, stored, plan.qinfo, dtype, problems)
                    for name, stored in plan.quantized.items())
     raise_scale_problems(source, problems)
     tie_weights = getattr(model, "tie_weights", None)
@@ -200,7 +176,7 @@ def _load_export(model_dir: Path, dtype: torch.dtype, device, scale_layout: Scal
         qinfo.scale_layout = "linear"  # ModelOpt's HF export format stores linear [N, K/16] block scales
     cls = text_encoder_class(config, str(model_dir / "config.json"))
     model = empty_model(cls, _drop_quantization(config), dtype)
-    plan = _plan(model, model_dir, qinfo, _index_files(model_dir), scale_layout)
+    plan = _plan(model, model_dir, qinfo, weight_files(model_dir, "model.safetensors.index.json"), scale_layout)
     return _materialize(plan, dtype, device, model_dir, format="modelopt_export")
 
 

@@ -76,7 +76,7 @@ def _diffusers_class(config: dict[str, Any], config_path: Path) -> type:
     return cls
 
 
-def _refuse_quantized(model_dir: Path, config: dict[str, Any], index: CheckpointIndex) -> None:
+def refuse_quantized(model_dir: Path, config: dict[str, Any], index: CheckpointIndex) -> None:
     quantized = [k for k in index.entries if k.endswith((".weight_scale", ".weight_scale_2", ".input_scale"))]
     if config.get("quantization_config") is not None or quantized:
         what = f"tensor {quantized[0]}" if quantized else "config.json has a quantization_config"
@@ -89,13 +89,22 @@ def _key_problems(skeleton: nn.Module, index: CheckpointIndex) -> list[str]:
     params = dict(skeleton.named_parameters())
     problems = [f"missing key {k} (shape {list(t.shape)})" for k, t in params.items() if k not in index]
     for key, (path, info) in index.entries.items():
-        if key not in expected:
-            problems.append(f"unexpected key {key} in {path.name} ({info.dtype}, {list(info.shape)})")
-        elif info.shape != tuple(expected[key].shape):
-            problems.append(f"{key} in {path.name}: shape {list(info.shape)}, expected {list(expected[key].shape)}")
-        elif info.dtype not in ("BF16", "F16", "F32"):
-            problems.append(f"{key} in {path.name}: dtype {info.dtype}, expected BF16, F16 or F32")
+        problem = stored_key_problem(key, path, info, expected[key] if key in expected else None)
+        if problem:
+            problems.append(problem)
     return problems
+
+
+def stored_key_problem(key: str, path: Path, info: Any, expected: torch.Tensor | None) -> str | None:
+    """What is wrong with stored tensor ``key`` (its header ``info``) against the class's tensor ``expected`` (None:
+    the class has no such key), or None."""
+    if expected is None:
+        return f"unexpected key {key} in {path.name} ({info.dtype}, {list(info.shape)})"
+    if info.shape != tuple(expected.shape):
+        return f"{key} in {path.name}: shape {list(info.shape)}, expected {list(expected.shape)}"
+    if info.dtype not in ("BF16", "F16", "F32"):
+        return f"{key} in {path.name}: dtype {info.dtype}, expected BF16, F16 or F32"
+    return None
 
 
 def open_source(path_or_repo_id: str | os.PathLike, subfolder: str | None = None) -> BF16Source:
@@ -111,7 +120,7 @@ def open_source(path_or_repo_id: str | os.PathLike, subfolder: str | None = None
     config = read_json(model_dir / "config.json")
     cls = _diffusers_class(config, model_dir / "config.json")
     index = CheckpointIndex(weight_files(model_dir))
-    _refuse_quantized(model_dir, config, index)
+    refuse_quantized(model_dir, config, index)
     with init_empty_weights(include_buffers=False):
         skeleton = cls.from_config(config)  # type: ignore[attr-defined]  # a diffusers ModelMixin
     problems = _key_problems(skeleton, index)

@@ -31,7 +31,13 @@ from .recipes import (
 from .text_calibration import calibrate_text_encoder, load_text_pipeline
 from .text_config import export_configs, summarize_ignore, unquantized_carriers
 from .text_source import TextEncoderSource, open_text_source
-from .transformer import MODEL_DTYPES, EmptyPlanError, QuantizedCheckpoint, _input_scale_facts, _refuse_overlap
+from .transformer import (
+    EmptyPlanError,
+    QuantizedCheckpoint,
+    check_run_arguments,
+    input_scale_facts,
+    refuse_overlap,
+)
 from .workdir import remove_stale_work_dirs, terminate_raises, work_dir_for
 from .writer import ShardWriter, check_target, parse_size, publish
 
@@ -58,22 +64,6 @@ def _plan(src: TextEncoderSource, exclude: Sequence[str] | None) -> tuple[list[s
         off = is_excluded(name, list(exclude)) if exclude is not None else modelopt_llm_disabled(name)
         (kept if off or linear.in_features % 16 else quant).append(name)
     return quant, kept
-
-
-def _check_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype, method: str, device: str,
-                     max_shard_size: int | str) -> None:
-    if method not in ("package", "modelopt"):
-        raise ValueError(f"method={method!r}: expected one of package, modelopt")
-    if dynamic == (pipeline is not None):
-        raise ValueError("give either a pipeline to calibrate input scales with (--pipeline / pipeline=) or "
-                         "dynamic=True (--dynamic: activation scales computed per call), not both or neither")
-    if dynamic and method == "modelopt":
-        raise ValueError("method='modelopt' calibrates its input scales through a pipeline (--pipeline); "
-                         "dynamic=True (--dynamic) is this package's method only")
-    if dtype not in MODEL_DTYPES:
-        raise ValueError(f"dtype={dtype}: expected one of {', '.join(map(str, MODEL_DTYPES))}")
-    check_device(device)
-    parse_size(max_shard_size)
 
 
 @dataclass
@@ -172,7 +162,7 @@ def _package_route(run: _TextRun, pipeline: Any, dynamic: bool, max_shard_size: 
 
 
 def _text_scale_facts(method: str, amax: dict[str, float] | None, prompts: Sequence[str]) -> dict[str, Any]:
-    facts = _input_scale_facts(method, amax, prompts, 1)
+    facts = input_scale_facts(method, amax, prompts, 1)
     facts.pop("num_inference_steps", None)
     if method != "dynamic":
         facts["calls"] = "encode_prompt"
@@ -253,12 +243,14 @@ def quantize_text_encoder(
         SIGHUP after removing the work directory.
     """
     dtype = dtype or torch.bfloat16
-    _check_arguments(pipeline, dynamic, dtype, method, device, max_shard_size)
+    check_run_arguments(pipeline, dynamic, dtype, method)
+    check_device(device)
+    parse_size(max_shard_size)
     out = Path(out_dir)
     check_target(out, overwrite)
     started = time.perf_counter()
     src = open_text_source(source, subfolder)
-    _refuse_overlap(src.model_dir, out)
+    refuse_overlap(src.model_dir, out)
     if exclude is None and src.class_name not in TEXT_ENCODER_CLASSES:
         raise UnknownModelClassError(
             f"{src.model_dir}: architectures={src.class_name!r} has no NVFP4 text-encoder recipe here (known: "

@@ -18,7 +18,7 @@ from torch import nn
 from ..loaders.modelopt_export import read_json, resolve_dir, weight_files
 from ..loaders.safetensors_header import CheckpointIndex
 from .hub_names import file_keys
-from .source import QuantizeSourceError
+from .source import QuantizeSourceError, refuse_quantized, stored_key_problem
 
 
 @dataclass
@@ -79,13 +79,9 @@ def _key_problems(skeleton: nn.Module, index: CheckpointIndex, names: dict[str, 
     problems = [f"missing key {f} (shape {list(expected[k].shape)})" for k, f in names.items()
                 if f not in index and k not in tied and k in dict(skeleton.named_parameters())]
     for key, (path, info) in index.entries.items():
-        if key not in by_file:
-            problems.append(f"unexpected key {key} in {path.name} ({info.dtype}, {list(info.shape)})")
-        elif info.shape != tuple(expected[by_file[key]].shape):
-            problems.append(f"{key} in {path.name}: shape {list(info.shape)}, expected "
-                            f"{list(expected[by_file[key]].shape)}")
-        elif info.dtype not in ("BF16", "F16", "F32"):
-            problems.append(f"{key} in {path.name}: dtype {info.dtype}, expected BF16, F16 or F32")
+        problem = stored_key_problem(key, path, info, expected[by_file[key]] if key in by_file else None)
+        if problem:
+            problems.append(problem)
     return problems
 
 
@@ -106,10 +102,7 @@ def open_text_source(path_or_repo_id: str | os.PathLike, subfolder: str | None =
                                   "model has _class_name: use quantize_transformer)")
     cls = _transformers_class(config, model_dir / "config.json")
     index = CheckpointIndex(weight_files(model_dir))
-    quantized = [k for k in index.entries if k.endswith((".weight_scale", ".weight_scale_2", ".input_scale"))]
-    if config.get("quantization_config") is not None or quantized:
-        what = f"tensor {quantized[0]}" if quantized else "config.json has a quantization_config"
-        raise QuantizeSourceError(f"{model_dir}: already quantized ({what}); quantize the BF16 model it was made from")
+    refuse_quantized(model_dir, config, index)
     with init_empty_weights(include_buffers=False):
         skeleton = cls(AutoConfig.from_pretrained(model_dir))
     names = file_keys(skeleton)

@@ -87,9 +87,8 @@ def _plan(source: BF16Source, exclude: Sequence[str]) -> tuple[list[str], list[s
 METHODS = ("package", "modelopt")
 
 
-def _check_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype, method: str, options: Mapping[str, Any],
-                     device: str, max_shard_size: int | str) -> None:
-    """Refuse, before anything is read, an argument no run can use (each check is cheap and names the value)."""
+def check_run_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype, method: str) -> None:
+    """Refuse a method, calibration choice or dtype no quantize run can use (transformers and text encoders alike)."""
     if method not in METHODS:
         raise ValueError(f"method={method!r}: expected one of {', '.join(METHODS)}")
     if dynamic == (pipeline is not None):
@@ -100,6 +99,12 @@ def _check_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype, method: s
                          "dynamic=True (--dynamic) is this package's method only")
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype={dtype}: expected one of {', '.join(map(str, MODEL_DTYPES))}")
+
+
+def _check_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype, method: str, options: Mapping[str, Any],
+                     device: str, max_shard_size: int | str) -> None:
+    """Refuse, before anything is read, an argument no run can use (each check is cheap and names the value)."""
+    check_run_arguments(pipeline, dynamic, dtype, method)
     steps = options["steps"]
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"num_inference_steps={steps!r} (--steps): calibration runs at least 1 step per prompt")
@@ -111,7 +116,7 @@ def _check_arguments(pipeline: Any, dynamic: bool, dtype: torch.dtype, method: s
     parse_size(max_shard_size)
 
 
-def _refuse_overlap(source_dir: Path, out_dir: Path) -> None:
+def refuse_overlap(source_dir: Path, out_dir: Path) -> None:
     src, out = source_dir.resolve(), out_dir.resolve()
     if src == out or src in out.parents or out in src.parents:
         raise ValueError(f"{out_dir}: the output would overlap the source model directory {source_dir}")
@@ -156,7 +161,7 @@ def _stream(source: BF16Source, quant: list[str], amax: dict[str, float] | None,
     bar.close()
 
 
-def _input_scale_facts(method: str, amax: dict[str, float] | None, prompts: Sequence[str],
+def input_scale_facts(method: str, amax: dict[str, float] | None, prompts: Sequence[str],
                        steps: int) -> dict[str, Any]:
     """``quantization_config.input_scales``: ``none`` (no NVFP4 layer), ``dynamic``, ``modelopt`` (ModelOpt's max
     calibration, its scales in the export) or ``calibrated`` (this package's, with the range of the scales)."""
@@ -270,7 +275,7 @@ def quantize_transformer(
     check_target(out, overwrite)
     started = time.perf_counter()
     src = open_source(source, subfolder)
-    _refuse_overlap(src.model_dir, out)
+    refuse_overlap(src.model_dir, out)
     patterns = tuple(exclude) if exclude is not None else exclude_patterns(src.class_name, src.config, src.model_dir)
     recipe = "given by the caller" if exclude is not None else RECIPE_SOURCES[src.class_name]
     quant, kept = _plan(src, patterns)
@@ -330,7 +335,7 @@ def _package_route(run: _Run, pipeline: Any, dynamic: bool, max_shard_size: int 
         _stream(src, quant, amax, writer, run.dtype, run.device, run.options["progress"])
         files = writer.finish()
         qconfig = quantization_config(run.kept, "linear", quant if dynamic else [])
-        qconfig["input_scales"] = _input_scale_facts(_package_scale_method(quant, dynamic), amax, run.prompts,
+        qconfig["input_scales"] = input_scale_facts(_package_scale_method(quant, dynamic), amax, run.prompts,
                                                      run.options["steps"])
         qconfig["exclude_patterns"], qconfig["exclude_recipe"] = list(run.patterns), run.recipe
         publish(work, {**src.config, "quantization_config": qconfig}, run.out, run.overwrite)
@@ -347,7 +352,7 @@ def _modelopt_route(run: _Run, pipeline: Any) -> QuantizedCheckpoint:
         config = export_with_modelopt(run.src, run.quant, pipeline, run.prompts, run.dtype, run.device, run.options,
                                       work)
         qconfig = config["quantization_config"]
-        qconfig["input_scales"] = _input_scale_facts("modelopt", None, run.prompts, run.options["steps"])
+        qconfig["input_scales"] = input_scale_facts("modelopt", None, run.prompts, run.options["steps"])
         qconfig["exclude_patterns"], qconfig["exclude_recipe"] = list(run.patterns), run.recipe
         files = sorted(p.name for p in work.iterdir() if p.suffix == ".safetensors")
         total = sum((work / f).stat().st_size for f in files)
