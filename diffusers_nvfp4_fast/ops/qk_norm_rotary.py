@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
 from .. import caches
-from .dispatch import kernels, triton_runs_on
+from .dispatch import kernels
 from .fused import AotKernel, Case, Form, FusedOp, Probe
 from .rotary import contiguous_like_x, flux2_tables, probe_inputs, rotary_reference
 
@@ -103,17 +103,19 @@ flux2_qk_norm_rotary = Form(
         "S": "i32", "H": "i32", "eps": "fp32"}))
 
 
-def _tree(x: torch.Tensor) -> int | None:
-    """The kernel's tree for x's GPU; off the GPU (the Triton interpreter in CPU tests) torch 2.11's (1)."""
-    return tree_match(x.device).tree if x.is_cuda else 1
+def _qk_norm_rotary_kernel(k, x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float) -> torch.Tensor:
+    """The kernel with the tree that equals torch's on x's GPU (one lookup per call; off the GPU, the Triton
+    interpreter in CPU tests, torch 2.11's tree 1), diffusers' chain where no tree does."""
+    tree = tree_match(x.device).tree if x.is_cuda else 1
+    if tree is None:
+        return qk_norm_rotary_reference(x, weight, freqs, eps)
+    return k.qk_norm_rotary_triton(x, weight, freqs, eps, tree=tree)
 
 
 # x [B, S, H, 128] BF16, weight BF16 [128], freqs complex64 [S, 64], eps -> [B, S, H, 128] BF16: the kernel where
 # Triton runs and its tree equals torch's, diffusers' chain elsewhere (the same bytes).
 qk_norm_rotary = Form(
-    "qk_norm_rotary", qk_norm_rotary_reference,
-    lambda k, x, weight, freqs, eps: k.qk_norm_rotary_triton(x, weight, freqs, eps, tree=_tree(x)),
-    contiguous_like_x, ("out",), runs=lambda x: triton_runs_on(x) and tree_match(x.device).tree is not None,
+    "qk_norm_rotary", qk_norm_rotary_reference, _qk_norm_rotary_kernel, contiguous_like_x, ("out",),
     aot=AotKernel("qk_norm_rotary", "qk_norm_rotary", "_qk_norm_rotary_kernel", _QK_SIGNATURE))
 
 
