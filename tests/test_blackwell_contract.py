@@ -618,13 +618,15 @@ def test_on_a_blackwell_gpu_the_default_backend_runs_without_a_toolkit_or_flashi
     from diffusers_nvfp4_fast.commands import selftest
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
-        pytest.skip("needs a Blackwell (SM100+) GPU; none has run this test yet")
+        pytest.skip("the toolkit-free default backend did not run: this is no SM100+ GPU; it runs on a Blackwell GPU "
+                    "(pytest -m gpu tests/test_blackwell_contract.py), none of which has run it yet")
     device = torch.device("cuda", torch.cuda.current_device())
     for name in ("CUDA_HOME", "CUDA_PATH", dispatch.GEMM_BACKEND_VAR):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # the host compiler that Triton's launcher build needs stays
     if shutil.which("nvcc") is not None:
-        pytest.skip(f"nvcc is installed in /usr/bin or /bin ({shutil.which('nvcc')}), so 'no toolkit' cannot be set up")
+        pytest.skip(f"the toolkit-free run did not happen: nvcc is in /usr/bin or /bin ({shutil.which('nvcc')}); "
+                    "it runs on a Blackwell machine whose nvcc is elsewhere or absent")
     monkeypatch.setitem(sys.modules, "flashinfer", None)
     dispatch.reset_backend_choice()
     try:
