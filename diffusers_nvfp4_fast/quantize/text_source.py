@@ -2,7 +2,7 @@
 
 ``open_text_source`` checks what it can before any weight is read: ``config.json`` and its ``architectures``, that
 the weights are not already quantized, and every key and shape against the transformers class built on the meta
-device (keys as the files spell them: ``hub_names.file_keys``).
+device (keys as the files spell them: ``loaders.transformers_compat.file_keys``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 
 from ..loaders.modelopt_export import read_json, resolve_dir, weight_files
 from ..loaders.safetensors_header import CheckpointIndex
-from .hub_names import file_keys
+from ..loaders.transformers_compat import file_keys
 from .source import QuantizeSourceError, refuse_quantized, stored_key_problem
 
 
