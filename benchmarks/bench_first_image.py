@@ -5,9 +5,10 @@
 Each case is a new process (``--child``) with ``TRITON_CACHE_DIR`` set: ``cold`` a new empty directory, ``warm`` the
 one the cold run filled, BF16 (fast paths off) another empty one. The child times the imports, building the pipeline
 (``bench_pipeline.build``: real sizes, random weights), ``enable_fast_paths``, the first and second 1024x1024 image,
-and splits the first image's extra time into Triton compiles by kernel (``JITFunction._do_compile``), autotune timing,
-first-use verification and launch-plan building (each less the compiles inside it) and ``other``: Triton and project
-internals, read here only. Writes benchmarks/results/first_image-<device>.json (other models' cases kept, dated).
+and splits the first image's extra time into Triton compiles by kernel (the package's compile listener), autotune
+timing, first-use verification and launch-plan building (each less the compiles inside it) and ``other`` (the
+autotuner's and the ops' timers are read here only). Writes benchmarks/results/first_image-<device>.json (other
+models' cases kept, dated).
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ class FirstUseClock:
     def __init__(self) -> None:
         self.compiles: dict[str, list[float]] = defaultdict(list)
         self.spent: dict[str, float] = defaultdict(float)
-        self._compile_depth = 0
         self._compile_total = 0.0
 
     def _timed(self, what: str, fn):
@@ -51,34 +51,24 @@ class FirstUseClock:
                 clock.spent[what] += time.perf_counter() - start - (clock._compile_total - compiled_before)
         return wrapper
 
-    def _compile(self, fn):
-        clock = self
-
-        def wrapper(jit, *args, **kwargs):
-            start = time.perf_counter()
-            clock._compile_depth += 1
-            try:
-                return fn(jit, *args, **kwargs)
-            finally:
-                clock._compile_depth -= 1
-                seconds = time.perf_counter() - start
-                if clock._compile_depth == 0:
-                    clock._compile_total += seconds
-                    name = getattr(jit, "__name__", None) or getattr(getattr(jit, "fn", None), "__name__", "?")
-                    clock.compiles[name].append(seconds)
-        return wrapper
+    def _heard(self, event) -> None:
+        """A ``triton.compile`` (or its cache load), as the package's compile listener reports it."""
+        self._compile_total += event.seconds
+        self.compiles[event.name].append(event.seconds)
 
     @contextlib.contextmanager
     def installed(self):
-        """The hooks, on whatever of them this Triton and this project have (a missing one reads as 0)."""
-        from triton.runtime import autotuner, jit
+        """The compile listener, and timers on whatever of the other hooks this Triton and this project have (a
+        missing one reads as 0)."""
+        from triton.runtime import autotuner
 
-        patches = [(jit.JITFunction, "_do_compile", self._compile),
-                   (autotuner.Autotuner, "_bench", lambda f: self._timed("autotune_s", f))]
-        with contextlib.suppress(ImportError):
-            from diffusers_nvfp4_fast.ops import fused, verify
+        from diffusers_nvfp4_fast import caches
+        from diffusers_nvfp4_fast.kernels import triton_compat
+        from diffusers_nvfp4_fast.ops import fused
 
-            patches.append((fused, "run_checked", self._verifying(verify)))
+        verdicts = caches.registered()["ops.verify.verdicts"].table
+        patches = [(autotuner.Autotuner, "_bench", lambda f: self._timed("autotune_s", f)),
+                   (fused, "run_checked", self._verifying(verdicts))]
         with contextlib.suppress(ImportError):
             from diffusers_nvfp4_fast import kernels
 
@@ -89,19 +79,21 @@ class FirstUseClock:
             if callable(getattr(owner, name, None)):
                 saved.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, wrap(getattr(owner, name)))
+        remove = triton_compat.add_compile_listener(self._heard)
         try:
             yield self
         finally:
+            remove()
             for owner, name, original in saved:
                 setattr(owner, name, original)
 
-    def _verifying(self, verify):
+    def _verifying(self, verdicts):
         """``run_checked`` timed only where it verifies (its first call per call class)."""
         def wrap(run_checked):
             timed = self._timed("verification_s", run_checked)
 
             def wrapper(site, call_key, *rest):
-                seen = f"{site.kind}|{call_key}" in getattr(verify, "_VERDICTS", {})
+                seen = f"{site.kind}|{call_key}" in verdicts
                 return run_checked(site, call_key, *rest) if seen else timed(site, call_key, *rest)
             return wrapper
         return wrap
