@@ -12,6 +12,7 @@ import torch
 
 from diffusers_nvfp4_fast.ops import fused, registry
 from diffusers_nvfp4_fast.ops.fused import Probe
+from diffusers_nvfp4_fast.ops.verify import bytes_equal
 from support.interpreter import run_interpreted
 
 # Forms whose kernel, under the interpreter, computes a stand-in of the GPU's arithmetic (so its bytes are compared
@@ -46,9 +47,7 @@ def _outputs(value) -> tuple[torch.Tensor, ...]:
 
 def _bytes_equal(got, want) -> bool:
     got, want = _outputs(got), _outputs(want)
-    return len(got) == len(want) and all(
-        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        for a, b in zip((t.contiguous() for t in got), (t.contiguous() for t in want)))
+    return len(got) == len(want) and all(bytes_equal(a, b) for a, b in zip(got, want))
 
 
 def test_every_declared_op_is_registered():

@@ -10,23 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from diffusers_nvfp4_fast.commands.cli import main
 from diffusers_nvfp4_fast.quantize.recipes import MODELOPT_LLM_DISABLED
 from diffusers_nvfp4_fast.quantize.text_encoder import quantize_text_encoder
-from tests.support.tiny_text_encoders import CLASSES, PromptEncoder, save_tiny_text_encoder
+from support.text_encoders import directory_tensors
+from support.tiny_text_encoders import CLASSES, PromptEncoder, save_tiny_text_encoder
 
 MISTRAL3_LM_HEAD = {("Mistral3ForConditionalGeneration", "lm_head"): "language_model.lm_head"}
 PROMPTS = ["a red fox in fresh snow", "a street market at dusk"]
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118  (safe_open has no __iter__)
-    return out
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -58,7 +50,8 @@ def test_package_route_writes_what_modelopt_exports(cls, sources, tmp_path):
     theirs = quantize_text_encoder(sources[cls], tmp_path / "modelopt", pipeline=PromptEncoder(), prompts=PROMPTS,
                                    progress=False, method="modelopt")
     assert ours.nvfp4_layers == theirs.nvfp4_layers and ours.nvfp4_layers
-    mine, ref, src = _tensors(tmp_path / "ours"), _tensors(tmp_path / "modelopt"), _tensors(sources[cls])
+    mine, ref = directory_tensors(tmp_path / "ours"), directory_tensors(tmp_path / "modelopt")
+    src = directory_tensors(sources[cls])
     assert sorted(mine) == sorted(ref)
     for key, tensor in ref.items():
         assert mine[key].dtype == tensor.dtype and torch.equal(_bytes(mine[key]), _bytes(tensor)), key
@@ -89,7 +82,7 @@ def test_cli_quantizes_a_text_encoder_subfolder_dynamic(sources, tmp_path, capsy
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["input_scales"] == {"method": "dynamic"}
     assert config["config_groups"]["group_0"]["input_activations"]["dynamic"] is True
-    written = _tensors(tmp_path / "out")
+    written = directory_tensors(tmp_path / "out")
     assert config["dynamic_input_scale"] == sorted(k[:-len(".input_scale")] for k in written
                                                    if k.endswith(".input_scale"))
     assert "lm_head.weight" not in written  # tied to the embeddings, as stored
@@ -107,7 +100,7 @@ def test_calibrates_through_the_klein_pipelines_own_prompt_encoding(tmp_path):
                                    call_kwargs=call, progress=False)
     seen = record_input_amax(pipe.text_encoder, result.nvfp4_layers,
                              lambda: [pipe.encode_prompt(prompt=p, device="cpu", **call) for p in PROMPTS])
-    written = _tensors(tmp_path / "out")
+    written = directory_tensors(tmp_path / "out")
     layer = "model.layers.0.mlp.down_proj"
     assert written[f"{layer}.input_scale"].item() == torch.tensor(seen[layer] / 2688.0, dtype=torch.float32).item()
     assert pipe.text_encoder is not None and result.input_scales["calls"] == "encode_prompt"

@@ -44,15 +44,6 @@ def exports(tmp_path_factory):
     return get
 
 
-def _file_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
-
-
 def _decoded(layer: NVFP4Linear, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_nvfp4(layer.weight, layer.weight_scale, weight_scale_2=layer.weight_scale_2,
                             scale_layout=layer.scale_layout, dtype=dtype)
@@ -88,7 +79,7 @@ def test_modelopt_export_loads_as_modelopt_decodes_it(which, exports):
     directory = exports(which)
     model = load_nvfp4_text_encoder(directory)
     assert type(model).__name__ == CLASS_NAMES[which]
-    stored = _file_tensors(directory)
+    stored = te.directory_tensors(directory)
     layers = _decodes_as_modelopt(model, stored)
     for name, (layer, key) in layers.items():
         assert torch.equal(layer.input_scale, stored[f"{key}.input_scale"].float()), name
@@ -106,7 +97,7 @@ def test_comfy_file_loads_as_comfy_kitchen_decodes_it(which, tmp_path):
     file = tmp_path / f"{which}_nvfp4.safetensors"
     written = te.write_comfy_file(which, file, ck_quantize)
     model = load_nvfp4_text_encoder(file, config=te.config_of(which))
-    stored = _file_tensors(tmp_path)
+    stored = te.directory_tensors(tmp_path)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
     assert set(layers) == set(written)
     for name, layer in layers.items():
@@ -187,7 +178,7 @@ def test_checkpoint_key_renames_are_transformers_own():
 def _edit_export(directory: Path, edit) -> None:
     from safetensors.torch import save_file
 
-    tensors = _file_tensors(directory)
+    tensors = te.directory_tensors(directory)
     edit(tensors)
     for f in directory.glob("*.safetensors"):
         f.unlink()
@@ -291,7 +282,7 @@ def test_sharded_export_and_hf_quant_config_alone_load_the_same_bytes(exports, t
 
     directory = tmp_path / "sharded"
     shutil.copytree(exports("qwen2_5_vl"), directory)
-    tensors = _file_tensors(directory)
+    tensors = te.directory_tensors(directory)
     (directory / "model.safetensors").unlink()
     keys = sorted(tensors)
     shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2],
@@ -344,7 +335,7 @@ def test_quantize_text_encoder_output_loads_back_byte_for_byte(cls, tmp_path):
     for variant in ("static", "dynamic"):
         model = load_nvfp4_text_encoder(tmp_path / variant)
         assert type(model).__name__ == cls
-        for name, (layer, _) in _decodes_as_modelopt(model, _file_tensors(tmp_path / variant)).items():
+        for name, (layer, _) in _decodes_as_modelopt(model, te.directory_tensors(tmp_path / variant)).items():
             assert layer.dynamic_input_scale == (variant == "dynamic"), name
 
 
@@ -363,7 +354,7 @@ def test_an_undeclared_layout_of_modelopts_format_is_linear_where_shapes_fit_bot
         warnings.simplefilter("ignore")
         quantize_text_encoder(tmp_path / "bf16", tmp_path / "nvfp4", dynamic=True, progress=False)
     model = load_nvfp4_text_encoder(tmp_path / "nvfp4")
-    stored = _file_tensors(tmp_path / "nvfp4")
+    stored = te.directory_tensors(tmp_path / "nvfp4")
     up = model.model.layers[0].mlp.up_proj
     assert tuple(stored["model.layers.0.mlp.up_proj.weight_scale"].shape) == (128, 4)
     theirs = _modelopt_decoded(stored["model.layers.0.mlp.up_proj.weight"],

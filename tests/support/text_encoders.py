@@ -21,6 +21,16 @@ from support import tiny_family
 CLASSES = ("mistral3", "qwen2_5_vl", "qwen3", "qwen3_vl")
 
 
+def directory_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files of ``directory``, by stored key."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
 def tiny_mistral3() -> nn.Module:
     """tiny.py's Mistral3 text encoder with every Linear's sides multiples of 16 (ModelOpt cannot export an NVFP4
     layer with intermediate size 37; comfy-kitchen pads 8 key/value rows to 16)."""
