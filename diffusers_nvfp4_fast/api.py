@@ -37,8 +37,8 @@ _STATE_ATTR = "_nvfp4_fast_paths"
 class ModelState:
     """What ``enable_fast_paths`` leaves on a model: its counters, the undo callables (run in reverse), the layers
     it converted (source -> count), the GEMM warm-up it did, its kernels' first-call ``preparation``, whether fused
-    sites were asked for (``fused``) and
-    whether the model's class has any (``fused_paths``: False for a class this package has no patches for)."""
+    sites were asked for (``fused``) and whether the model's class has any (``fused_paths``: False for a class this
+    package has no patches for)."""
 
     stats: FastPathStats
     stats_id: int
@@ -135,8 +135,8 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
     per instance. A pipeline's NVFP4 text encoders (``load_nvfp4_text_encoder``) are covered too: their layers already
     are ``NVFP4Linear`` (the GEMV for one-row calls, the GEMM for a prompt's prefill), nothing is installed on their
     BF16 layers, and the report has an entry for each (``component``). Enabling twice is harmless; a model without
-    NVFP4 layers gets a warning and is left alone. Call it
-    before enabling sequential CPU offload or group offloading. Where the model's first call compiles Triton kernels
+    NVFP4 layers gets a warning and is left alone. Call it before enabling sequential CPU offload or group
+    offloading. Where the model's first call compiles Triton kernels
     (a new machine, an empty Triton cache) a progress bar says so, ``pipe.progress_bar`` style
     (``pipe.set_progress_bar_config(disable=True)`` turns it off); the report's ``preparation`` says how long the
     compiles took and whether the cache was warm (docs/design.md §8, "Preparation").
