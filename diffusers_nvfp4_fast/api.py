@@ -183,7 +183,8 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
         patcher = _PATCHERS.get(type(model).__name__)
         if patcher is not None and fused:
             stats.sites.update(patcher(model, stats_id, restore))
-        preparation = Preparation(model, execution_device(model, linears[0]), pipeline_bar(pipe_or_transformer))
+        preparation = Preparation(model, execution_device(model, linears[0]), pipeline_bar(pipe_or_transformer),
+                                  stats_id)
         restore.append(preparation.stop)
         model.__dict__[_STATE_ATTR] = ModelState(stats, stats_id, fused, patcher is not None, restore, converted,
                                                  warmed, preparation)

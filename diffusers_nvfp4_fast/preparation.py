@@ -5,20 +5,33 @@ compiled or came from Triton's cache, how long it took, and a progress bar while
 One process-wide Triton compilation listener (``kernels/triton_compat.add_compile_listener``) hands each event of
 this package's kernels to the model whose call is under way. A model is watched from ``enable_fast_paths`` until a
 call of it compiles nothing: its first call, and the next ones while they still compile.
+
+Before the first call runs, the same call runs once as a compile-only pass (``kernels/launch.compile_only``): each
+launch starts its binary's compile on a thread pool instead of running, so the kernels the call needs compile side by
+side; then the call itself runs on the compiled binaries. The pass is skipped (the kernels then compile one by one,
+as the call reaches them) where a second call could change something: a model with diffusers or accelerate hooks
+(caches, offloading), a compiled model, outside CUDA, or with ``DIFFUSERS_NVFP4_PARALLEL_COMPILE=0``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
+import os
+import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from .ops import dispatch
-from .progress import BarFactory, CallProgress, repeated_blocks, tqdm_bar
+from .graphs.runner import GraphRunner
+from .module_hooks import TORCH_FORWARD_HOOK, hooks_on
+from .ops import dispatch, verify
+from .progress import BarFactory, CallProgress, outside_trace_and_capture, repeated_blocks, tqdm_bar
+from .swaps import current_inner_forward
 
 _WATCHED: weakref.WeakSet[Preparation] = weakref.WeakSet()
 _REMOVE_LISTENER: list[Callable[[], None]] = []
@@ -52,12 +65,17 @@ def _device_name(device: torch.device) -> str:
 class Preparation:
     """One model's record of its kernels' preparation, and its progress bar while they compile."""
 
-    def __init__(self, model: nn.Module, device: torch.device, make_bar: BarFactory | None) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, make_bar: BarFactory | None,
+                 stats_id: int | None = None) -> None:
         self.unavailable = listener_unavailable()
         self.events: list[Any] = []
         self.calls = 0
         self._misses_this_call = 0
         self.progress: CallProgress | None = None
+        self.parallel: dict[str, Any] = {"ran": False, "reason": NOT_CALLED}
+        self._compile_only = False
+        self._stats_id, self._device, self._make_bar = stats_id, device, make_bar or tqdm_bar
+        self._first_call: Any = None
         if self.unavailable is not None:
             return
         compat = _compat()
@@ -68,13 +86,17 @@ class Preparation:
         if not _REMOVE_LISTENER:
             _REMOVE_LISTENER.append(compat.add_compile_listener(_on_compile))
         _WATCHED.add(self)
+        self._first_call = model.register_forward_pre_hook(self._compile_in_parallel, with_kwargs=True, prepend=True)
 
     def heard(self, event: Any) -> None:
-        """A compile or cache load: recorded when it is this package's kernel during this model's watched call."""
-        if self.progress is None or not self.progress.in_call or not (event.module or "").startswith(self._package):
+        """A compile or cache load: recorded when it is this package's kernel during this model's watched call (or
+        its compile-only pass, on the pool's threads)."""
+        if self.progress is None or not (self.progress.in_call or self._compile_only):
+            return
+        if not (event.module or "").startswith(self._package):
             return
         self.events.append(event)
-        if not event.cache_hit:
+        if not event.cache_hit and not self._compile_only:
             self._misses_this_call += 1
             self.progress.show(self.description)
             self.progress.set_postfix(event.name)
@@ -87,8 +109,50 @@ class Preparation:
             self.stop()
         return keep
 
+    def _compile_in_parallel(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The first call's compile-only pass (a forward pre-hook that removes itself)."""
+        if not outside_trace_and_capture():
+            return
+        self._first_call.remove()
+        forward = _eager_forward(model)
+        why = parallel_unavailable(model, self._device, forward)
+        if why is not None or forward is None:
+            self.parallel = {"ran": False, "reason": why}
+            return
+        launch = cast(ModuleType, dispatch.kernels).launch
+        start = time.perf_counter()
+        self._compile_only = True
+        try:
+            with verify.stats_kept(self._stats_id or 0), torch.no_grad(), launch.compile_only() as pending:
+                forward(*args, **kwargs)
+            failures = self._wait(pending)
+        except Exception as error:  # noqa: BLE001 - the call itself then compiles what it needs, one by one
+            self.parallel = {"ran": False, "reason": f"the compile-only pass failed: {type(error).__name__}: {error}"}
+            return
+        finally:
+            self._compile_only = False
+        self.parallel = {"ran": True, "kernels": len(pending.futures), "seconds": round(time.perf_counter() - start, 3)}
+        if failures:
+            self.parallel["failed"] = [f"{type(e).__name__}: {e}"[:200] for e in failures[:3]]
+
+    def _wait(self, pending: Any) -> list[BaseException]:
+        """Wait for the pool, with a progress bar once it has taken longer than half a second."""
+        futures = pending.futures
+        if not concurrent.futures.wait(futures, timeout=0.5).not_done:
+            return pending.wait()
+        bar = self._make_bar(len(futures))
+        if hasattr(bar, "unit"):
+            bar.unit = "kernel"
+        bar.set_description(self.description)
+        try:
+            return pending.wait(lambda: bar.update(1))
+        finally:
+            bar.close()
+
     def stop(self) -> None:
         """Stop watching (the hooks out; the listener too once no model is watched)."""
+        if self._first_call is not None:
+            self._first_call.remove()
         if self.progress is not None:
             self.progress.remove()
         _WATCHED.discard(self)
@@ -104,7 +168,8 @@ class Preparation:
         compiled = [e for e in self.events if not e.cache_hit]
         out: dict[str, Any] = {"cache": "cold" if compiled else "warm" if self.events else "unknown",
                                "seconds": round(sum(e.seconds for e in self.events), 3), "compiled": len(compiled),
-                               "from_cache": len(self.events) - len(compiled), "calls": self.calls}
+                               "from_cache": len(self.events) - len(compiled), "calls": self.calls,
+                               "parallel": self.parallel}
         if not self.events:
             out["reason"] = NOT_CALLED if self.calls == 0 else NOTHING_HEARD
         if compiled:
@@ -121,3 +186,26 @@ def pipeline_bar(pipe: Any) -> BarFactory | None:
     if isinstance(pipe, nn.Module) or not callable(progress_bar):
         return None
     return lambda total: progress_bar(total=total)
+
+
+def parallel_unavailable(model: nn.Module, device: torch.device, forward: Callable | None) -> str | None:
+    """Why the first call of ``model`` gets no compile-only pass (None: it does)."""
+    if os.environ.get("DIFFUSERS_NVFP4_PARALLEL_COMPILE", "1").strip() in ("0", ""):
+        return "DIFFUSERS_NVFP4_PARALLEL_COMPILE=0"
+    if device.type != "cuda":
+        return f"the model runs on {device}"
+    for name, module in model.named_modules():
+        hooks = [h for h in hooks_on(module) if name or h != TORCH_FORWARD_HOOK]  # the pass runs below the model's own
+        if hooks:
+            return f"{name or 'the model'} has hooks ({', '.join(hooks)}): a second call could change their state"
+        if getattr(module, "_compiled_call_impl", None) is not None:
+            return f"{name or 'the model'} is compiled with torch.compile"
+    return None if forward is not None else "the model's forward is wrapped by something unknown"
+
+
+def _eager_forward(model: nn.Module) -> Callable | None:
+    """The model's own forward below this package's graph runner, or None where another wrapper sits there."""
+    forward = current_inner_forward(model)
+    if isinstance(forward, GraphRunner):
+        forward = forward.original
+    return forward if getattr(forward, "__self__", None) is model else None

@@ -35,7 +35,7 @@ def tqdm_bar(total: int) -> Any:
     return tqdm(total=total)
 
 
-def _outside_trace_and_capture() -> bool:
+def outside_trace_and_capture() -> bool:
     if torch.compiler.is_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
@@ -67,13 +67,13 @@ class CallProgress:
         return len(self._index)
 
     def _start(self, module: nn.Module, args: tuple) -> None:
-        if self.in_call or not _outside_trace_and_capture():
+        if self.in_call or not outside_trace_and_capture():
             return
         self.in_call, self.done = True, set()
         self._global = register_module_forward_hook(self._block_done)
 
     def _block_done(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not _outside_trace_and_capture():  # first: a trace must not see the block's identity (a graph per block)
+        if not outside_trace_and_capture():  # first: a trace must not see the block's identity (a graph per block)
             return
         i = self._index.get(id(module))
         if i is None or i in self.done:
@@ -83,7 +83,7 @@ class CallProgress:
             self.bar.update(1)
 
     def _end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not self.in_call or not _outside_trace_and_capture():
+        if not self.in_call or not outside_trace_and_capture():
             return
         self._global.remove()
         self.in_call, self._global = False, None

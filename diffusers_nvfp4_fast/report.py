@@ -91,9 +91,14 @@ def preparation_line(prep: dict) -> str:
         return f"Triton cache unknown ({prep['reason']})"
     total = prep["compiled"] + prep["from_cache"]
     if prep["cache"] == "warm":
-        return f"Triton cache warm, {total} kernel(s) loaded from it in {prep['seconds']:.1f} s"
-    return (f"Triton cache cold, {prep['compiled']} of {total} kernel(s) compiled, {prep['seconds']:.1f} s "
-            f"(once per machine; first {prep['calls']} call(s))")
+        line = f"Triton cache warm, {total} kernel(s) loaded from it in {prep['seconds']:.1f} s"
+    else:
+        line = (f"Triton cache cold, {prep['compiled']} of {total} kernel(s) compiled, {prep['seconds']:.1f} s "
+                f"(once per machine; first {prep['calls']} call(s))")
+    parallel = prep.get("parallel") or {}
+    if parallel.get("ran"):
+        return line + f"; side by side before the first call: {parallel['kernels']} in {parallel['seconds']:.1f} s"
+    return line + (f"; one by one: {parallel['reason']}" if parallel.get("reason") else "")
 
 
 class FastPathReport(dict):

@@ -1,7 +1,11 @@
 """Launch helpers shared by the NVFP4-emitting kernels."""
 
+import contextlib
 import functools
 import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 import torch
 
@@ -9,8 +13,8 @@ from . import triton_compat as compat
 from .caches import declare
 from .triton_compat import INTERPRETING, DescriptorEncoding, DirectLaunch, direct_launch_unavailable, hooks_installed
 
-__all__ = ["INTERPRETING", "DescriptorEncoding", "DirectLaunch", "direct_launch_unavailable", "hooks_installed",
-           "launch", "launch_by_site", "site_binary"]
+__all__ = ["INTERPRETING", "DescriptorEncoding", "DirectLaunch", "PendingCompiles", "compile_only", "compiling_only",
+           "direct_launch_unavailable", "hooks_installed", "launch", "launch_by_site", "site_binary"]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -129,6 +133,9 @@ def _launch(kernel, grid, args, kwargs) -> tuple:
         kernel[grid](*args, **kwargs)
         return None, None
     device = torch.cuda.current_device()
+    if _PENDING:
+        _PENDING[0].add(kernel, grid, device, args, kwargs)
+        return None, None
     if not compat.has_binder(kernel, device) or hooks_installed():
         _compile_and_launch(kernel, grid, device, None, args, kwargs)
         return None, None
@@ -179,6 +186,9 @@ def launch_by_site(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
         return
     device = torch.cuda.current_device()
+    if _PENDING:
+        _PENDING[0].add(kernel, grid, device, args, kwargs)
+        return
     key = (id(kernel), compat.specialization_key(args, kwargs), device)
     entry = _BY_SITE.get(key)
     if entry is not None and entry[0] is kernel and not hooks_installed():
@@ -233,3 +243,77 @@ def recorded_binaries() -> list:
 def compiled_binaries(kernel) -> list:
     """The binaries ``launch`` holds for ``kernel``, one per specialization it launched (tests)."""
     return [compiled for kernel_of_entry, compiled in _COMPILED.values() if kernel_of_entry is kernel]
+
+
+# Compile-only passes (docs/design.md §8, "Preparation"): a model's first call is run once with every launch replaced
+# by its compile, so that the kernels it needs compile side by side instead of one after another.
+
+
+class PendingCompiles:
+    """The compiles a compile-only pass asked for: each specialization once, started at once on a thread pool.
+
+    One kernel's specializations compile one after another (a ``JITFunction`` fills its caches unlocked); different
+    kernels compile in parallel (Triton's MLIR passes, ``ptxas`` and the launcher's C compiler run outside the GIL).
+    ``JITFunction.warmup`` compiles exactly what a launch with the same arguments would run, and leaves the binary in
+    the kernel's own cache, where the next launch finds it; the binary is loaded onto the device in the same task.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvfp4-compile")
+        self.seen: set = set()
+        self.locks: dict[int, threading.Lock] = {}
+        self.futures: list[Future] = []
+
+    def add(self, kernel, grid: tuple[int, ...], device: int, args: tuple, kwargs: dict) -> None:
+        key = (id(kernel), device, compat.specialization_key(args, kwargs))
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        lock = self.locks.setdefault(id(kernel), threading.Lock())
+        self.futures.append(self.pool.submit(_compile_one, lock, kernel, grid, device, args, kwargs))
+
+    def wait(self, on_done: Callable[[], None] | None = None) -> list[BaseException]:
+        """Wait for every compile, calling ``on_done`` after each; returns the failures (the launch itself then
+        compiles and raises as it would have)."""
+        failures = []
+        for future in as_completed(self.futures):
+            if future.exception() is not None:
+                failures.append(future.exception())
+            if on_done is not None:
+                on_done()
+        self.close(wait=True)
+        return failures
+
+    def close(self, wait: bool) -> None:
+        self.pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def _compile_one(lock: threading.Lock, kernel, grid, device: int, args: tuple, kwargs: dict) -> None:
+    with lock, torch.cuda.device(device):
+        compat.load_binary(kernel.warmup(*args, grid=grid, **kwargs))
+
+
+_PENDING: list[PendingCompiles] = []  # the compile-only pass under way (at most one; read by every launch)
+
+
+def compiling_only() -> bool:
+    """Whether a compile-only pass is under way: launches are not run, and their outputs hold no values."""
+    return bool(_PENDING)
+
+
+@contextlib.contextmanager
+def compile_only(workers: int | None = None) -> Iterator[PendingCompiles]:
+    """Within the block, every ``launch`` / ``launch_by_site`` starts the compile of its binary (if Triton has not
+    got it yet) on a thread pool instead of running; the caller waits on ``futures`` after the block (leaving the
+    block with an exception cancels what has not started). Used from one thread, for one pass at a time."""
+    if _PENDING:
+        raise RuntimeError("compile_only: a compile-only pass is already under way")
+    pending = PendingCompiles(workers or min(8, os.cpu_count() or 1))
+    _PENDING.append(pending)
+    try:
+        yield pending
+    except BaseException:
+        pending.close(wait=False)
+        raise
+    finally:
+        _PENDING.clear()

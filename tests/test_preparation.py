@@ -100,6 +100,9 @@ def _fire_in_block(block: nn.Module, cache_hit: bool, event: dict | None = None)
     block.forward = fire
 
 
+ON_CPU = {"ran": False, "reason": "the model runs on cpu"}
+
+
 @pytest.fixture
 def klein(modelopt_exports):
     pipe, kwargs = pipeline("klein", modelopt_exports)
@@ -126,7 +129,7 @@ def test_a_compile_during_the_first_call_shows_blocks_done_of_the_block_count(kl
     # the first call compiled, so the second (guidance's) was watched too; it compiled nothing: the watch ended there
     prep = fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]
     assert prep == {"cache": "cold", "seconds": 2.5, "compiled": 1, "from_cache": 0, "calls": 2,
-                    "kernels_compiled": {"_quantize_nvfp4_kernel": 2.5}}
+                    "kernels_compiled": {"_quantize_nvfp4_kernel": 2.5}, "parallel": ON_CPU}
     assert text.count(f"{n}/{n}") >= 1 and "Compiling" not in text.rsplit(f"{n}/{n}", 1)[1], "one bar, one call"
     assert "preparation: Triton cache cold, 1 of 1 kernel(s) compiled, 2.5 s" in str(fast_path_report(pipe))
     assert not pipe.transformer._forward_hooks and not pipe.transformer._forward_pre_hooks
@@ -141,7 +144,7 @@ def test_a_warm_cache_shows_nothing_and_is_reported_warm(klein):
     run_pipeline(pipe, kwargs, steps=1)
     assert "Compiling" not in out.getvalue()
     prep = fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]
-    assert prep == {"cache": "warm", "seconds": 0.001, "compiled": 0, "from_cache": 1, "calls": 1}
+    assert prep == {"cache": "warm", "seconds": 0.001, "compiled": 0, "from_cache": 1, "calls": 1, "parallel": ON_CPU}
     assert "preparation: Triton cache warm, 1 kernel(s) loaded from it in 0.0 s" in str(fast_path_report(pipe))
     assert not pipe.transformer._forward_hooks, "a call without a compile ends the watch"
 

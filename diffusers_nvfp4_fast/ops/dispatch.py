@@ -74,6 +74,12 @@ cuda_capability: Callable[[torch.device], tuple[int, int]] = (
     kernels.launch.cuda_capability if kernels is not None else _cuda_capability)
 
 
+def compiling_only() -> bool:
+    """Whether a compile-only pass runs (``kernels/launch.compile_only``, preparation.py): kernel outputs then hold no
+    values, so nothing may be learned from them (verdicts, launch plans, kernel-vs-torch checks)."""
+    return kernels is not None and kernels.launch.compiling_only()
+
+
 # Every op of this package lives in this library fragment. ``torch.library.custom_op`` would wrap each call of a
 # compiled graph in a Python autograd layer and an aliasing check: 18 us of host time per call on an H200 host,
 # against 6 for this registration (docs/performance.md, "Host time in compiled graphs").

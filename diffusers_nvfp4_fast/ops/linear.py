@@ -18,7 +18,7 @@ import torch
 from .. import caches
 from .. import format as nvfp4
 from .blackwell import TENSOR_CORE_BACKENDS, tensor_core_gemm
-from .dispatch import call_op, define_op, gemm_backend, kernels
+from .dispatch import call_op, compiling_only, define_op, gemm_backend, kernels
 from .quantize import quantize
 
 
@@ -169,7 +169,7 @@ def learn_plan(key: tuple | None, build: Callable[..., object], call: tuple, key
     """After a call of class ``key`` took the wrappers' path: its plan is built from its second such call on, as
     ``build(*call, *keyed)``. ``keyed`` must be what ``key`` was made of (checked), and ``build`` a plain function
     (no closure), so a plan reads no tensor whose address is not in its key."""
-    if key is None or key in _PLANS:
+    if key is None or key in _PLANS or compiling_only():
         return
     calls = _SEEN.get(key, 0) + 1
     if calls == 1 and len(_SEEN) >= _PLAN_LIMIT:

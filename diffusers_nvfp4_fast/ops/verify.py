@@ -12,6 +12,7 @@ capture nothing can be compared, so an unverified site records the unfused path 
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import threading
 import warnings
@@ -23,6 +24,7 @@ from typing import Literal
 import torch
 
 from .. import caches, state_probes
+from .dispatch import compiling_only
 from .site import Site, SiteKind
 
 VerifyMode = Literal["first", "always", "off"]
@@ -89,6 +91,19 @@ def site_counter(stats_id: int) -> Callable[[SiteKind, str], None]:
 def live_stats_count() -> int:
     """How many models' counters are held (each until its fast paths are disabled: ``drop_stats``)."""
     return len(_STATS)
+
+
+@contextlib.contextmanager
+def stats_kept(stats_id: int) -> Iterator[None]:
+    """Within the block, the counters of ``stats_id`` may change; they are put back at its end (a compile-only pass
+    is no call of the model)."""
+    stats = _STATS.get(stats_id)
+    saved = copy.deepcopy(stats)
+    try:
+        yield
+    finally:
+        if stats is not None and saved is not None:
+            stats.__dict__.update(saved.__dict__)
 
 
 def drop_stats(stats_id: int) -> None:
@@ -196,6 +211,9 @@ def run_checked(
     stats = _STATS.get(site.stats_id) or FastPathStats()
     if kind in _FAILED_KINDS:
         stats.fallbacks[f"{kind}: verification failed earlier in this process"] += 1
+        return reference()
+    if compiling_only():  # both paths' kernels compile; nothing is compared or counted
+        fused()
         return reference()
     if _counted(stats, kind, call_key):
         return fused()

@@ -1,0 +1,160 @@
+"""The first call's compile-only pass (issue 58, "Cut it"; docs/design.md §8, "Preparation"): the pool compiles each
+specialization once, one kernel's specializations one after another and different kernels side by side; while the
+pass runs, nothing is learned from kernel outputs (verdicts, launch plans, counters); the pass runs only where a
+second call cannot change anything, and the image is the same with and without it."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from diffusers_nvfp4_fast import caches, disable_fast_paths, enable_fast_paths, fast_path_report
+from diffusers_nvfp4_fast.ops import dispatch, linear, verify
+from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
+from support.fast_paths import pipeline
+
+if dispatch.kernels is None:
+    pytest.skip(f"the kernels do not import here ({dispatch.KERNELS_UNAVAILABLE}); the pass needs them",
+                allow_module_level=True)
+launch = dispatch.kernels.launch
+
+
+class _Kernel:
+    """Stands in for a JITFunction: ``warmup`` records its specialization and who ran at the same time."""
+
+    def __init__(self, name: str, meet: threading.Barrier | None = None):
+        self.name, self.meet, self.active, self.overlapped, self.compiled = name, meet, 0, False, []
+        self._lock = threading.Lock()
+
+    def warmup(self, *args, grid, **kwargs):
+        with self._lock:
+            self.active += 1
+            self.overlapped |= self.active > 1
+        try:
+            if self.meet is not None and not self.compiled:
+                self.meet.wait(timeout=10)  # raises BrokenBarrierError unless another kernel's task runs meanwhile
+            self.compiled.append((args, grid, kwargs))
+        finally:
+            with self._lock:
+                self.active -= 1
+        return object()  # no CompiledKernel: load_binary declines it
+
+
+def test_each_specialization_compiles_once_kernels_side_by_side_one_kernel_in_order():
+    meet = threading.Barrier(2)
+    a, b = _Kernel("a", meet), _Kernel("b", meet)
+    x16, x17 = torch.empty(16, dtype=torch.float16), torch.empty(17, dtype=torch.float16)
+    with launch.compile_only(workers=4) as pending:
+        assert launch.compiling_only() and dispatch.compiling_only()
+        pending.add(a, (1,), -1, (x16, 16), {"D": 8})
+        pending.add(a, (2,), -1, (torch.empty(32, dtype=torch.float16), 16), {"D": 8})  # the same key: once
+        pending.add(b, (1,), -1, (x17, 17), {"D": 8})
+        pending.add(a, (1,), -1, (x16, 17), {"D": 8})  # another specialization of a: after the first
+    assert not launch.compiling_only()
+    assert pending.wait() == [], "the two kernels met: they compiled at the same time"
+    assert [c[0][1] for c in a.compiled] == [16, 17] and len(b.compiled) == 1
+    assert not a.overlapped, "one kernel's specializations never compile at the same time"
+
+
+def test_a_failed_compile_is_returned_and_a_second_pass_inside_the_first_is_refused():
+    class Broken(_Kernel):
+        def warmup(self, *args, grid, **kwargs):
+            raise RuntimeError("ptxas died")
+
+    with launch.compile_only(workers=1) as pending:
+        pending.add(Broken("c"), (1,), -1, (1,), {})
+        with pytest.raises(RuntimeError, match="already under way"):
+            with launch.compile_only():
+                pass
+    assert [str(e) for e in pending.wait()] == ["ptxas died"]
+
+
+def test_inside_the_pass_no_verdict_plan_or_count_is_learned():
+    """A fused output that differs from the reference inside the pass (its kernels did not run) is no mismatch: no
+    warning, no failed kind, no counter; and no launch plan counts the pass as a call."""
+    stats_id, stats = verify.new_stats("first")
+    site = verify.Site(stats_id, "flux2_swiglu")
+    wrong, right = (torch.ones(2),), (torch.zeros(2),)
+    seen = caches.registered()["ops.linear.calls_seen"].table
+    key = ("quantize", 4096, 64)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with launch.compile_only(workers=1):
+                out = verify.run_checked(site, "k", ("out",), lambda: wrong, lambda: right)
+                linear.learn_plan(key, linear._quantize_plan, (), ())
+        assert out is right
+        assert verify.failed_kind_reason("flux2_swiglu") is None
+        assert not (stats.verified or stats.verify_failed or stats.fused_calls)
+        assert key not in seen
+        assert verify.run_checked(site, "k", ("out",), lambda: right, lambda: right) is right  # outside: checked
+        assert stats.verified["flux2_swiglu"] == 1
+    finally:
+        verify.drop_stats(stats_id)
+
+
+@pytest.fixture
+def klein(modelopt_exports):
+    pipe, kwargs = pipeline("klein", modelopt_exports)
+    yield pipe, kwargs
+    disable_fast_paths(pipe)
+
+
+def test_the_pass_runs_the_first_call_once_more_and_changes_no_byte_or_count(klein, monkeypatch):
+    """On the CPU no kernel launches, so this checks the pass's plumbing: the first call runs twice (the pass, then
+    the call), later calls once, the image and every counter are those of a run without the pass."""
+    from diffusers_nvfp4_fast import preparation
+
+    pipe, kwargs = klein
+    verify.reset_verification()  # verdicts are process-wide: each run starts without them
+    enable_fast_paths(pipe)
+    sha_without = png_sha256(run_pipeline(pipe, kwargs, steps=2))
+    counts_without = {k: v for k, v in fast_path_report(pipe)["Flux2Transformer2DModel"].items()
+                      if k in ("fused_calls", "fallbacks", "verifications")}
+    disable_fast_paths(pipe)
+    calls = []
+    model_class = type(pipe.transformer)
+    forward = model_class.forward
+    monkeypatch.setattr(model_class, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
+    monkeypatch.setattr(preparation, "parallel_unavailable", lambda *a: None)
+    verify.reset_verification()
+    enable_fast_paths(pipe)
+    sha_with = png_sha256(run_pipeline(pipe, kwargs, steps=2))
+    report = fast_path_report(pipe)["Flux2Transformer2DModel"]
+    assert sha_with == sha_without
+    assert {k: report[k] for k in counts_without} == counts_without
+    assert report["preparation"]["parallel"] == {"ran": True, "kernels": 0,
+                                                 "seconds": report["preparation"]["parallel"]["seconds"]}
+    guidance_calls = 2 * 2  # two steps, the transformer once per step and prompt batch
+    assert len(calls) in (guidance_calls // 2 + 1, guidance_calls + 1), calls
+
+
+def test_the_pass_is_skipped_with_hooks_compile_off_cuda_or_switched_off(klein, monkeypatch):
+    from diffusers_nvfp4_fast.preparation import parallel_unavailable
+
+    pipe, _ = klein
+    model, cuda = pipe.transformer, torch.device("cuda")
+    enable_fast_paths(pipe)  # its own hooks on the model are below nothing the pass runs
+    assert parallel_unavailable(model, cuda, model.forward) is None
+    model.transformer_blocks[0].register_forward_hook(lambda *a: None)
+    assert parallel_unavailable(model, cuda, model.forward) == (
+        "transformer_blocks.0 has hooks (torch forward hook): a second call could change their state")
+    model.transformer_blocks[0]._forward_hooks.clear()
+    assert parallel_unavailable(model, torch.device("cpu"), model.forward) == "the model runs on cpu"
+    assert parallel_unavailable(model, cuda, None) == "the model's forward is wrapped by something unknown"
+    monkeypatch.setenv("DIFFUSERS_NVFP4_PARALLEL_COMPILE", "0")
+    assert parallel_unavailable(model, cuda, model.forward) == "DIFFUSERS_NVFP4_PARALLEL_COMPILE=0"
+    monkeypatch.delenv("DIFFUSERS_NVFP4_PARALLEL_COMPILE")
+    from diffusers.hooks import FirstBlockCacheConfig
+
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.1))
+    try:
+        assert "has hooks (" in parallel_unavailable(model, cuda, model.forward)
+    finally:
+        model.disable_cache()
+    model.single_transformer_blocks[0].compile()
+    assert parallel_unavailable(model, cuda, model.forward) == (
+        "single_transformer_blocks.0 is compiled with torch.compile")
