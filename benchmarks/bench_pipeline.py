@@ -7,8 +7,8 @@
     python benchmarks/bench_pipeline.py --model qwen-image --tiny     # CPU dry run of the logic
 
 Pipelines: real-size components with random weights made on the GPU (``bench_pipeline_budget.full_pipeline``; klein:
-``Flux2KleinPipeline`` with a Qwen3-4B text encoder), 1024x1024, one prompt. Per dtype (NVFP4 with fast paths on,
-then BF16, one pipeline at a time): a warm-up image of 2 steps (Triton compile, autotune, first-use verification),
+``Flux2KleinPipeline`` with a Qwen3 text encoder), 1024x1024, one prompt. Per dtype (NVFP4 with fast paths on, then
+BF16, one pipeline at a time): a warm-up image of 2 steps (Triton compile, autotune, first-use verification),
 then per mode one timed image (``runner``: ``capture_cuda_graphs(pipe)``; its first image captures, so it is timed
 twice: ``s_first_image`` with the captures, ``s_per_image`` after; ``compiled``: ``compile_repeated_blocks`` inside
 ``exact_inductor``, also timed twice). ``png_equal_eager``: the mode's PNG has the bytes of the same dtype's eager PNG.
@@ -28,51 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-STEPS = {"flux2-dev": 28, "qwen-image": 30, "flux2-klein-4b": 4}
-
-
-def qwen3_4b_config():
-    from transformers import Qwen3Config
-
-    # Qwen3-4B (FLUX.2-klein-4B's text encoder, its config.json on the model card).
-    return Qwen3Config(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                       rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True)
-
-
-def klein_pipeline(dtype: str, device):
-    import bench_pipeline_budget as budget
-    import bench_transformer_step as step
-    from accelerate import init_empty_weights
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
-    from transformers import Qwen3ForCausalLM
-
-    from diffusers_nvfp4_fast.testing import tiny
-
-    with init_empty_weights(include_buffers=False):
-        te = Qwen3ForCausalLM(qwen3_4b_config())
-    te = budget.randomize_(te, device, seed=1)
-    net = step.empty_model("flux2-klein-4b", tiny=False)
-    step.materialize(net, "flux2-klein-4b", device, nvfp4=dtype == "nvfp4")
-    torch.manual_seed(2)
-    with torch.device(device):
-        vae = AutoencoderKLFlux2()
-    pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True),
-                              vae=vae.to(torch.bfloat16), text_encoder=te, tokenizer=tiny.qwen_tokenizer(),
-                              transformer=net)
-    return pipe, dict(prompt="a red fox in fresh snow, morning light", guidance_scale=4.0)
-
 
 def build(model: str, dtype: str, tiny_run: bool):
-    if tiny_run:
-        import bench_pipeline_budget as budget
-
-        return budget.tiny_pipeline("qwen-image" if model == "qwen-image" else "flux2-dev", dtype)
-    if model == "flux2-klein-4b":
-        return klein_pipeline(dtype, "cuda")
     import bench_pipeline_budget as budget
 
-    return budget.full_pipeline(model, dtype, "cuda")
+    return budget.tiny_pipeline(model, dtype) if tiny_run else budget.full_pipeline(model, dtype, "cuda")
 
 
 def image(pipe, call: dict, steps: int, size: int):
@@ -125,6 +85,8 @@ def run_dtype(model: str, dtype: str, modes: list[str], steps: int, size: int, t
 
 
 def main() -> None:
+    from bench_pipeline_budget import STEPS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=list(STEPS), required=True)
     modes = ["eager", "runner", "compiled"]

@@ -1,16 +1,19 @@
-"""Whole FLUX.2-dev and Qwen-Image pipelines under a GPU memory cap: which offload plan fits, and how fast it is.
+"""Whole FLUX.2 and Qwen-Image pipelines under a GPU memory cap: which offload plan fits, and how fast it is.
 
     python benchmarks/bench_pipeline_budget.py --model flux2-dev --dtype nvfp4 --budgets 24 32
     python benchmarks/bench_pipeline_budget.py --model qwen-image --dtype nvfp4-te --budgets 24   # + NVFP4 text encoder
+    python benchmarks/bench_pipeline_budget.py --model flux2-klein-4b --dtype nvfp4-te   # its cap, 8 GiB (BUDGETS)
     python benchmarks/bench_pipeline_budget.py --model flux2-dev --tiny --out /tmp/x.json   # CPU dry run of the logic
 
 Pipelines: real-size configs, random weights made on the GPU, never downloaded. FLUX.2-dev: ``Flux2Pipeline``, a
 Mistral Small 3.1 text encoder (24B, untied embeddings), ``AutoencoderKLFlux2``; 28 steps, guidance 4.0, 512 text
 tokens. Qwen-Image: ``QwenImagePipeline``, a Qwen2.5-VL-7B text encoder, ``AutoencoderKLQwenImage``; 30 steps, true
-CFG 4.0 with a negative prompt. The transformer is NVFP4 as ``bench_transformer_step.py`` builds it (``--dtype
-nvfp4``, fast paths on) or BF16 with the same random values (``--dtype bf16``); ``--dtype nvfp4-te`` also makes the
-text encoder's Linears that ModelOpt's LLM recipe quantizes NVFP4. Weights ``randn * 0.02`` (norms 1 and 0), VAEs
-default-initialised, the byte-level tokenizers of ``diffusers_nvfp4_fast.testing.tiny``.
+CFG 4.0 with a negative prompt. FLUX.2-klein-4B / -9B: ``Flux2KleinPipeline``, a Qwen3-4B / Qwen3-8B text encoder
+(``QWEN3``), ``AutoencoderKLFlux2``; 4 steps, CFG 4.0. The transformer is NVFP4 as ``bench_transformer_step.py`` builds
+it (its ``MODELS`` configs; ``--dtype nvfp4``, fast paths on) or BF16 with the same random values (``--dtype bf16``);
+``--dtype nvfp4-te`` also makes the text encoder's Linears that ModelOpt's LLM recipe quantizes NVFP4. Weights
+``randn * 0.02`` (norms 1 and 0; tied embeddings stay tied), VAEs default-initialised, the byte-level tokenizers of
+``diffusers_nvfp4_fast.testing.tiny``.
 
 Each case runs in a process of its own (the driver never touches CUDA; run nothing else on the GPU): build on the GPU,
 apply the plan (``diffusers_nvfp4_fast.budget``), cap the allocator at the budget minus the CUDA context
@@ -41,7 +44,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))
 
 GIB = 2**30
-STEPS = {"flux2-dev": 28, "qwen-image": 30}
+STEPS = {"flux2-dev": 28, "qwen-image": 30, "flux2-klein-4b": 4, "flux2-klein-9b": 4}
+BUDGETS = {"flux2-dev": [24.0, 32.0], "qwen-image": [24.0, 32.0], "flux2-klein-4b": [8.0], "flux2-klein-9b": [12.0]}
+TINY = {"flux2-dev": "flux2", "qwen-image": "qwen", "flux2-klein-4b": "klein", "flux2-klein-9b": "klein"}
 NVFP4 = ("nvfp4", "nvfp4-te")  # NVFP4 transformer; -te: and NVFP4 text encoder
 HOST_MARGIN_GIB = 8.0  # host memory left to the OS and this process when a plan offloads weights
 
@@ -53,18 +58,19 @@ HOST_MARGIN_GIB = 8.0  # host memory left to the OS and this process when a plan
 
 def randomize_(model: nn.Module, device, seed: int) -> nn.Module:
     """Give every meta parameter a random value on ``device`` (norm weights 1, norm biases 0, the rest
-    ``randn * 0.02``), in BF16; buffers (made for real) follow to ``device``."""
+    ``randn * 0.02``), in BF16; tied parameters stay one tensor; buffers (made for real) follow to ``device``."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    made: dict[nn.Parameter, nn.Parameter] = {}  # meta parameter -> its value, once per tied group
     for module in model.modules():
         norm = "Norm" in type(module).__name__
         for name, p in list(module.named_parameters(recurse=False)):
             if not p.is_meta:
                 continue
-            if norm:
-                value = torch.full(p.shape, 1.0 if name == "weight" else 0.0, device=device, dtype=torch.bfloat16)
-            else:
-                value = torch.randn(p.shape, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
-            setattr(module, name, nn.Parameter(value, requires_grad=False))
+            if p not in made:
+                value = (torch.full(p.shape, 1.0 if name == "weight" else 0.0, device=device, dtype=torch.bfloat16)
+                         if norm else torch.randn(p.shape, device=device, dtype=torch.bfloat16, generator=gen) * 0.02)
+                made[p] = nn.Parameter(value, requires_grad=False)
+            setattr(module, name, made[p])
     return model.to(device).eval()
 
 
@@ -96,33 +102,62 @@ def qwen25_vl_7b_config():
         video_token_id=151656)
 
 
+# FLUX.2-klein's text encoders: Qwen3-4B for klein-4B, Qwen3-8B for klein-9B (black-forest-labs/flux2, src/flux2/util.py
+# FLUX2_MODEL_INFO: load_qwen3_embedder(variant="4B" / "8B"), i.e. Qwen/Qwen3-4B / -8B). Sizes from the config.json of
+# Qwen/Qwen3-4B (as FLUX.2-klein-4B's text_encoder/config.json) and Qwen/Qwen3-8B (transformers 4.51 exports): both
+# 36 layers, 32 heads (8 KV) of 128, vocab 151936, 40960 positions, RoPE theta 1e6; 4B ties lm_head to its embedding.
+QWEN3 = {"flux2-klein-4b": dict(hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
+         "flux2-klein-9b": dict(hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)}
+
+
+def qwen3_config(model: str):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                       vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6,
+                       **QWEN3[model])
+
+
 def text_encoder(model: str, device, nvfp4: bool = False) -> nn.Module:
     """The text encoder with random weights on ``device``, or left on the meta device where ``device`` is "meta";
     ``nvfp4``: the Linears ModelOpt's LLM recipe quantizes become NVFP4 (``quantize_text_encoder``'s recipe)."""
     from accelerate import init_empty_weights
-    from transformers import Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration
+    from transformers import Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM
+
+    from diffusers_nvfp4_fast.quantize.recipes import modelopt_llm_disabled
 
     with init_empty_weights(include_buffers=False):
         te = (Mistral3ForConditionalGeneration(mistral_small_31_config()) if model == "flux2-dev"
-              else Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config()))
+              else Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config()) if model == "qwen-image"
+              else Qwen3ForCausalLM(qwen3_config(model)))
+    te.tie_weights()  # transformers 5 ties at from_pretrained only: Qwen3-4B's lm_head is its embedding
     te = te.to(torch.bfloat16) if str(device) == "meta" else randomize_(te, device, seed=1)
-    return nvfp4_linears_(te, "meta" if str(device) == "meta" else None) if nvfp4 else te
+    return nvfp4_linears_(te, modelopt_llm_disabled, str(device) == "meta") if nvfp4 else te
 
 
-def nvfp4_linears_(module: nn.Module, device=None) -> nn.Module:
-    """Every Linear that ModelOpt's LLM recipe quantizes, as an NVFP4Linear of its weight (shapes only on "meta")."""
+def nvfp4_linears_(module: nn.Module, kept_bf16, meta: bool = False) -> nn.Module:
+    """Every Linear whose name ``kept_bf16`` refuses and whose width is a multiple of 16, as an NVFP4Linear of its
+    weight (shapes only where ``meta``)."""
     import bench_transformer_step as step
 
     from diffusers_nvfp4_fast import NVFP4Linear
-    from diffusers_nvfp4_fast.quantize.recipes import modelopt_llm_disabled
 
     for name, lin in [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear)]:
-        if not modelopt_llm_disabled(name) and lin.in_features % 16 == 0:
+        if not kept_bf16(name) and lin.in_features % 16 == 0:
             bias = None if lin.bias is None else lin.bias.data
             module.set_submodule(name, NVFP4Linear(lin.in_features, lin.out_features, bias is not None, device="meta")
-                                 if device == "meta" else NVFP4Linear.from_weight(lin.weight.data, bias,
-                                                                                  step.INPUT_AMAX / 2688))
+                                 if meta else NVFP4Linear.from_weight(lin.weight.data, bias, step.INPUT_AMAX / 2688))
     return module
+
+
+def transformer_kept_bf16(model: str, net: nn.Module):
+    """Whether a Linear of ``net`` stays BF16 under the public checkpoints' recipe (``bench_transformer_step``'s)."""
+    import bench_transformer_step as step
+
+    from diffusers_nvfp4_fast.loaders.common import is_excluded
+
+    patterns = list(step.exclude_patterns(model, dict(net.config)))
+    return lambda name: is_excluded(name, patterns)
 
 
 def transformer(model: str, dtype: str, device) -> nn.Module:
@@ -130,19 +165,12 @@ def transformer(model: str, dtype: str, device) -> nn.Module:
     shapes and no values."""
     import bench_transformer_step as step
 
-    from diffusers_nvfp4_fast import NVFP4Linear
-    from diffusers_nvfp4_fast.loaders.common import is_excluded
-
     net = step.empty_model(model, tiny=False)
     if str(device) != "meta":
         step.materialize(net, model, device, nvfp4=dtype in NVFP4)
         return net
-    patterns = list(step.exclude_patterns(model, dict(net.config)))
-    for name, lin in [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]:
-        if dtype in NVFP4 and not is_excluded(name, patterns) and lin.in_features % 16 == 0:
-            net.set_submodule(name, NVFP4Linear(lin.in_features, lin.out_features, lin.bias is not None,
-                                                device="meta"))
-    return net.to(torch.bfloat16)
+    return (nvfp4_linears_(net, transformer_kept_bf16(model, net), meta=True) if dtype in NVFP4 else net).to(
+        torch.bfloat16)
 
 
 def full_pipeline(model: str, dtype: str, device):
@@ -151,6 +179,7 @@ def full_pipeline(model: str, dtype: str, device):
         AutoencoderKLFlux2,
         AutoencoderKLQwenImage,
         FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
         Flux2Pipeline,
         QwenImagePipeline,
     )
@@ -159,38 +188,31 @@ def full_pipeline(model: str, dtype: str, device):
 
     torch.manual_seed(2)
     with torch.device(device):  # default initialisation, or shapes only on "meta"
-        vae = AutoencoderKLFlux2() if model == "flux2-dev" else AutoencoderKLQwenImage()
+        vae = AutoencoderKLQwenImage() if model == "qwen-image" else AutoencoderKLFlux2()
     parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True), vae=vae.to(torch.bfloat16),
                  text_encoder=text_encoder(model, device, nvfp4=dtype == "nvfp4-te"),
                  transformer=transformer(model, dtype, device))
     prompt = "a red fox in fresh snow, morning light, a wooden sign reading WINTER"
-    if model == "flux2-dev":
-        return Flux2Pipeline(tokenizer=tiny.mistral_tokenizer(), **parts), dict(prompt=prompt, guidance_scale=4.0)
-    return (QwenImagePipeline(tokenizer=tiny.qwen_tokenizer(), **parts),
-            dict(prompt=prompt, negative_prompt="blurry, low quality", true_cfg_scale=4.0))
+    if model == "qwen-image":
+        return (QwenImagePipeline(tokenizer=tiny.qwen_tokenizer(), **parts),
+                dict(prompt=prompt, negative_prompt="blurry, low quality", true_cfg_scale=4.0))
+    flux2 = Flux2Pipeline(tokenizer=tiny.mistral_tokenizer(), **parts) if model == "flux2-dev" else \
+        Flux2KleinPipeline(tokenizer=tiny.qwen_tokenizer(), **parts)  # klein: CFG, as guidance 4.0 asks
+    return flux2, dict(prompt=prompt, guidance_scale=4.0)
 
 
 def tiny_pipeline(model: str, dtype: str):
-    """The embedded tiny pipeline; with ``dtype`` nvfp4 its transformer quantized as the full-size one is."""
-    import bench_transformer_step as step
-
-    from diffusers_nvfp4_fast import NVFP4Linear
-    from diffusers_nvfp4_fast.loaders.common import is_excluded
+    """The embedded tiny pipeline of the family; with ``dtype`` nvfp4 its transformer quantized as the full-size one
+    is (nvfp4-te: its text encoder too)."""
+    from diffusers_nvfp4_fast.quantize.recipes import modelopt_llm_disabled
     from diffusers_nvfp4_fast.testing import tiny
 
-    pipe, call = tiny.TINY_PIPELINES["flux2" if model == "flux2-dev" else "qwen"]()
+    pipe, call = tiny.TINY_PIPELINES[TINY[model]]()
     if dtype == "nvfp4-te":
-        nvfp4_linears_(pipe.text_encoder)
+        nvfp4_linears_(pipe.text_encoder, modelopt_llm_disabled)
     if dtype in NVFP4:
-        net = pipe.transformer
-        patterns = list(step.exclude_patterns(model, dict(net.config)))
-        for name, lin in [(n, m) for n, m in net.named_modules() if isinstance(m, nn.Linear)]:
-            if not is_excluded(name, patterns) and lin.in_features % 16 == 0:
-                net.set_submodule(name, NVFP4Linear.from_weight(
-                    lin.weight.data, None if lin.bias is None else lin.bias.data, step.INPUT_AMAX / 2688))
-    if model == "qwen-image":
-        call = dict(call, true_cfg_scale=4.0)
-    return pipe, call
+        nvfp4_linears_(pipe.transformer, transformer_kept_bf16(model, pipe.transformer))
+    return pipe, (dict(call, true_cfg_scale=4.0) if model == "qwen-image" else call)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -403,7 +425,7 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(STEPS), required=True)
     ap.add_argument("--dtype", choices=(*NVFP4, "bf16"), default="nvfp4",
                     help="nvfp4-te: the text encoder NVFP4 too (ModelOpt's LLM recipe)")
-    ap.add_argument("--budgets", type=float, nargs="+", default=[24.0, 32.0], help="GPU memory caps in GiB")
+    ap.add_argument("--budgets", type=float, nargs="+", help="GPU memory caps in GiB (default: the model's, BUDGETS)")
     ap.add_argument("--plans", default="chosen",
                     help="'chosen' (the plan budget.choose_plan picks for each budget) or a comma-separated list")
     ap.add_argument("--tiny", action="store_true", help="tiny pipelines on the CPU, no cap: checks the logic only")
@@ -414,6 +436,7 @@ def main() -> None:
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     ap.add_argument("--case-budget", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    args.budgets = args.budgets or BUDGETS[args.model]
     if args.case:
         print("CASE " + json.dumps(run_case(args.model, args.dtype, args.case, args.case_budget, args.tiny)))
         return

@@ -68,8 +68,9 @@ MODELS = {
         "tiny": dict(patch_size=1, in_channels=16, num_layers=1, num_single_layers=2, attention_head_dim=16,
                      num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(4, 4, 4, 4)),
     },
-    # FLUX.2-klein: transformer configs of black-forest-labs/FLUX.2-klein-4B and -9B (their model cards'
-    # transformer/config.json; docs/design.md §5): no guidance embedder, text width = 3 Qwen3 layers (2560 / 4096).
+    # FLUX.2-klein: transformer configs of black-forest-labs/FLUX.2-klein-4B and -9B (their transformer/config.json;
+    # BFL's flux2 repository, src/flux2/model.py Klein4BParams / Klein9BParams; docs/design.md §5): no guidance
+    # embedder, text width = 3 Qwen3 layers (2560 / 4096; bench_pipeline_budget.QWEN3).
     "flux2-klein-4b": {
         "cls": "Flux2Transformer2DModel",
         "full": dict(num_layers=5, num_single_layers=20, num_attention_heads=24, attention_head_dim=128,

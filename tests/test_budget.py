@@ -169,15 +169,16 @@ def test_budget_benchmark_dry_run(tmp_path):
         assert case["s_per_image"] >= case["s_text"] + case["s_decode"] and case["peak_host_gib"] > 0, case
 
 
-def test_budget_benchmark_builds_nvfp4_text_encoders_by_modelopts_recipe():
+@pytest.mark.parametrize("model", ["qwen-image", "flux2-klein-4b", "flux2-klein-9b"])
+def test_budget_benchmark_builds_nvfp4_text_encoders_by_modelopts_recipe(model):
     """``bench_pipeline_budget.py --dtype nvfp4-te`` (on the meta device, as its estimates are made): the real-size
-    Qwen2.5-VL-7B's Linears that ModelOpt's LLM recipe quantizes are NVFP4, the rest (vision tower, lm_head) BF16, and
+    text encoder's Linears that ModelOpt's LLM recipe quantizes are NVFP4, the rest (vision tower, lm_head) BF16, and
     the estimates follow the smaller encoder."""
     import bench_pipeline_budget as bench
 
     from diffusers_nvfp4_fast.quantize.recipes import modelopt_llm_disabled
 
-    bf16_te, nvfp4 = bench.meta_pipeline("qwen-image", "nvfp4"), bench.meta_pipeline("qwen-image", "nvfp4-te")
+    bf16_te, nvfp4 = bench.meta_pipeline(model, "nvfp4"), bench.meta_pipeline(model, "nvfp4-te")
     linears = {n: m for n, m in nvfp4.text_encoder.named_modules() if isinstance(m, (torch.nn.Linear, NVFP4Linear))}
     assert all(isinstance(m, NVFP4Linear) != modelopt_llm_disabled(n) for n, m in linears.items())
     assert any(isinstance(m, NVFP4Linear) for m in linears.values())
@@ -185,3 +186,57 @@ def test_budget_benchmark_builds_nvfp4_text_encoders_by_modelopts_recipe():
     assert saved > 0
     before, after = budget.plan_estimates(bf16_te), budget.plan_estimates(nvfp4)
     assert (before["resident"] - after["resident"]) * budget.GIB == pytest.approx(saved, rel=1e-9)
+
+
+# The BF16 bytes of the released text encoders: total_size of Qwen/Qwen3-4B's and Qwen/Qwen3-8B's
+# model.safetensors.index.json (Qwen3-4B's lm_head is its embedding, stored once).
+QWEN3_BYTES = {"flux2-klein-4b": 8_044_936_192, "flux2-klein-9b": 16_381_470_720}
+
+
+@pytest.mark.parametrize("model", sorted(QWEN3_BYTES))
+def test_budget_benchmark_estimates_klein_at_its_real_config(model):
+    """``--estimate`` for FLUX.2-klein builds a meta ``Flux2KleinPipeline`` whose Qwen3 text encoder has the released
+    checkpoint's bytes, whose width (three layers read) is the transformer's text width, and whose every cap of the
+    model gets a plan that fits it."""
+    import bench_pipeline_budget as bench
+    from diffusers import Flux2KleinPipeline
+
+    pipe = bench.meta_pipeline(model, "bf16")
+    te = pipe.text_encoder
+    assert isinstance(pipe, Flux2KleinPipeline) and type(te).__name__ == "Qwen3ForCausalLM"
+    assert sum(p.numel() * p.element_size() for p in te.parameters()) == QWEN3_BYTES[model]
+    assert 3 * te.config.hidden_size == pipe.transformer.config.joint_attention_dim
+    estimates = budget.plan_estimates(pipe)
+    assert all(estimates[budget.choose_plan(pipe, cap)] <= cap for cap in bench.BUDGETS[model])
+
+
+def test_budget_benchmark_randomizes_tied_weights_once():
+    """On a GPU the benchmark gives meta parameters values; Qwen3-4B's lm_head must stay its embedding (one tensor),
+    or the resident pipeline holds 0.72 GiB more than the real one."""
+    import bench_pipeline_budget as bench
+    from accelerate import init_empty_weights
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        te = Qwen3ForCausalLM(Qwen3Config(hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=8, vocab_size=32,
+                                          tie_word_embeddings=True))
+    te.tie_weights()
+    bench.randomize_(te, "cpu", seed=1)
+    assert te.lm_head.weight is te.model.embed_tokens.weight and te.lm_head.weight.device.type == "cpu"
+
+
+def test_budget_benchmark_runs_a_tiny_klein_case():
+    """``--tiny`` for FLUX.2-klein (both sizes share the tiny klein pipeline): the cases in this process, NVFP4
+    transformer and text encoder resident and under a plan, with the fused sites, every stage timed, the same PNG."""
+    import bench_pipeline_budget as bench
+
+    pipe, _ = bench.tiny_pipeline("flux2-klein-9b", "nvfp4-te")
+    assert type(pipe).__name__ == "Flux2KleinPipeline"
+    assert any(isinstance(m, NVFP4Linear) for m in pipe.text_encoder.modules())
+    reference = bench.run_case("flux2-klein-4b", "nvfp4-te", "resident", None, tiny=True)
+    case = bench.run_case("flux2-klein-4b", "nvfp4-te", "model_cpu_offload", 8.0, tiny=True)
+    assert case["fits"] and case["fused_calls"]["flux2_token_cat_swiglu"] > 0, case
+    assert case["png_sha256"] == reference["png_sha256"], (case, reference)
+    assert case["s_per_image"] >= case["s_text"] + case["s_decode"] > 0, case
+    assert case["estimates_gib"]["model_cpu_offload"] == case["estimate_gib"], case
