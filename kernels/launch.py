@@ -270,6 +270,7 @@ class PendingCompiles:
             return
         self.seen.add(key)
         lock = self.locks.setdefault(id(kernel), threading.Lock())
+        args = warmup_arguments(args)
         self.futures.append(self.pool.submit(_compile_one, lock, kernel, grid, device, args, kwargs))
 
     def wait(self, on_done: Callable[[], None] | None = None) -> list[BaseException]:
@@ -286,6 +287,12 @@ class PendingCompiles:
 
     def close(self, wait: bool) -> None:
         self.pool.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def warmup_arguments(args: tuple) -> tuple:
+    """``args`` with each 16-byte aligned tensor replaced by its dtype, which ``JITFunction.warmup`` specializes as an
+    aligned tensor of that dtype (Triton's ``MockTensor``): a pending compile then holds no activation memory."""
+    return tuple(a.dtype if a.__class__ is torch.Tensor and not a.data_ptr() & 15 else a for a in args)
 
 
 def _compile_one(lock: threading.Lock, kernel, grid, device: int, args: tuple, kwargs: dict) -> None:

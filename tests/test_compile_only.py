@@ -59,6 +59,23 @@ def test_each_specialization_compiles_once_kernels_side_by_side_one_kernel_in_or
     assert not a.overlapped, "one kernel's specializations never compile at the same time"
 
 
+def test_a_pending_compile_holds_dtypes_that_triton_specializes_as_the_aligned_tensors():
+    """What the pool passes to ``warmup`` is specialized by the installed Triton exactly as the launch's arguments."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import MockTensor
+
+    buffer = torch.zeros(64, dtype=torch.bfloat16)
+    args = (buffer, buffer[1:], 7, 16, 1.5)
+    held = launch.warmup_arguments(args)
+    assert held[0] is torch.bfloat16 and held[1] is args[1] and held[2:] == args[2:]
+
+    def spec(a):
+        return native_specialize_impl(BaseBackend, MockTensor.wrap_dtype(a), False, True, True)
+
+    assert [spec(a) for a in held] == [spec(a) for a in args]
+
+
 def test_a_failed_compile_is_returned_and_a_second_pass_inside_the_first_is_refused():
     class Broken(_Kernel):
         def warmup(self, *args, grid, **kwargs):
