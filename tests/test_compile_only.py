@@ -175,3 +175,26 @@ def test_the_pass_is_skipped_with_hooks_compile_off_cuda_or_switched_off(klein, 
     model.single_transformer_blocks[0].compile()
     assert parallel_unavailable(model, cuda, model.forward) == (
         "single_transformer_blocks.0 is compiled with torch.compile")
+
+
+def test_the_kernel_against_torch_checks_inside_the_pass_compile_and_remember_nothing(monkeypatch):
+    """The qk-norm tree check and the GELU check compare kernel outputs with torch's once per process: inside the
+    pass, whose kernels leave their outputs unwritten, they must only compile (a garbage comparison remembered there
+    turned Qwen-Image's qk-norm rotary site off for the process, GPU run of the compiled-paths test)."""
+    from diffusers_nvfp4_fast.ops import gelu_quantize, qk_norm_rotary
+
+    launched = []
+    monkeypatch.setattr(dispatch.kernels, "qk_norm_rotary_triton",
+                        lambda x, w, f, eps, tree: launched.append(("tree", tree)) or torch.empty_like(x))
+    monkeypatch.setattr(dispatch.kernels, "gelu_triton", lambda v: launched.append("gelu") or torch.empty_like(v))
+    tree_cache = caches.registered()["ops.qk_norm_rotary.tree"].table
+    gelu_cache = caches.registered()["ops.gelu_quantize.eager_mismatch"].table
+    device = torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # as on a GPU outside capture
+    monkeypatch.delitem(tree_cache, str(device), raising=False)
+    monkeypatch.delitem(gelu_cache, (str(device), torch.bfloat16), raising=False)
+    with launch.compile_only(workers=1):
+        assert qk_norm_rotary.tree_match(device).tree == 1
+        assert gelu_quantize.gelu_mismatch(device, torch.bfloat16) is None
+    assert launched == [("tree", 1), ("tree", 0), "gelu"]
+    assert str(device) not in tree_cache and (str(device), torch.bfloat16) not in gelu_cache

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_qwenimage import apply_rotary_emb_qwen
 
 from .. import caches
-from .dispatch import kernels
+from .dispatch import compiling_only, kernels
 from .fused import AotKernel, Case, Form, FusedOp, Probe
 from .rotary import contiguous_like_x, flux2_tables, probe_inputs, rotary_reference
 
@@ -64,6 +64,10 @@ def tree_match(device: torch.device) -> TreeMatch:
     being captured, before that check, it cannot run and says so (the caller falls back)."""
     key = str(device)
     if key not in _TREE:
+        if compiling_only():  # both trees' kernels compile now; the check itself runs at the next call
+            for tree in (1, 0):
+                cast(ModuleType, kernels).qk_norm_rotary_triton(*probe_inputs(1, 2048, 24, device), EPS, tree=tree)
+            return TreeMatch(1)
         if torch.cuda.is_current_stream_capturing():
             return TreeMatch(None, "kernel not yet checked against torch's ops when captured into a CUDA graph")
         x, weight, freqs = probe_inputs(1, 2048, 24, device)

@@ -103,7 +103,11 @@ def stats_kept(stats_id: int) -> Iterator[None]:
         yield
     finally:
         if stats is not None and saved is not None:
-            stats.__dict__.update(saved.__dict__)
+            for name, value in vars(saved).items():  # in place: sites hold the counters themselves
+                current = getattr(stats, name)
+                if isinstance(current, dict):
+                    current.clear()
+                    current.update(value)
 
 
 def drop_stats(stats_id: int) -> None:
