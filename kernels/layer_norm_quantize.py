@@ -108,17 +108,18 @@ def _bf16(x, SOFT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _welford_step(mean, m2, v, COUNT: tl.constexpr):
+def _welford_step(mean, m2, v, COUNT):
     """cuWelfordOnlineSum for the COUNT-th element of every thread; ``1/COUNT`` is a correctly rounded FP32 constant
     (the Python double 1/COUNT rounded to FP32: double rounding is innocuous for a quotient)."""
     delta = v - mean
-    new_mean = fma_rn(delta, tl.full(v.shape, 1.0 / COUNT, tl.float32), mean)
+    new_mean = fma_rn(delta, tl.math.div_rn(tl.full(v.shape, 1.0, tl.float32), tl.full(v.shape, COUNT, tl.float32)),
+                      mean)
     new_m2 = fma_rn(delta, v - new_mean, m2)
     return new_mean, new_m2
 
 
 @triton.jit
-def _welford_vector(mean, m2, v, SEEN: tl.constexpr):
+def _welford_vector(mean, m2, v, SEEN):
     """Feed one 4-element vector per thread: ``v`` is ``[128, 4]``, row ``t`` = thread t's vector, in element order.
 
     ``SEEN`` = elements each thread has already consumed. The splits only regroup registers (no arithmetic).
@@ -337,24 +338,27 @@ def _resnorm_quantize_kernel(
         mean = tl.zeros([THREADS], tl.float32)
         m2 = tl.zeros([THREADS], tl.float32)
         if HAS_RESIDUAL:
-            x0, res0, b0, gt0 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, 0, HAS_BIAS)
-            x1, res1, b1, gt1 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, min(1, NCHUNK - 1) * CHUNK,
-                                            HAS_BIAS)
-            x2, res2, b2, gt2 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, min(2, NCHUNK - 1) * CHUNK,
-                                            HAS_BIAS)
-            for j in tl.static_range(NCHUNK):
-                ahead = min(j + 3, NCHUNK - 1) * CHUNK
-                x3, res3, b3, gt3 = _load_pass1(x_row, res_row, bias_ptr, gate_row, offs, ahead, HAS_BIAS)
+            x0 = tl.load(x_row + min(0, NCHUNK - 1) * CHUNK + offs, eviction_policy="evict_first")
+            res0 = tl.load(res_row + min(0, NCHUNK - 1) * CHUNK + offs, eviction_policy="evict_first")
+            x1 = tl.load(x_row + min(1, NCHUNK - 1) * CHUNK + offs, eviction_policy="evict_first")
+            res1 = tl.load(res_row + min(1, NCHUNK - 1) * CHUNK + offs, eviction_policy="evict_first")
+            x2 = tl.load(x_row + min(2, NCHUNK - 1) * CHUNK + offs, eviction_policy="evict_first")
+            res2 = tl.load(res_row + min(2, NCHUNK - 1) * CHUNK + offs, eviction_policy="evict_first")
+            for j in tl.range(NCHUNK):
+                o = j * CHUNK + offs
+                gt0 = tl.load(gate_row + o)
                 a = widen_bf16(x0, SOFT_BF16)
                 if HAS_BIAS:
-                    a = _bf16(a + widen_bf16(b0, SOFT_BF16), SOFT_BF16)
+                    a = _bf16(a + widen_bf16(tl.load(bias_ptr + o), SOFT_BF16), SOFT_BF16)
                 r = narrow_bf16(widen_bf16(res0, SOFT_BF16) + _bf16(widen_bf16(gt0, SOFT_BF16) * a, SOFT_BF16),
                                 SOFT_BF16)
-                tl.store(out_row + j * CHUNK + offs, r)
+                x0, res0 = x1, res1
+                x1, res1 = x2, res2
+                ahead = tl.minimum(j + 3, NCHUNK - 1) * CHUNK + offs
+                x2 = tl.load(x_row + ahead, eviction_policy="evict_first")
+                res2 = tl.load(res_row + ahead, eviction_policy="evict_first")
+                tl.store(out_row + o, r)
                 mean, m2 = _welford_vector(mean, m2, _widen_for_fp32(r, SOFT_BF16), j * VEC)
-                x0, res0, b0, gt0 = x1, res1, b1, gt1
-                x1, res1, b1, gt1 = x2, res2, b2, gt2
-                x2, res2, b2, gt2 = x3, res3, b3, gt3
             src_row = out_row
         else:  # nothing is stored in this pass, so the compiler may hoist the loads itself
             for j in tl.static_range(NCHUNK):
@@ -373,7 +377,7 @@ def _resnorm_quantize_kernel(
         REST: tl.constexpr = D - NFULL * 2048
         t = tl.arange(0, THREADS)
         half = t[:, None] * 16 + tl.arange(0, 8)[None, :]  # [128, 8]: first half of thread t's block
-        for j in tl.static_range(NFULL):
+        for j in tl.range(NFULL):
             col = j * 2048
             r_a, sc_a, sh_a = _load_pass2(src_row, scale_row, shift_row, half, col, HAS_SHIFT)
             r_b, sc_b, sh_b = _load_pass2(src_row, scale_row, shift_row, half, col + 8, HAS_SHIFT)
