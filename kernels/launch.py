@@ -3,7 +3,6 @@
 import contextlib
 import functools
 import os
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
@@ -252,16 +251,17 @@ def compiled_binaries(kernel) -> list:
 class PendingCompiles:
     """The compiles a compile-only pass asked for: each specialization once, started at once on a thread pool.
 
-    One kernel's specializations compile one after another (a ``JITFunction`` fills its caches unlocked); different
-    kernels compile in parallel (Triton's MLIR passes, ``ptxas`` and the launcher's C compiler run outside the GIL).
-    ``JITFunction.warmup`` compiles exactly what a launch with the same arguments would run, and leaves the binary in
-    the kernel's own cache, where the next launch finds it; the binary is loaded onto the device in the same task.
+    Specializations compile in parallel, of one kernel too (Triton's MLIR passes, ``ptxas`` and the launcher's C
+    compiler run outside the GIL; a ``JITFunction``'s caches are dictionaries keyed by specialization, which Triton's
+    own ``AsyncCompileMode`` fills from an executor the same way, once the kernel's binder exists: it is built here,
+    on the calling thread). ``JITFunction.warmup`` compiles exactly what a launch with the same arguments would run,
+    and leaves the binary in the kernel's own cache, where the next launch finds it; the binary is loaded onto the
+    device in the same task.
     """
 
     def __init__(self, workers: int) -> None:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvfp4-compile")
         self.seen: set = set()
-        self.locks: dict[int, threading.Lock] = {}
         self.futures: list[Future] = []
 
     def add(self, kernel, grid: tuple[int, ...], device: int, args: tuple, kwargs: dict) -> None:
@@ -269,9 +269,9 @@ class PendingCompiles:
         if key in self.seen:
             return
         self.seen.add(key)
-        lock = self.locks.setdefault(id(kernel), threading.Lock())
+        compat.make_binder(kernel, device)
         args = warmup_arguments(args)
-        self.futures.append(self.pool.submit(_compile_one, lock, kernel, grid, device, args, kwargs))
+        self.futures.append(self.pool.submit(_compile_one, kernel, grid, device, args, kwargs))
 
     def wait(self, on_done: Callable[[], None] | None = None) -> list[BaseException]:
         """Wait for every compile, calling ``on_done`` after each; returns the failures (the launch itself then
@@ -295,8 +295,8 @@ def warmup_arguments(args: tuple) -> tuple:
     return tuple(a.dtype if a.__class__ is torch.Tensor and not a.data_ptr() & 15 else a for a in args)
 
 
-def _compile_one(lock: threading.Lock, kernel, grid, device: int, args: tuple, kwargs: dict) -> None:
-    with lock, torch.cuda.device(device):
+def _compile_one(kernel, grid, device: int, args: tuple, kwargs: dict) -> None:
+    with torch.cuda.device(device):
         compat.load_binary(kernel.warmup(*args, grid=grid, **kwargs))
 
 

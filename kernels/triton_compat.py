@@ -61,6 +61,12 @@ def has_binder(kernel, device: int) -> bool:
     return kernel.device_caches.get(device) is not None
 
 
+def make_binder(kernel, device: int) -> None:
+    """Have Triton build ``kernel``'s binder for ``device`` now (its first launch would), on the calling thread: the
+    kernel's caches then exist before compiles of its specializations run on other threads."""
+    kernel.device_caches[device]  # noqa: B018 (a defaultdict: reading the entry builds it)
+
+
 def bind(kernel, device: int, args: tuple, kwargs: dict) -> tuple[dict, list]:
     """(every parameter's value by name in signature order, Triton's specialization of the call) from ``kernel``'s
     binder on ``device``. TypeError where the binder rejects the call (another binder signature)."""

@@ -235,6 +235,23 @@ def test_the_installed_binder_binds_and_specializes_as_launch_reads_it(monkeypat
                 specialization(16, unaligned)}) == 4
 
 
+def test_make_binder_builds_the_binder_triton_builds_at_a_first_launch(monkeypatch):
+    """``make_binder``: the installed Triton's ``device_caches`` builds the kernel's binder when read, as its first
+    launch would (the compile-only pass builds it on the calling thread before compiling on others)."""
+    from triton.backends.compiler import GPUTarget
+
+    jit = importlib.import_module("triton.runtime.jit")
+    active = types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32))
+    monkeypatch.setattr(jit, "driver", types.SimpleNamespace(active=active))
+    kernel = quantize_mod._quantize_nvfp4_kernel
+    monkeypatch.setattr(kernel, "device_caches", type(kernel.device_caches)(kernel.create_binder))
+    assert not compat.has_binder(kernel, 0)
+    compat.make_binder(kernel, 0)
+    assert compat.has_binder(kernel, 0) and not compat.has_binder(kernel, 1)
+    bound, _ = compat.bind(kernel, 0, *_quantize_call(16, torch.zeros(64, 256, dtype=torch.int64)))
+    assert list(bound) == kernel.arg_names
+
+
 def test_specialization_key_is_at_least_as_fine_as_tritons(monkeypatch):
     """``specialization_key`` by Triton's own rules: over calls that differ in every property Triton specializes on
     (integers equal to 1, divisible by 16 or not, 64-bit; tensor dtype and 16-byte alignment; constexprs; a bool
