@@ -265,11 +265,14 @@ class PendingCompiles:
         self.futures: list[Future] = []
 
     def add(self, kernel, grid: tuple[int, ...], device: int, args: tuple, kwargs: dict) -> None:
-        key = (id(kernel), device, compat.specialization_key(args, kwargs))
+        compat.make_binder(kernel, device)
+        try:  # Triton's own specialization: one task per binary
+            key = binder_key(kernel, device, args, kwargs)[1]
+        except TypeError:
+            key = (id(kernel), device, compat.specialization_key(args, kwargs))
         if key in self.seen:
             return
         self.seen.add(key)
-        compat.make_binder(kernel, device)
         args = warmup_arguments(args)
         self.futures.append(self.pool.submit(_compile_one, kernel, grid, device, args, kwargs))
 

@@ -23,15 +23,20 @@ if dispatch.kernels is None:
 launch = dispatch.kernels.launch
 
 
+def _unusable_binder(*args, **kwargs):
+    raise TypeError("another binder signature")
+
+
 class _Kernel:
     """Stands in for a JITFunction: ``warmup`` records its specialization and waits for the others at ``meet``."""
 
     def __init__(self, name: str, meet: threading.Barrier | None = None):
         self.name, self.meet, self.compiled = name, meet, []
-        self.device_caches = collections.defaultdict(lambda: threading.current_thread().name)  # who built the binder
+        # (who built it, a binder Triton's key cannot use: the pass then keys by specialization_key)
+        self.device_caches = collections.defaultdict(lambda: (threading.current_thread().name, _unusable_binder))
 
     def warmup(self, *args, grid, **kwargs):
-        assert self.device_caches.get(-1) == threading.main_thread().name, "the binder exists, made by the caller"
+        assert self.device_caches[-1][0] == threading.main_thread().name, "the binder exists, made by the caller"
         if self.meet is not None:
             self.meet.wait(timeout=10)  # raises BrokenBarrierError unless the other compiles run meanwhile
         self.compiled.append((args, grid, kwargs))
