@@ -16,11 +16,14 @@ as the call reaches them) where a second call could change something: a model wi
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import importlib
+import json
 import os
 import time
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
 
@@ -37,6 +40,8 @@ _WATCHED: weakref.WeakSet[Preparation] = weakref.WeakSet()
 _REMOVE_LISTENER: list[Callable[[], None]] = []
 NOT_CALLED = ("the model has not been called since enable_fast_paths (calls that torch.compile traces as a whole "
               "are not watched)")
+PREPARED_BEFORE = ("this call was prepared before with this Triton cache, so its kernels load from it one by one, "
+                   "faster than a pass")
 NOTHING_HEARD = ("no NVFP4 Triton kernel was compiled or loaded during the first call (none runs on this device, "
                  "or this process had loaded them before)")
 
@@ -119,6 +124,10 @@ class Preparation:
         if why is not None or forward is None:
             self.parallel = {"ran": False, "reason": why}
             return
+        record = prepared_record(model, self._device, args, kwargs)
+        if record.exists():
+            self.parallel = {"ran": False, "reason": f"{PREPARED_BEFORE} ({record})"}
+            return
         launch = cast(ModuleType, dispatch.kernels).launch
         start = time.perf_counter()
         self._compile_only = True
@@ -134,6 +143,8 @@ class Preparation:
         self.parallel = {"ran": True, "kernels": len(pending.futures), "seconds": round(time.perf_counter() - start, 3)}
         if failures:
             self.parallel["failed"] = [f"{type(e).__name__}: {e}"[:200] for e in failures[:3]]
+        else:
+            _write_quietly(record)
 
     def _wait(self, pending: Any) -> list[BaseException]:
         """Wait for the pool, with a progress bar once it has taken longer than half a second."""
@@ -209,3 +220,38 @@ def _eager_forward(model: nn.Module) -> Callable | None:
     if isinstance(forward, GraphRunner):
         forward = forward.original
     return forward if getattr(forward, "__self__", None) is model else None
+
+
+def prepared_record(model: nn.Module, device: torch.device, args: tuple, kwargs: dict) -> Path:
+    """Where a finished compile-only pass of this call leaves its mark: in Triton's cache directory (it goes with the
+    binaries), named by what picks the kernels (model class and config, the call's tensor shapes, dtypes, strides and
+    alignments, the GPU, the versions, this package's environment switches)."""
+    def signature(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), str(value.dtype), value.stride(), value.data_ptr() % 16)
+        if isinstance(value, (list, tuple)):
+            return [signature(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): signature(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        return repr(value)
+
+    from . import __version__
+
+    switches = {k: v for k, v in os.environ.items() if k.startswith("DIFFUSERS_NVFP4_")}
+    config = dict(getattr(model, "config", {}) or {})
+    described = json.dumps([type(model).__name__, signature(config), signature(args), signature(kwargs),
+                            _device_name(device), torch.__version__, importlib.import_module("triton").__version__, __version__,
+                            sorted(switches.items())], sort_keys=True, default=repr)
+    name = hashlib.sha256(described.encode()).hexdigest()[:32]
+    return Path(_compat().triton_cache_dir()) / "diffusers_nvfp4_fast" / "prepared" / f"{name}.json"
+
+
+def _write_quietly(record: Path) -> None:
+    """The mark, atomically; a cache directory that cannot be written only means the next process runs a pass."""
+    try:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        temporary = record.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps({"written": time.strftime("%Y-%m-%dT%H:%M:%S")}))
+        os.replace(temporary, record)
+    except OSError:
+        pass

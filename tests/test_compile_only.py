@@ -119,7 +119,7 @@ def klein(modelopt_exports):
     disable_fast_paths(pipe)
 
 
-def test_the_pass_runs_the_first_call_once_more_and_changes_no_byte_or_count(klein, monkeypatch):
+def test_the_pass_runs_the_first_call_once_more_and_changes_no_byte_or_count(klein, monkeypatch, tmp_path):
     """On the CPU no kernel launches, so this checks the pass's plumbing: the first call runs twice (the pass, then
     the call), later calls once, the image and every counter are those of a run without the pass."""
     from diffusers_nvfp4_fast import preparation
@@ -136,6 +136,7 @@ def test_the_pass_runs_the_first_call_once_more_and_changes_no_byte_or_count(kle
     forward = model_class.forward
     monkeypatch.setattr(model_class, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k))
     monkeypatch.setattr(preparation, "parallel_unavailable", lambda *a: None)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # no mark from an earlier run: the pass runs
     verify.reset_verification()
     enable_fast_paths(pipe)
     sha_with = png_sha256(run_pipeline(pipe, kwargs, steps=2))
@@ -197,3 +198,27 @@ def test_the_kernel_against_torch_checks_inside_the_pass_compile_and_remember_no
         assert gelu_quantize.gelu_mismatch(device, torch.bfloat16) is None
     assert launched == [("tree", 1), ("tree", 0), "gelu"]
     assert str(device) not in tree_cache and (str(device), torch.bfloat16) not in gelu_cache
+
+
+def test_a_call_prepared_before_with_this_cache_skips_the_pass_and_a_new_shape_does_not(klein, monkeypatch, tmp_path):
+    """A finished pass leaves a mark in Triton's cache directory; the next process (here: the next enable) loads the
+    same call's kernels from the cache without a pass, which would only cost a forward of host time."""
+    from diffusers_nvfp4_fast import preparation
+
+    pipe, kwargs = klein
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(preparation, "parallel_unavailable", lambda *a: None)
+
+    def first_call(size: int) -> dict:
+        enable_fast_paths(pipe)
+        run_pipeline(pipe, kwargs, steps=1, size=size)
+        parallel = fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]["parallel"]
+        disable_fast_paths(pipe)
+        return parallel
+
+    assert first_call(64)["ran"]
+    marks = list((tmp_path / "diffusers_nvfp4_fast" / "prepared").iterdir())
+    assert len(marks) == 1 and marks[0].suffix == ".json"
+    again = first_call(64)
+    assert not again["ran"] and again["reason"].startswith(preparation.PREPARED_BEFORE), again
+    assert first_call(32)["ran"], "another image size: other shapes, a pass of its own"
