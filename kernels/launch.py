@@ -268,7 +268,8 @@ class PendingCompiles:
         compat.make_binder(kernel, device)
         try:  # Triton's own specialization: one task per binary
             key = binder_key(kernel, device, args, kwargs)[1]
-        except TypeError:
+            hash(key)
+        except TypeError:  # another binder signature, or an unhashable constexpr
             key = (id(kernel), device, compat.specialization_key(args, kwargs))
         if key in self.seen:
             return
