@@ -239,9 +239,9 @@ def prepared_record(model: nn.Module, device: torch.device, args: tuple, kwargs:
 
     switches = {k: v for k, v in os.environ.items() if k.startswith("DIFFUSERS_NVFP4_")}
     config = dict(getattr(model, "config", {}) or {})
+    versions = (torch.__version__, importlib.import_module("triton").__version__, __version__)
     described = json.dumps([type(model).__name__, signature(config), signature(args), signature(kwargs),
-                            _device_name(device), torch.__version__, importlib.import_module("triton").__version__, __version__,
-                            sorted(switches.items())], sort_keys=True, default=repr)
+                            _device_name(device), versions, sorted(switches.items())], sort_keys=True, default=repr)
     name = hashlib.sha256(described.encode()).hexdigest()[:32]
     return Path(_compat().triton_cache_dir()) / "diffusers_nvfp4_fast" / "prepared" / f"{name}.json"
 
