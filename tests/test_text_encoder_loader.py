@@ -242,6 +242,34 @@ def test_comfy_file_problems_are_in_one_error(tmp_path):
     assert "model.layers.1.mlp.up_proj.weight_scale" in text
 
 
+def _without_input_scales(tensors: dict) -> None:
+    for key in [k for k in tensors if k.endswith(".input_scale")]:
+        del tensors[key]
+
+
+@pytest.mark.parametrize("which", ["qwen3", "qwen2_5_vl"])
+def test_comfy_file_without_input_scales_loads_dynamic_when_asked_and_runs_on_equal_off(which, tmp_path):
+    """A ComfyUI file quantized for a dynamic activation scale stores no ``input_scale``: refused with the advice by
+    default, read with ``dynamic_input_scale=True`` (comfy-kitchen's decode; each call its own scale), and the
+    pipeline's embeddings and PNG are then the same with fast paths on and off."""
+    file = tmp_path / f"{which}_nvfp4.safetensors"
+    written = te.write_comfy_file(which, file, ck_quantize, _without_input_scales)
+    with pytest.raises(NVFP4CheckpointError, match=r"have no input_scale .*pass dynamic_input_scale=True"):
+        load_nvfp4_text_encoder(file, config=te.config_of(which))
+    model = load_nvfp4_text_encoder(file, config=te.config_of(which), dynamic_input_scale=True)
+    stored = te.directory_tensors(tmp_path)
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, NVFP4Linear)}
+    assert set(layers) == set(written) and all(layer.dynamic_input_scale for layer in layers.values())
+    for name, layer in layers.items():
+        key = written[name]
+        theirs = ck_dequantize(stored[f"{key}.weight"], stored[f"{key}.weight_scale_2"], stored[f"{key}.weight_scale"])
+        assert torch.equal(_decoded(layer, torch.float64), theirs), name
+    pipe, kwargs = te.tiny_pipeline(which, model)
+    (off, sha_off), (on, sha_on), (again, sha_again) = _generate_off_on_off(pipe, kwargs)
+    assert sha_off == sha_on == sha_again and len(off) == len(on) > 0
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(off, on, again, strict=True))
+
+
 def test_comfy_layer_in_another_format_is_refused(tmp_path):
     file = tmp_path / "fp8.safetensors"
     te.write_comfy_file("qwen3", file, ck_quantize, lambda t: t.update(

@@ -195,7 +195,8 @@ def _check_nvfp4_layer(name: str, linear: nn.Linear, index: CheckpointIndex, dec
                        info: QuantizationInfo, problems: list[str]) -> ScaleLayout | None:
     """Check one quantized layer's keys, dtypes and shapes; returns the stored scale layout (None on problems)."""
     n, k = linear.out_features, linear.in_features
-    missing = [s for s in NVFP4_SUFFIXES if f"{name}.{s}" not in index]
+    dynamic = name in info.dynamic_layers  # its activation scale is taken per call: a stored input_scale is unused
+    missing = [s for s in NVFP4_SUFFIXES if f"{name}.{s}" not in index and not (dynamic and s == "input_scale")]
     problems.extend(f"missing key {name}.{s} (NVFP4 layer {name} [{n}x{k}])" for s in missing)
     if missing:
         return None
@@ -215,7 +216,8 @@ def _check_nvfp4_layer(name: str, linear: nn.Linear, index: CheckpointIndex, dec
         return None
     expect("weight", (torch.uint8,), [(n, k // 2)])
     expect("weight_scale_2", (torch.float32,), [(), (1,)])
-    expect("input_scale", (torch.float32,), [(), (1,)])
+    if f"{name}.input_scale" in index:
+        expect("input_scale", (torch.float32,), [(), (1,)])
     scale_shape = expect("weight_scale", (torch.float8_e4m3fn, torch.uint8), None)
     layout = _stored_layout(name, scale_shape, n, k, declared, info, problems)
     if linear.bias is not None:
@@ -303,8 +305,9 @@ def build_nvfp4_layer(linear: nn.Linear, name: str, tensors: dict[str, torch.Ten
                                None if dynamic else tensors["input_scale"])
     packed = tensors["weight"].view(torch.uint8)
     new = NVFP4Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=torch_dtype)
+    input_scale = tensors.get("input_scale", torch.ones((), dtype=torch.float32))  # a dynamic layer may have none
     new.load_nvfp4(swap_nibbles(packed) if qinfo.nibble_order == "hi_first" else packed, tensors["weight_scale"],
-                   tensors["weight_scale_2"], tensors["input_scale"], tensors.get("bias"), scale_layout=layout)
+                   tensors["weight_scale_2"], input_scale, tensors.get("bias"), scale_layout=layout)
     new.dynamic_input_scale = dynamic
     return new, new.swizzle_weight_scales_()
 
@@ -314,7 +317,8 @@ def load_nvfp4_layer(model: nn.Module, name: str, index: CheckpointIndex, layout
     """Replace Linear ``name`` by an ``NVFP4Linear`` holding the stored tensors; True if its scales were swizzled.
     Unusable scale values are added to ``problems``."""
     linear = cast(nn.Linear, model.get_submodule(name))  # _plan_quantized found it as an nn.Linear
-    suffixes = [*NVFP4_SUFFIXES, *(["bias"] if linear.bias is not None else [])]
+    suffixes = [s for s in (*NVFP4_SUFFIXES, *(["bias"] if linear.bias is not None else []))
+                if f"{name}.{s}" in index]  # _check_nvfp4_layer found every key the layer needs
     stored = index.load([f"{name}.{s}" for s in suffixes])
     new, swizzled = build_nvfp4_layer(linear, name, {s: stored[f"{name}.{s}"] for s in suffixes}, layout, qinfo,
                                       torch_dtype, problems)
@@ -389,7 +393,7 @@ def export_scale_problems(plan: ExportPlan, *, block_scales: bool) -> list[str]:
     problems: list[str] = []
     for name in plan.quantized:
         keys = [f"{name}.weight_scale_2", f"{name}.input_scale"] + ([f"{name}.weight_scale"] if block_scales else [])
-        t = plan.index.load(keys)
+        t = plan.index.load([key for key in keys if key in plan.index])
         dynamic = name in plan.qinfo.dynamic_layers
         blocks = t.get(f"{name}.weight_scale", torch.zeros(1, dtype=torch.uint8))
         problems += scale_problems(name, blocks, t[f"{name}.weight_scale_2"],

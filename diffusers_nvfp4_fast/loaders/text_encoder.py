@@ -116,9 +116,11 @@ def _drop_quantization(config: dict) -> dict:
 
 
 def _plan(model: nn.Module, model_dir: Path, qinfo: QuantizationInfo, files: Sequence[Path],
-          scale_layout: ScaleLayout | None, marked: Iterable[str] | None = None) -> ExportPlan:
+          scale_layout: ScaleLayout | None, dynamic_input_scale: bool,
+          marked: Iterable[str] | None = None) -> ExportPlan:
     """The export reader's plan over the stored keys renamed as transformers renames them. ``marked``: the stored
-    layers a ComfyUI file marks NVFP4 (markers or header); every other Linear is one the file keeps BF16."""
+    layers a ComfyUI file marks NVFP4 (markers or header); every other Linear is one the file keeps BF16.
+    ``dynamic_input_scale``: NVFP4 layers stored without ``input_scale`` take their activation scale per call."""
     problems: list[str] = []
     rename = checkpoint_key_renamer(model)
 
@@ -133,9 +135,22 @@ def _plan(model: nn.Module, model_dir: Path, qinfo: QuantizationInfo, files: Seq
     else:
         qinfo.exclude_patterns = [rename(p) for p in qinfo.exclude_patterns]
     qinfo.dynamic_layers = [module(n) for n in qinfo.dynamic_layers]
+    unscaled = [n for n in _without_input_scale(index) if n not in qinfo.dynamic_layers]
+    if unscaled and dynamic_input_scale:
+        qinfo.dynamic_layers += unscaled
+    elif unscaled:
+        problems.append(f"{len(unscaled)} NVFP4 layer(s) have no input_scale (e.g. {unscaled[0]}): pass "
+                        "dynamic_input_scale=True to quantize their activations with a scale taken from each call's "
+                        "own amax (docs/checkpoints.md)")
     plan = plan_export_into(model, model_dir, qinfo, index, scale_layout)
     plan.problems[:0] = problems
     return plan
+
+
+def _without_input_scale(index: CheckpointIndex) -> list[str]:
+    """The stored NVFP4 layers (those with block scales) that have no ``input_scale``."""
+    layers = [key.removesuffix(".weight_scale") for key in index.entries if key.endswith(".weight_scale")]
+    return sorted(n for n in layers if f"{n}.input_scale" not in index)
 
 
 def _materialize(plan: ExportPlan, dtype: torch.dtype, device, source, **facts) -> nn.Module:
@@ -169,14 +184,16 @@ def _modelopt_format(model_dir: Path, config: Mapping[str, Any]) -> bool:
     return qc.get("quant_method") == "modelopt" or (model_dir / "hf_quant_config.json").is_file()
 
 
-def _load_export(model_dir: Path, dtype: torch.dtype, device, scale_layout: ScaleLayout | None) -> nn.Module:
+def _load_export(model_dir: Path, dtype: torch.dtype, device, scale_layout: ScaleLayout | None,
+                 dynamic_input_scale: bool) -> nn.Module:
     config = read_json(model_dir / "config.json")
     qinfo = read_quantization_info(model_dir, config)
     if qinfo.scale_layout is None and _modelopt_format(model_dir, config):
         qinfo.scale_layout = "linear"  # ModelOpt's HF export format stores linear [N, K/16] block scales
     cls = text_encoder_class(config, str(model_dir / "config.json"))
     model = empty_model(cls, _drop_quantization(config), dtype)
-    plan = _plan(model, model_dir, qinfo, weight_files(model_dir, "model.safetensors.index.json"), scale_layout)
+    plan = _plan(model, model_dir, qinfo, weight_files(model_dir, "model.safetensors.index.json"), scale_layout,
+                 dynamic_input_scale)
     return _materialize(plan, dtype, device, model_dir, format="modelopt_export")
 
 
@@ -214,13 +231,13 @@ def default_comfy_config(header: SafetensorsHeader) -> str:
         "(a pipeline repo id or directory, a config.json, or a dict with 'architectures' or 'model_type')")
 
 
-def _load_comfy(file: Path, config, dtype: torch.dtype, device) -> nn.Module:
+def _load_comfy(file: Path, config, dtype: torch.dtype, device, dynamic_input_scale: bool) -> nn.Module:
     header = SafetensorsHeader(file)
     qinfo, marked = _comfy_quant_info(header)
     config_dict, config_source = _config_dict(config if config is not None else default_comfy_config(header))
     cls = text_encoder_class(config_dict, config_source)
     model = empty_model(cls, _drop_quantization(config_dict), dtype)
-    plan = _plan(model, file, qinfo, [file], "128x4", marked)
+    plan = _plan(model, file, qinfo, [file], "128x4", dynamic_input_scale, marked)
     return _materialize(plan, dtype, device, file, format="comfy_single_file", config_source=config_source)
 
 
@@ -233,6 +250,7 @@ def load_nvfp4_text_encoder(
     filename: str | None = None,
     config: Mapping[str, Any] | str | os.PathLike | None = None,
     scale_layout: ScaleLayout | None = None,
+    dynamic_input_scale: bool = False,
 ) -> nn.Module:
     """Load an NVFP4 text encoder as the transformers class its pipeline uses (``text_encoder=`` of
     ``Flux2Pipeline``, ``QwenImagePipeline``, ``Flux2KleinPipeline``, ``QwenImage21Pipeline``).
@@ -252,6 +270,9 @@ def load_nvfp4_text_encoder(
             ``model_type``. Default: the config of the pipeline whose text encoder the file's keys and hidden size
             name (docs/checkpoints.md).
         scale_layout: how an export's block scales are stored ("linear" or "128x4") where the file cannot tell.
+        dynamic_input_scale: read NVFP4 layers stored without ``input_scale`` (ComfyUI files quantized for its
+            dynamic activation scale): each call then quantizes the activation with a scale from its own amax.
+            Without it such layers are an error that names them.
 
     Raises:
         NVFP4CheckpointError: every problem of the checkpoint (file, key, value), before anything is returned.
@@ -264,8 +285,9 @@ def load_nvfp4_text_encoder(
         if scale_layout is not None:
             raise TypeError("scale_layout= applies to ModelOpt export directories; a ComfyUI file's layout is "
                             "comfy-kitchen's (128x4 block scales)")
-        return _load_comfy(resolve_single_file(path_or_repo_id, filename, subfolder), config, dtype, device)
+        return _load_comfy(resolve_single_file(path_or_repo_id, filename, subfolder), config, dtype, device,
+                           dynamic_input_scale)
     if config is not None:
         raise TypeError(f"config= applies to single files; {path_or_repo_id} is read as a ModelOpt export directory, "
                         "whose config.json is the config")
-    return _load_export(resolve_dir(path_or_repo_id, subfolder), dtype, device, scale_layout)
+    return _load_export(resolve_dir(path_or_repo_id, subfolder), dtype, device, scale_layout, dynamic_input_scale)
