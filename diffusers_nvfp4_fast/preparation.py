@@ -115,10 +115,19 @@ class Preparation:
         return keep
 
     def _compile_in_parallel(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
-        """The first call's compile-only pass (a forward pre-hook that removes itself)."""
+        """The first call's compile-only pass (a forward pre-hook that removes itself, and never fails the call: the
+        call itself then compiles what it needs, one by one)."""
         if not outside_trace_and_capture():
             return
         self._first_call.remove()
+        try:
+            self._run_pass(model, args, kwargs)
+        except Exception as error:  # noqa: BLE001
+            self.parallel = {"ran": False, "reason": f"the compile-only pass failed: {type(error).__name__}: {error}"}
+        finally:
+            self._compile_only = False
+
+    def _run_pass(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         forward = _eager_forward(model)
         why = parallel_unavailable(model, self._device, forward)
         if why is not None or forward is None:
@@ -131,15 +140,10 @@ class Preparation:
         launch = cast(ModuleType, dispatch.kernels).launch
         start = time.perf_counter()
         self._compile_only = True
-        try:
-            with verify.stats_kept(self._stats_id or 0), torch.no_grad(), launch.compile_only() as pending:
-                forward(*args, **kwargs)
-            failures = self._wait(pending)
-        except Exception as error:  # noqa: BLE001 - the call itself then compiles what it needs, one by one
-            self.parallel = {"ran": False, "reason": f"the compile-only pass failed: {type(error).__name__}: {error}"}
-            return
-        finally:
-            self._compile_only = False
+        with verify.stats_kept(self._stats_id or 0), torch.no_grad(), launch.compile_only() as pending:
+            forward(*args, **kwargs)
+        failures = self._wait(pending)
+        self._compile_only = False
         self.parallel = {"ran": True, "kernels": len(pending.futures), "seconds": round(time.perf_counter() - start, 3)}
         if failures:
             self.parallel["failed"] = [f"{type(e).__name__}: {e}"[:200] for e in failures[:3]]
@@ -238,7 +242,8 @@ def prepared_record(model: nn.Module, device: torch.device, args: tuple, kwargs:
     from . import __version__
 
     switches = {k: v for k, v in os.environ.items() if k.startswith("DIFFUSERS_NVFP4_")}
-    config = dict(getattr(model, "config", {}) or {})
+    config: Any = getattr(model, "config", None)
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})  # transformers' or diffusers'
     versions = (torch.__version__, importlib.import_module("triton").__version__, __version__)
     described = json.dumps([type(model).__name__, signature(config), signature(args), signature(kwargs),
                             _device_name(device), versions, sorted(switches.items())], sort_keys=True, default=repr)

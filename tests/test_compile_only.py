@@ -222,3 +222,31 @@ def test_a_call_prepared_before_with_this_cache_skips_the_pass_and_a_new_shape_d
     again = first_call(64)
     assert not again["ran"] and again["reason"].startswith(preparation.PREPARED_BEFORE), again
     assert first_call(32)["ran"], "another image size: other shapes, a pass of its own"
+
+
+def test_a_text_encoders_first_call_gets_the_pass_and_its_mark(monkeypatch, tmp_path):
+    """A transformers text encoder (its config no mapping) goes through the pass like a transformer: the mark is
+    named from its config, and the prompt embeddings are those of fast paths off."""
+    import warnings as _warnings
+
+    from diffusers_nvfp4_fast import load_nvfp4_text_encoder, preparation
+    from support import text_encoders as te
+    from support.comfy_files import ck_quantize
+
+    file = tmp_path / "qwen3_nvfp4.safetensors"
+    te.write_comfy_file("qwen3", file, ck_quantize)
+    pipe, kwargs = te.tiny_pipeline("qwen3", load_nvfp4_text_encoder(file, config=te.config_of("qwen3")))
+    off = te.encoder_outputs(pipe, kwargs)[0]
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
+    monkeypatch.setattr(preparation, "parallel_unavailable", lambda *a: None)
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore")  # the tiny pipeline's transformer is BF16: enable_fast_paths says so
+        enable_fast_paths(pipe)
+    try:
+        on = te.encoder_outputs(pipe, kwargs)[0]
+        parallel = fast_path_report(pipe)["Qwen3ForCausalLM"]["preparation"]["parallel"]
+    finally:
+        disable_fast_paths(pipe)
+    assert parallel["ran"], parallel
+    assert len(list((tmp_path / "triton" / "diffusers_nvfp4_fast" / "prepared").iterdir())) == 1
+    assert len(off) == len(on) > 0 and all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
