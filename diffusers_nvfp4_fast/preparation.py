@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import os
 import time
@@ -239,16 +240,21 @@ def prepared_record(model: nn.Module, device: torch.device, args: tuple, kwargs:
             return {str(k): signature(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
         return repr(value)
 
-    from . import __version__
-
     switches = {k: v for k, v in os.environ.items() if k.startswith("DIFFUSERS_NVFP4_")}
     config: Any = getattr(model, "config", None)
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})  # transformers' or diffusers'
-    versions = (torch.__version__, importlib.import_module("triton").__version__, __version__)
+    versions = (torch.__version__, importlib.import_module("triton").__version__, _package_version())
     described = json.dumps([type(model).__name__, signature(config), signature(args), signature(kwargs),
                             _device_name(device), versions, sorted(switches.items())], sort_keys=True, default=repr)
     name = hashlib.sha256(described.encode()).hexdigest()[:32]
     return Path(_compat().triton_cache_dir()) / "diffusers_nvfp4_fast" / "prepared" / f"{name}.json"
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("diffusers-nvfp4-fast")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout without installing: no version to tell
+        return "unknown"
 
 
 def _write_quietly(record: Path) -> None:
