@@ -10,7 +10,7 @@ Before the first call runs, the same call runs once as a compile-only pass (``ke
 launch starts its binary's compile on a thread pool instead of running, so the kernels the call needs compile side by
 side; then the call itself runs on the compiled binaries. The pass is skipped (the kernels then compile one by one,
 as the call reaches them) where a second call could change something: a model with diffusers or accelerate hooks
-(caches, offloading), a compiled model, outside CUDA, or with ``DIFFUSERS_NVFP4_PARALLEL_COMPILE=0``.
+(caches, offloading), a compiled model, outside CUDA, or with ``switches.PARALLEL_COMPILE`` off.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from .module_hooks import TORCH_FORWARD_HOOK, hooks_on
 from .ops import dispatch, verify
 from .progress import BarFactory, CallProgress, outside_trace_and_capture, repeated_blocks, tqdm_bar
 from .swaps import current_inner_forward
+from .switches import PARALLEL_COMPILE, env_value
 
 _WATCHED: weakref.WeakSet[Preparation] = weakref.WeakSet()
 _REMOVE_LISTENER: list[Callable[[], None]] = []
@@ -206,8 +207,9 @@ def pipeline_bar(pipe: Any) -> BarFactory | None:
 
 def parallel_unavailable(model: nn.Module, device: torch.device, forward: Callable | None) -> str | None:
     """Why the first call of ``model`` gets no compile-only pass (None: it does)."""
-    if os.environ.get("DIFFUSERS_NVFP4_PARALLEL_COMPILE", "1").strip() in ("0", ""):
-        return "DIFFUSERS_NVFP4_PARALLEL_COMPILE=0"
+    value = env_value(PARALLEL_COMPILE)
+    if value is not None and value.strip().lower() in ("", "0", "false", "off", "no"):
+        return f"{PARALLEL_COMPILE}={value}"
     if device.type != "cuda":
         return f"the model runs on {device}"
     for name, module in model.named_modules():

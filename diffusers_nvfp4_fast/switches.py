@@ -28,6 +28,8 @@ TRITON_NO_ASM = "DIFFUSERS_NVFP4_TRITON_NO_ASM"
 GEMM_AUTOTUNE = "DIFFUSERS_NVFP4_GEMM_AUTOTUNE"
 # 0: no programmatic dependent launch (docs/design.md §7); read once, when kernels/launch.py is imported.
 PDL = "DIFFUSERS_NVFP4_PDL"
+# 0: no compile-only pass before a model's first call (docs/design.md §8, "Compile-only pass"); read at that call.
+PARALLEL_COMPILE = "DIFFUSERS_NVFP4_PARALLEL_COMPILE"
 # 1 (the test suite sets it): every op call through the dispatcher checks that no output shares an input's storage;
 # read when the ops are defined.
 CHECK_OPS = "DIFFUSERS_NVFP4_CHECK_OPS"

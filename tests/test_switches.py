@@ -116,3 +116,19 @@ def test_the_runner_key_follows_failed_verifications(fresh_verdicts):
         verify.drop_stats(stats_id)
     assert verify.failed_kinds_count() == 1
     assert watch.state()[1] != first
+
+
+def test_every_switch_the_package_names_is_declared_here():
+    """An environment name ``DIFFUSERS_NVFP4_*`` quoted in the package's or the kernels' code is one of ``switches``'
+    declarations (a concept declared once)."""
+    import re
+    from pathlib import Path
+
+    import diffusers_nvfp4_fast
+
+    root = Path(diffusers_nvfp4_fast.__file__).parent
+    declared = {v for k, v in vars(switches).items() if k.isupper() and isinstance(v, str)}
+    files = [*root.rglob("*.py"), *(root.parent / "kernels").rglob("*.py")]
+    quoted = r"(?<=[\"'`])DIFFUSERS_NVFP4_[A-Z0-9_]+"  # in a string or a docstring, not a Python name
+    named = {m for f in files for m in re.findall(quoted, f.read_text())}
+    assert named and named <= declared, sorted(named - declared)
