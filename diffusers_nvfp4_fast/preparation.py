@@ -145,7 +145,6 @@ class Preparation:
         with verify.stats_kept(self._stats_id or 0), torch.no_grad(), launch.compile_only() as pending:
             forward(*args, **kwargs)
         failures = self._wait(pending)
-        self._compile_only = False
         self.parallel = {"ran": True, "kernels": len(pending.futures), "seconds": round(time.perf_counter() - start, 3)}
         if failures:
             self.parallel["failed"] = [f"{type(e).__name__}: {e}"[:200] for e in failures[:3]]

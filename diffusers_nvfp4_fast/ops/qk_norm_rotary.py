@@ -65,8 +65,9 @@ def tree_match(device: torch.device) -> TreeMatch:
     key = str(device)
     if key not in _TREE:
         if compiling_only():  # both trees' kernels compile now; the check itself runs at the next call
+            probe = probe_inputs(1, 2048, 24, device)
             for tree in (1, 0):
-                cast(ModuleType, kernels).qk_norm_rotary_triton(*probe_inputs(1, 2048, 24, device), EPS, tree=tree)
+                cast(ModuleType, kernels).qk_norm_rotary_triton(*probe, EPS, tree=tree)
             return TreeMatch(1)
         if torch.cuda.is_current_stream_capturing():
             return TreeMatch(None, "kernel not yet checked against torch's ops when captured into a CUDA graph")
