@@ -230,8 +230,8 @@ def _eager_forward(model: nn.Module) -> Callable | None:
 
 def prepared_record(model: nn.Module, device: torch.device, args: tuple, kwargs: dict) -> Path:
     """Where a finished compile-only pass of this call leaves its mark: in Triton's cache directory (it goes with the
-    binaries), named by what picks the kernels (model class and config, the call's tensor shapes, dtypes, strides and
-    alignments, the GPU, the versions, this package's environment switches)."""
+    binaries), named by what picks the kernels (model class and public config, the call's tensor shapes, dtypes,
+    strides and alignments, the GPU, the versions, this package's environment switches), the same in every process."""
     def signature(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return ("tensor", tuple(value.shape), str(value.dtype), value.stride(), value.data_ptr() % 16)
@@ -239,11 +239,15 @@ def prepared_record(model: nn.Module, device: torch.device, args: tuple, kwargs:
             return [signature(v) for v in value]
         if isinstance(value, dict):
             return {str(k): signature(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        if isinstance(value, (set, frozenset)):  # iteration order follows PYTHONHASHSEED, which each process draws
+            return sorted(repr(v) for v in value)
         return repr(value)
 
     switches = {k: v for k, v in os.environ.items() if k.startswith("DIFFUSERS_NVFP4_")}
     config: Any = getattr(model, "config", None)
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})  # transformers' or diffusers'
+    # private entries pick no kernel and some vary by process (diffusers' _use_default_values: a set's order)
+    config = {k: v for k, v in config.items() if not str(k).startswith("_")}
     versions = (torch.__version__, importlib.import_module("triton").__version__, _package_version())
     described = json.dumps([type(model).__name__, signature(config), signature(args), signature(kwargs),
                             _device_name(device), versions, sorted(switches.items())], sort_keys=True, default=repr)

@@ -251,3 +251,33 @@ def test_a_text_encoders_first_call_gets_the_pass_and_its_mark(monkeypatch, tmp_
     assert parallel["ran"], parallel
     assert len(list((tmp_path / "triton" / "diffusers_nvfp4_fast" / "prepared").iterdir())) == 1
     assert len(off) == len(on) > 0 and all(torch.equal(a, b) for a, b in zip(off, on, strict=True))
+
+
+_MARK_NAME = """
+import torch
+from diffusers import Flux2Transformer2DModel
+from diffusers_nvfp4_fast.preparation import prepared_record
+with torch.device("meta"):  # four defaults left out: diffusers keeps their names in a set (_use_default_values)
+    model = Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                    timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4))
+x = torch.zeros(1, 16, 4)
+print(prepared_record(model, torch.device("cpu"), (), {"hidden_states": x}).name)
+"""
+
+
+def test_the_mark_has_one_name_in_every_process(tmp_path):
+    """The mark a process leaves is the one the next process looks for: its name does not follow PYTHONHASHSEED
+    (it did, through diffusers' set of defaulted config names, and every warm process ran a pass again)."""
+    import os
+    import subprocess
+    import sys
+
+    def name(seed: str) -> str:
+        env = {**os.environ, "PYTHONHASHSEED": seed, "TRITON_CACHE_DIR": str(tmp_path)}
+        done = subprocess.run([sys.executable, "-c", _MARK_NAME], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.split()[-1]
+
+    names = {name(seed) for seed in ("1", "2")}
+    assert len(names) == 1, names
