@@ -27,14 +27,16 @@ def _sizes(pipe) -> dict[str, int]:
 
 
 def test_estimates_follow_the_component_sizes(modelopt_exports):
-    """The documented stage model: the text stage adds TEXT_HEADROOM_GIB, denoising and decoding add the headroom."""
+    """The documented stage model: the text stage adds TEXT_HEADROOM_GIB, denoising and decoding add the headroom,
+    every plan the CUDA context."""
     pipe, _ = nvfp4_pipeline("flux2", modelopt_exports("flux2"))
-    gib, text_h = 2**30, budget.TEXT_HEADROOM_GIB
+    gib, text_h, context = 2**30, budget.TEXT_HEADROOM_GIB, budget.CUDA_CONTEXT_GIB
     size = {name: b / gib for name, b in _sizes(pipe).items()}
     for h in (0.0, 3.0):
         est = budget.plan_estimates(pipe, headroom_gib=h)
-        assert est["resident"] == sum(size.values()) + max(text_h, h)
-        assert est["model_cpu_offload"] == max(size["text_encoder"] + text_h, size["transformer"] + h, size["vae"] + h)
+        assert est["resident"] == sum(size.values()) + max(text_h, h) + context
+        assert est["model_cpu_offload"] == max(size["text_encoder"] + text_h, size["transformer"] + h,
+                                               size["vae"] + h) + context
         assert est["text_encoder_offload"] < est["resident"]
         assert est["group_offload_leaf"] <= min(v for k, v in est.items() if k != "group_offload_leaf")
 
