@@ -431,3 +431,44 @@ def test_budget_plans_count_the_nvfp4_text_encoder_and_keep_the_image(plan, expo
     assert png_sha256(got[1]) == png_sha256(want[1])
     assert all(torch.equal(a, b) for a, b in zip(want[0], got[0], strict=True))
     disable_fast_paths(pipe)
+
+
+def _parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("which", te.CLASSES)
+def test_without_lm_head_the_embeddings_and_png_are_the_same_and_its_bytes_are_gone(which, exports):
+    """``lm_head=False``: the pipeline's prompt embeddings and image are those of the whole model, byte for byte, the
+    file's head is not read, and an untied head's weights are no longer held (a tied one held none of its own)."""
+    whole = load_nvfp4_text_encoder(exports(which))
+    headless = load_nvfp4_text_encoder(exports(which), lm_head=False)
+    tied = whole.lm_head.weight is whole.get_input_embeddings().weight
+    assert not any(n.startswith("lm_head") for n, _ in headless.named_parameters())
+    saved = _parameter_bytes(whole) - _parameter_bytes(headless)
+    assert saved == (0 if tied else whole.lm_head.weight.numel() * whole.lm_head.weight.element_size())
+    outputs = [te.encoder_outputs(*te.tiny_pipeline(which, model)) for model in (whole, headless)]
+    (embeds_a, image_a), (embeds_b, image_b) = outputs
+    assert len(embeds_a) == len(embeds_b) > 0
+    assert all(torch.equal(a, b) for a, b in zip(embeds_a, embeds_b, strict=True))
+    assert png_sha256(image_a) == png_sha256(image_b)
+
+
+def test_a_comfy_file_without_lm_head_loads_with_lm_head_false_and_says_so_otherwise(tmp_path):
+    """A file stored without its output head: one error that names the key and the option; with the option, the
+    embeddings of the file that has the head, and fast paths on == off."""
+    full, headless = tmp_path / "full.safetensors", tmp_path / "headless.safetensors"
+    te.write_comfy_file("qwen2_5_vl", full, ck_quantize)
+    te.write_comfy_file("qwen2_5_vl", headless, ck_quantize,
+                        lambda t: [t.pop(k) for k in [k for k in t if k.startswith("lm_head.")]])
+    config = te.config_of("qwen2_5_vl")
+    with pytest.raises(NVFP4CheckpointError, match=r"missing key lm_head\.weight .*lm_head=False"):
+        load_nvfp4_text_encoder(headless, config=config)
+    embeds = [te.encoder_outputs(*te.tiny_pipeline("qwen2_5_vl", load_nvfp4_text_encoder(file, config=config,
+                                                                                          lm_head=keep)))[0]
+              for file, keep in ((full, True), (headless, False))]
+    assert len(embeds[0]) == len(embeds[1]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(*embeds, strict=True))
+    pipe, kwargs = te.tiny_pipeline("qwen2_5_vl", load_nvfp4_text_encoder(headless, config=config, lm_head=False))
+    (off, sha_off), (on, sha_on), _ = _generate_off_on_off(pipe, kwargs)  # fast paths leave NoLogits alone
+    assert sha_off == sha_on and all(torch.equal(a, b) for a, b in zip(off, on, strict=True))

@@ -56,6 +56,31 @@ _COMFY_DEFAULT_CONFIGS = (
 COMFY_PRODUCER = "comfy"
 
 
+class NoLogits(nn.Module):
+    """Stands where ``lm_head`` was when a text encoder is loaded with ``lm_head=False``: a pipeline reads the hidden
+    states, never the logits, so the head's ``vocab x hidden`` weights need no memory; logits have 0 columns."""
+
+    def __init__(self, in_features: int) -> None:
+        super().__init__()
+        self.in_features = in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], 0))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features=0 (loaded with lm_head=False)"
+
+
+LM_HEAD = "lm_head"
+NO_LM_HEAD_HINT = "a text encoder stored without its output head loads with lm_head=False (a pipeline never reads it)"
+
+
+def _drop_lm_head(model: nn.Module) -> None:
+    head = getattr(model, LM_HEAD, None)
+    if isinstance(head, nn.Linear):
+        setattr(model, LM_HEAD, NoLogits(head.in_features))
+
+
 class RenamedIndex(CheckpointIndex):
     """A ``CheckpointIndex`` whose keys are the model's names (``rename`` of the stored ones), without ``skip``ped
     keys; two stored keys that rename to one name are a problem."""
@@ -117,18 +142,24 @@ def _drop_quantization(config: dict) -> dict:
 
 def _plan(model: nn.Module, model_dir: Path, qinfo: QuantizationInfo, files: Sequence[Path],
           scale_layout: ScaleLayout | None, dynamic_input_scale: bool,
-          marked: Iterable[str] | None = None) -> ExportPlan:
+          marked: Iterable[str] | None = None, lm_head: bool = True) -> ExportPlan:
     """The export reader's plan over the stored keys renamed as transformers renames them. ``marked``: the stored
     layers a ComfyUI file marks NVFP4 (markers or header); every other Linear is one the file keeps BF16.
-    ``dynamic_input_scale``: NVFP4 layers stored without ``input_scale`` take their activation scale per call."""
+    ``dynamic_input_scale``: NVFP4 layers stored without ``input_scale`` take their activation scale per call.
+    ``lm_head`` False: the model's head is ``NoLogits`` and the file's ``lm_head.*`` tensors are not read."""
     problems: list[str] = []
     rename = checkpoint_key_renamer(model)
 
     def module(stored: str) -> str:  # the renames match key prefixes: a module name renames as its weight's key
         return rename(f"{stored}.weight").removesuffix(".weight")
 
-    index = RenamedIndex(files, rename, lambda key: key.endswith("." + MARKER_SUFFIX) and marked is not None,
-                         problems)
+    def skip(key: str) -> bool:
+        marker = key.endswith("." + MARKER_SUFFIX) and marked is not None
+        return marker or (not lm_head and rename(key).startswith(LM_HEAD + "."))
+
+    if not lm_head:
+        _drop_lm_head(model)
+    index = RenamedIndex(files, rename, skip, problems)
     if marked is not None:
         nvfp4 = {module(m) for m in marked}
         qinfo.exclude_patterns = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in nvfp4]
@@ -144,6 +175,8 @@ def _plan(model: nn.Module, model_dir: Path, qinfo: QuantizationInfo, files: Seq
                         "own amax (docs/checkpoints.md)")
     plan = plan_export_into(model, model_dir, qinfo, index, scale_layout)
     plan.problems[:0] = problems
+    plan.problems = [f"{p} ({NO_LM_HEAD_HINT})" if p.startswith(f"missing key {LM_HEAD}.") else p
+                     for p in plan.problems]
     return plan
 
 
@@ -164,8 +197,8 @@ def _materialize(plan: ExportPlan, dtype: torch.dtype, device, source, **facts) 
                    for name, stored in plan.quantized.items())
     raise_scale_problems(source, problems)
     tie_weights = getattr(model, "tie_weights", None)
-    if callable(tie_weights):  # a transformers model: an lm_head tied to the embeddings shares them again
-        tie_weights()
+    if callable(tie_weights) and not isinstance(getattr(model, LM_HEAD, None), NoLogits):
+        tie_weights()  # a transformers model: an lm_head tied to the embeddings shares them again
     meta = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
     if meta:
         raise NVFP4CheckpointError(f"{source}: no data for {len(meta)} tensor(s) of {type(model).__name__}: "
@@ -185,7 +218,7 @@ def _modelopt_format(model_dir: Path, config: Mapping[str, Any]) -> bool:
 
 
 def _load_export(model_dir: Path, dtype: torch.dtype, device, scale_layout: ScaleLayout | None,
-                 dynamic_input_scale: bool) -> nn.Module:
+                 dynamic_input_scale: bool, lm_head: bool) -> nn.Module:
     config = read_json(model_dir / "config.json")
     qinfo = read_quantization_info(model_dir, config)
     if qinfo.scale_layout is None and _modelopt_format(model_dir, config):
@@ -193,7 +226,7 @@ def _load_export(model_dir: Path, dtype: torch.dtype, device, scale_layout: Scal
     cls = text_encoder_class(config, str(model_dir / "config.json"))
     model = empty_model(cls, _drop_quantization(config), dtype)
     plan = _plan(model, model_dir, qinfo, weight_files(model_dir, "model.safetensors.index.json"), scale_layout,
-                 dynamic_input_scale)
+                 dynamic_input_scale, lm_head=lm_head)
     return _materialize(plan, dtype, device, model_dir, format="modelopt_export")
 
 
@@ -231,13 +264,14 @@ def default_comfy_config(header: SafetensorsHeader) -> str:
         "(a pipeline repo id or directory, a config.json, or a dict with 'architectures' or 'model_type')")
 
 
-def _load_comfy(file: Path, config, dtype: torch.dtype, device, dynamic_input_scale: bool) -> nn.Module:
+def _load_comfy(file: Path, config, dtype: torch.dtype, device, dynamic_input_scale: bool,
+                lm_head: bool) -> nn.Module:
     header = SafetensorsHeader(file)
     qinfo, marked = _comfy_quant_info(header)
     config_dict, config_source = _config_dict(config if config is not None else default_comfy_config(header))
     cls = text_encoder_class(config_dict, config_source)
     model = empty_model(cls, _drop_quantization(config_dict), dtype)
-    plan = _plan(model, file, qinfo, [file], "128x4", dynamic_input_scale, marked)
+    plan = _plan(model, file, qinfo, [file], "128x4", dynamic_input_scale, marked, lm_head)
     return _materialize(plan, dtype, device, file, format="comfy_single_file", config_source=config_source)
 
 
@@ -251,6 +285,7 @@ def load_nvfp4_text_encoder(
     config: Mapping[str, Any] | str | os.PathLike | None = None,
     scale_layout: ScaleLayout | None = None,
     dynamic_input_scale: bool = False,
+    lm_head: bool = True,
 ) -> nn.Module:
     """Load an NVFP4 text encoder as the transformers class its pipeline uses (``text_encoder=`` of
     ``Flux2Pipeline``, ``QwenImagePipeline``, ``Flux2KleinPipeline``, ``QwenImage21Pipeline``).
@@ -273,6 +308,10 @@ def load_nvfp4_text_encoder(
         dynamic_input_scale: read NVFP4 layers stored without ``input_scale`` (ComfyUI files quantized for its
             dynamic activation scale): each call then quantizes the activation with a scale from its own amax.
             Without it such layers are an error that names them.
+        lm_head: False leaves the output head out (``NoLogits`` in its place, the file's ``lm_head`` unread): a
+            diffusers pipeline reads the hidden states only, and an untied head is ``vocab x hidden`` BF16 weights
+            (1.02 GiB for Qwen2.5-VL-7B, 1.16 GiB for Qwen3-8B, 1.25 GiB for Mistral Small 3.1). The prompt
+            embeddings are the same bytes; the model no longer gives logits (``generate`` is not for it).
 
     Raises:
         NVFP4CheckpointError: every problem of the checkpoint (file, key, value), before anything is returned.
@@ -286,8 +325,9 @@ def load_nvfp4_text_encoder(
             raise TypeError("scale_layout= applies to ModelOpt export directories; a ComfyUI file's layout is "
                             "comfy-kitchen's (128x4 block scales)")
         return _load_comfy(resolve_single_file(path_or_repo_id, filename, subfolder), config, dtype, device,
-                           dynamic_input_scale)
+                           dynamic_input_scale, lm_head)
     if config is not None:
         raise TypeError(f"config= applies to single files; {path_or_repo_id} is read as a ModelOpt export directory, "
                         "whose config.json is the config")
-    return _load_export(resolve_dir(path_or_repo_id, subfolder), dtype, device, scale_layout, dynamic_input_scale)
+    return _load_export(resolve_dir(path_or_repo_id, subfolder), dtype, device, scale_layout, dynamic_input_scale,
+                        lm_head)
