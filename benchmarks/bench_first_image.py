@@ -6,7 +6,9 @@ Each case is a new process (``--child``) with ``TRITON_CACHE_DIR`` set: ``cold``
 one the cold run filled, BF16 (fast paths off) another. The child times imports, build (``bench_pipeline.build``),
 ``enable_fast_paths``, the first and second 1024x1024 image, and splits the first image's extra time into the
 compile-only pass (wall), Triton compiles outside it by kernel, autotune timing, first-use verification and plan
-building (each less the compiles inside it) and ``other``. Writes benchmarks/results/first_image-<device>.json.
+building (each less the compiles inside it) and ``other``. Each compile's cache key parts are recorded; a binary the
+warm process compiles again is listed in its case (``recompiled``) with how its key differs from the cold process's.
+Writes benchmarks/results/first_image-<device>.json.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class FirstUseClock:
 
     def __init__(self) -> None:
         self.compiles: dict[str, list[float]] = defaultdict(list)
+        self.events: list[dict] = []  # every compile or cache load: name, hit, what its cache key is made of
         self.spent: dict[str, float] = defaultdict(float)
         self._compile_total = self.pass_thread_s = 0.0
         self.in_pass = lambda: False
@@ -60,6 +63,8 @@ class FirstUseClock:
         self.pass_thread_s += event.seconds if in_pass else 0.0
         self._compile_total += 0.0 if in_pass else event.seconds
         self.compiles[event.name].append(event.seconds)
+        self.events.append({"name": event.name, "hit": event.cache_hit,
+                            "spec": getattr(event, "specialization", {})})
 
     @contextlib.contextmanager
     def installed(self):
@@ -154,7 +159,42 @@ def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
     pass_s = sum((p.get("parallel") or {}).get("seconds", 0.0) for p in prep.values())
     record["breakdown"] = clock.breakdown(record["first_image_s"] - record["second_image_s"], round(pass_s, 2))
     record["preparation"] = prep
+    record["compiles"] = clock.events
     return record
+
+
+def _spec_diff(cold: dict, warm: dict) -> dict:
+    """Entry by entry, where two specializations of one kernel differ: {section: {argument: [cold, warm]}}."""
+    out: dict = {}
+    for section in sorted(set(cold) | set(warm)):
+        a, b = cold.get(section), warm.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diff = {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+            if diff:
+                out[section] = diff
+        elif a != b:
+            out[section] = [a, b]
+    return out
+
+
+def explain_recompiles(cold: dict, warm: dict) -> None:
+    """Sets ``warm["recompiled"]``: each binary the warm process compiled although the cold one left its cache, with
+    how its key differs from the nearest cold binary of the same kernel ("same key": the cache missed otherwise);
+    then keeps each compile's key as a short hash only."""
+    import hashlib
+
+    def key(event: dict) -> str:
+        return hashlib.sha256(json.dumps(event["spec"], sort_keys=True).encode()).hexdigest()[:12]
+
+    explained = []
+    for event in [e for e in warm.get("compiles", []) if not e["hit"]]:
+        same = [c for c in cold.get("compiles", []) if c["name"] == event["name"]]
+        diffs = sorted((_spec_diff(c["spec"], event["spec"]) for c in same), key=lambda d: len(json.dumps(d)))
+        explained.append({"name": event["name"],
+                          "differs": (diffs[0] or "same key") if diffs else "kernel not compiled cold"})
+    warm["recompiled"] = explained
+    for case in (cold, warm):
+        case["compiles"] = [{"name": e["name"], "hit": e["hit"], "key": key(e)} for e in case.get("compiles", [])]
 
 
 def run_case(model: str, dtype: str, cache: str, cache_dir: Path, args) -> dict:
@@ -211,6 +251,13 @@ def main() -> None:
                     print(f"[{time.time() - t0:6.1f}s] {model} {dtype} {cache}: first {c['first_image_s']:.2f} s, "
                           f"second {c['second_image_s']:.2f} s, breakdown {json.dumps(c['breakdown'])}", flush=True)
             mine = [c for c in cases if c["model"] == model]
+            cold, warm = (next((c for c in mine if (c["dtype"], c["cache"]) == ("nvfp4", k)), None)
+                          for k in ("cold", "warm"))
+            if cold is not None and warm is not None:
+                explain_recompiles(cold, warm)
+                if warm["recompiled"]:
+                    print(f"{model}: the warm process compiled {len(warm['recompiled'])} binaries again: "
+                          f"{json.dumps(warm['recompiled'])[:2000]}", flush=True)
             shas = {c.get("png_sha256") for c in mine if c["dtype"] == "nvfp4"}
             for c in mine:
                 c["png_equal_cold_warm"] = len(shas) == 1 if c["dtype"] == "nvfp4" else None

@@ -26,7 +26,8 @@ import copy
 import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -317,12 +318,15 @@ def layout_with_fixed_repr(layout):
 @dataclass(frozen=True)
 class CompileEvent:
     """One ``triton.compile`` call: the kernel's name, the module of its Python function (None for IR sources),
-    whether it was loaded from Triton's cache, and the seconds ``triton.compile`` measured for it."""
+    whether it was loaded from Triton's cache, the seconds ``triton.compile`` measured for it, and what Triton's cache
+    key is made of (``specialization``: the function's ``cache_key``, argument types, constants and attributes by
+    argument name; empty where the source does not say), which tells two processes' binaries of one kernel apart."""
 
     name: str
     module: str | None
     cache_hit: bool
     seconds: float
+    specialization: dict = field(default_factory=dict)
 
 
 def compile_listener_unavailable() -> str | None:
@@ -336,12 +340,33 @@ def compile_listener_unavailable() -> str | None:
     return None
 
 
+def _specialization(src) -> dict:
+    """What ``ASTSource.hash`` (Triton 3.6-3.9) keys a binary by, with argument names for indices."""
+    fn, names = getattr(src, "fn", None), getattr(getattr(src, "fn", None), "arg_names", None)
+    if fn is None or not isinstance(names, list) or not isinstance(getattr(src, "constants", None), dict):
+        return {}
+
+    def named(index: Any) -> str:
+        path = index if isinstance(index, tuple) else (index,)
+        first = path[0] if path and isinstance(path[0], int) and path[0] < len(names) else None
+        return ".".join([names[first] if first is not None else str(path[0]), *map(str, path[1:])]) if path else "?"
+
+    return {"fn": str(getattr(fn, "cache_key", ""))[:16],
+            "signature": {str(k): str(v) for k, v in dict(getattr(src, "signature", {}) or {}).items()},
+            "constants": {named(k): repr(v) for k, v in src.constants.items()},
+            "attrs": {named(k): repr(v) for k, v in dict(getattr(src, "attrs", {}) or {}).items()}}
+
+
 def _event(src, metadata: dict, times, cache_hit: bool) -> CompileEvent:
     fn = getattr(src, "fn", None)
     name = getattr(src, "name", None) or metadata.get("name") or "?"
     total = getattr(times, "total", None)
+    try:
+        specialization = _specialization(src)
+    except Exception:  # noqa: BLE001  (a report detail: never fails the compile it describes)
+        specialization = {}
     return CompileEvent(str(name), getattr(fn, "__module__", None), bool(cache_hit),
-                        total / 1e6 if isinstance(total, (int, float)) else 0.0)
+                        total / 1e6 if isinstance(total, (int, float)) else 0.0, specialization)
 
 
 def add_compile_listener(callback: Callable[[CompileEvent], None]) -> Callable[[], None]:

@@ -246,3 +246,21 @@ def test_gpu_a_new_cache_is_reported_cold_and_the_next_process_warm(tmp_path):
     assert warm["cache"] == "warm" and warm["compiled"] == 0, warm
     assert warm["from_cache"] == cold["compiled"] + cold["from_cache"], (cold, warm)
     assert cold["sha"] == warm["sha"]
+
+
+def test_the_first_image_benchmark_says_how_a_warm_recompile_differs_from_the_cold_binary():
+    """``bench_first_image.py``: a binary the warm process compiles again is listed with the entries of its key that
+    differ from the nearest cold binary of that kernel (here an alignment), "same key" where none differs."""
+    import bench_first_image as bench
+
+    spec = {"fn": "abc", "constants": {"D": "3072"}, "attrs": {"x_ptr": "[['tt.divisibility', 16]]"}}
+    moved = {**spec, "attrs": {}}
+    cold = {"compiles": [{"name": "k", "hit": False, "spec": spec}, {"name": "g", "hit": False, "spec": spec}]}
+    warm = {"compiles": [{"name": "k", "hit": False, "spec": moved}, {"name": "g", "hit": False, "spec": spec},
+                         {"name": "q", "hit": True, "spec": spec}]}
+    bench.explain_recompiles(cold, warm)
+    assert warm["recompiled"] == [
+        {"name": "k", "differs": {"attrs": {"x_ptr": ["[['tt.divisibility', 16]]", None]}}},
+        {"name": "g", "differs": "same key"}]
+    assert [set(c) for c in warm["compiles"]] == [{"name", "hit", "key"}] * 3
+    assert warm["compiles"][1]["key"] == cold["compiles"][1]["key"] != warm["compiles"][0]["key"]

@@ -378,6 +378,22 @@ def test_the_compile_listener_hears_a_compile_then_a_cache_load_and_chains(monke
     assert [(e.name, e.cache_hit) for e in ours] == [(name, False), (name, True)]
     assert ours[0].module.endswith("kernels.quantize_nvfp4") and ours[0].seconds > ours[1].seconds >= 0
     assert users == [False, True]
+    spec = ours[0].specialization  # what the cache key is made of, by argument name; the cache load has the same
+    assert spec == ours[1].specialization and spec["fn"] and spec["signature"]["x_ptr"].startswith("*")
+    assert spec["constants"]["BLOCK_R"] == "8" and spec["constants"]["FAST_MATH"] == "True"
+
+
+def test_two_specializations_of_one_kernel_differ_where_their_keys_do():
+    """``CompileEvent.specialization`` of two sources of one kernel that Triton keys apart (an alignment attribute)
+    differ in that argument's entry and nowhere else."""
+    from triton.compiler import ASTSource
+
+    fn = quantize_mod._quantize_nvfp4_kernel
+    signature = {name: "i32" for name in fn.arg_names}
+    aligned, unaligned = (ASTSource(fn, signature, {}, attrs) for attrs in ({(0,): [["tt.divisibility", 16]]}, {}))
+    assert aligned.hash() != unaligned.hash()
+    a, b = (compat._specialization(src) for src in (aligned, unaligned))
+    assert {k for k in a if a[k] != b[k]} == {"attrs"} and a["attrs"] == {fn.arg_names[0]: "[['tt.divisibility', 16]]"}
 
 
 def test_a_removed_listener_under_another_stops_calling_back(monkeypatch):
