@@ -24,6 +24,7 @@ when they are applied. Estimates per model, and the benchmark that measures them
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any, cast
@@ -40,6 +41,8 @@ DEFAULT_HEADROOM_GIB = 4.0  # denoising or VAE-decoding activations and workspac
 TEXT_HEADROOM_GIB = 1.0  # text-encoder activations for 512 tokens, with every layer's hidden states kept
 CUDA_CONTEXT_GIB = 0.75  # held outside PyTorch's allocator: 0.61 GiB measured on the H100, 0.73-0.85 on the H200
 GIB = 2**30
+TIGHT_FRACTION = 0.85  # a plan estimated above this share of the budget may fail on fragmentation alone
+ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # Measured host peak over the offloaded weights when they start on the GPU (1.64x FLUX.2-dev, 1.70x Qwen-Image on the
 # H200 machine): pageable and pinned copies coexist during setup (docs/budget.md).
 HOST_PEAK_FACTOR = 1.75
@@ -172,6 +175,11 @@ def apply_plan(pipe, plan: str, device: str | torch.device = "cuda") -> None:
                                        use_stream=streams)
 
 
+def expandable_segments() -> bool:
+    """Whether PyTorch's allocator was told to map segments on demand (its environment variables, read at start)."""
+    return any("expandable_segments:true" in os.environ.get(v, "").replace(" ", "").lower() for v in ALLOC_CONF_VARS)
+
+
 def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = None,
                   headroom_gib: float = DEFAULT_HEADROOM_GIB, host_gib: float | None = None) -> str:
     """Choose the fastest plan that fits ``budget_gib`` GiB of GPU memory and the free host memory, apply it, and
@@ -180,7 +188,8 @@ def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = N
     ``device``: the compute device; by default the GPU where there is one, else the CPU (where the plans still run,
     without streams, and save nothing: a warning says so). ``host_gib``: free host memory in GiB; by default what the
     OS reports (no host check where it reports nothing). Logs a warning when setting the plan up may peak above the
-    free host memory.
+    free host memory, and when the plan's estimate is close to the budget while the allocator does not map segments
+    on demand (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
 
     >>> enable_fast_paths(pipe)
     >>> fit_to_budget(pipe, 24)        # e.g. 'text_encoder_offload' for FLUX.2-dev with NVFP4 weights
@@ -195,6 +204,10 @@ def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = N
         logger.warning("diffusers-nvfp4-fast: plan %s moves %.1f GiB of weights to host memory; setting it up can peak "
                        "at about %.0f GiB (measured %.2fx, docs/budget.md), and %.1f GiB is free", plan, need,
                        need * HOST_PEAK_FACTOR, HOST_PEAK_FACTOR, host_gib)
+    if estimates[plan] > TIGHT_FRACTION * budget_gib and not expandable_segments():
+        logger.warning("diffusers-nvfp4-fast: plan %s is estimated at %.2f of %s GiB; start Python with "
+                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so that fragmentation cannot fail it "
+                       "(docs/budget.md)", plan, estimates[plan], budget_gib)
     if device is None and not torch.cuda.is_available():
         warnings.warn(f"fit_to_budget: no CUDA device here, so the {budget_gib} GiB GPU budget does not apply; plan "
                       f"{plan!r} (chosen from GPU estimates) runs on the CPU, where offloading saves nothing. Pass "

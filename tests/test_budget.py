@@ -242,3 +242,18 @@ def test_budget_benchmark_runs_a_tiny_klein_case():
     assert case["png_sha256"] == reference["png_sha256"], (case, reference)
     assert case["s_per_image"] >= case["s_text"] + case["s_decode"] > 0, case
     assert case["estimates_gib"]["model_cpu_offload"] == case["estimate_gib"], case
+
+
+def test_fit_to_budget_names_expandable_segments_when_the_plan_is_tight(modelopt_exports, monkeypatch, caplog):
+    """A plan estimated close to the budget can fail on fragmentation alone (klein-4B under 8 GiB on the H100): the
+    warning names the allocator setting, and is not given once the setting is there or the plan has room."""
+    pipe = _on_meta(nvfp4_pipeline("qwen", modelopt_exports("qwen"))[0])
+    monkeypatch.setattr(budget, "apply_plan", lambda *args: None)
+    est = budget.plan_estimates(pipe, headroom_gib=0.0)["resident"]
+    for value, budget_gib, warned in (("", est, True), ("expandable_segments:True", est, False),
+                                      ("", est * 2, False)):
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", value)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="diffusers_nvfp4_fast"):
+            assert budget.fit_to_budget(pipe, budget_gib, "cpu", headroom_gib=0.0, host_gib=1e6) == "resident"
+        assert ("expandable_segments:True so that" in caplog.text) == warned, (value, budget_gib)
