@@ -66,7 +66,7 @@ from .nvfp4_epilogue import (
     quantize_block_halves,
     swizzled_scale_offset,
 )
-from .quantize_nvfp4 import decoded_words, fp16x4_word
+from .quantize_nvfp4 import decoded_nibbles, fp16x4_word
 from .rounding import fma_rn, narrow_bf16, rsqrt_like_torch, sum_of_products, widen_bf16
 
 __all__ = ["adaln_quantize_triton", "resnorm_quantize_triton"]
@@ -269,11 +269,9 @@ def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, col, g
     t = tl.reshape(tl.arange(0, THREADS), [NB, 16 // VEC2])  # the thread's share: VEC2 / 2 packed bytes
     if DECODED:  # FP16 output viewed as int64: four values per word, no scale bytes
         block_scale = e4m3_value(sf_byte)[:, None]
-        if VEC2 == 8:
-            codes = e2m1_words(x, HW_E2M1).to(tl.uint32).to(tl.int64)
-            dst = packed_ptr + r64 * (D // 4) + col // 4 + t * 2
-            tl.store(dst, fp16x4_word(codes, block_scale))
-            tl.store(dst + 1, fp16x4_word(codes >> 16, block_scale))
+        if VEC2 == 8:  # the thread's eight values as one FP16 [8] store
+            values16 = packed_ptr.to(tl.pointer_type(tl.float16)) + r64 * D + col + t * 8
+            tl.store(values16[:, :, None] + tl.arange(0, 8), decoded_nibbles(e2m1_words(x, HW_E2M1), block_scale))
         else:
             codes = e2m1_half_words(x, HW_E2M1).to(tl.int64)
             tl.store(packed_ptr + r64 * (D // 4) + col // 4 + t, fp16x4_word(codes, block_scale))
@@ -385,15 +383,12 @@ def _resnorm_quantize_kernel(
             m_b = _modulate(r_b, sc_b, sh_b, row_mean, rstd, SOFT_BF16, HAS_SHIFT)
             words, sf_byte = quantize_block_halves(m_a, m_b, g, FAST_MATH, HW_E2M1)
             kb = col // 16 + t
-            if DECODED:  # the block's 16 codes as one int64, decoded to four words of four FP16 values
+            if DECODED:  # the block's 16 FP16 values, eight per packed word, stored as two FP16 [8] rows
                 lo, hi = tl.split(words)
-                w0, w1, w2, w3 = decoded_words(lo.to(tl.uint32).to(tl.int64) | (hi.to(tl.int64) << 32),
-                                               e4m3_value(sf_byte))
-                dst = packed_ptr + r64 * (D // 4) + kb * 4
-                tl.store(dst, w0)
-                tl.store(dst + 1, w1)
-                tl.store(dst + 2, w2)
-                tl.store(dst + 3, w3)
+                block_scale = e4m3_value(sf_byte)
+                values16 = packed_ptr.to(tl.pointer_type(tl.float16)) + r64 * D + kb[:, None] * 16 + tl.arange(0, 8)
+                tl.store(values16, decoded_nibbles(lo, block_scale))
+                tl.store(values16 + 8, decoded_nibbles(hi, block_scale))
             else:
                 tl.store(packed_ptr + r64 * (D // 8) + kb[:, None] * 2 + tl.arange(0, 2)[None, :], words)
                 tl.store(scales_ptr + swizzled_scale_offset(r64, kb, padded_cols), sf_byte.to(tl.uint8))

@@ -90,6 +90,15 @@ def fp16x4_word(codes, scale):
 
 
 @triton.jit
+def decoded_nibbles(word, scale):
+    """int32 words of eight E2M1 codes (element i in bits 4i) and their FP32 block scale (broadcastable to the words)
+    -> FP16 ``[..., 8]``: the eight exact values per word. One decode over a new last axis of 8, where the thread
+    holds its word: the compiler walks one chain of ops instead of eight (docs/performance.md, "First image")."""
+    codes = (tl.expand_dims(word, -1) >> (4 * tl.arange(0, 8))) & 15
+    return _e2m1_times(codes.to(tl.int64), tl.expand_dims(scale, -1)).to(tl.float16)
+
+
+@triton.jit
 def decoded_words(packed, scale):
     """A block's packed int64 (16 nibbles, element i in bits 4i..4i+3) and its FP32 scale -> four int64 words of
     four FP16 values each, element 4j + i in bits 16i of word j (the layout ``load_blocks`` reads)."""
