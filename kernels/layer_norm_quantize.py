@@ -267,7 +267,7 @@ def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, col, g
     sf_byte, factor = block_scale_and_factor(vec_max, g, FAST_MATH)
     x = m * factor[:, None, None]
     t = tl.reshape(tl.arange(0, THREADS), [NB, 16 // VEC2])  # the thread's share: VEC2 / 2 packed bytes
-    if DECODED:  # FP16 output viewed as int64: four values per word, no scale bytes
+    if DECODED:  # the exact FP16 values, no scale bytes (the output is FP16 [M, D], passed viewed as int64)
         block_scale = e4m3_value(sf_byte)[:, None]
         if VEC2 == 8:  # the thread's eight values as one FP16 [8] store
             values16 = packed_ptr.to(tl.pointer_type(tl.float16)) + r64 * D + col + t * 8
