@@ -41,11 +41,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from diffusers_nvfp4_fast.switches import ALLOC_CONF, EXPANDABLE_SEGMENTS
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 GIB = 2**30
 STEPS = {"flux2-dev": 28, "qwen-image": 30, "flux2-klein-4b": 4, "flux2-klein-9b": 4}
-ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
 BUDGETS = {"flux2-dev": [24.0, 32.0], "qwen-image": [24.0, 32.0], "flux2-klein-4b": [8.0], "flux2-klein-9b": [12.0]}
 TINY = {"flux2-dev": "flux2", "qwen-image": "qwen", "flux2-klein-4b": "klein", "flux2-klein-9b": "klein"}
 NVFP4 = ("nvfp4", "nvfp4-te")  # NVFP4 transformer; -te: and NVFP4 text encoder
@@ -282,7 +283,7 @@ def run_case(model: str, dtype: str, plan: str, budget_gib: float | None, tiny: 
     device = torch.device("cuda" if cuda else "cpu")
     size, steps = (64, 3) if tiny else (1024, STEPS[model])
     case: dict = {"model": model, "dtype": dtype, "budget_gib": budget_gib, "plan": plan,
-                  "alloc_conf": os.environ.get(ALLOC_CONF)}
+                  "alloc_conf": os.environ.get(ALLOC_CONF[0])}
     t0 = time.perf_counter()
     pipe, call = tiny_pipeline(model, dtype) if tiny else full_pipeline(model, dtype, device)
     pipe.set_progress_bar_config(disable=True)
@@ -393,7 +394,7 @@ def spawn_case(args, plan: str, budget_gib: float | None) -> dict:
 def case_env() -> dict[str, str]:
     """The case's environment: PyTorch's allocator maps segments on demand unless the caller says otherwise, since
     under a tight cap fragmentation alone fails a plan (docs/budget.md)."""
-    return {**os.environ, ALLOC_CONF: os.environ.get(ALLOC_CONF, "expandable_segments:True")}
+    return {**os.environ, ALLOC_CONF[0]: os.environ.get(ALLOC_CONF[0], EXPANDABLE_SEGMENTS)}
 
 
 def plans_for(args, estimates: dict[str, float], budget_gib: float) -> list[str]:

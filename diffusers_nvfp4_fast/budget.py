@@ -24,7 +24,6 @@ when they are applied. Estimates per model, and the benchmark that measures them
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from pathlib import Path
 from typing import Any, cast
@@ -32,6 +31,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from .switches import ALLOC_CONF, EXPANDABLE_SEGMENTS, env_value
 from .utils import tensor_bytes
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
@@ -42,7 +42,6 @@ TEXT_HEADROOM_GIB = 1.0  # text-encoder activations for 512 tokens, with every l
 CUDA_CONTEXT_GIB = 0.75  # held outside PyTorch's allocator: 0.61 GiB measured on the H100, 0.73-0.85 on the H200
 GIB = 2**30
 TIGHT_FRACTION = 0.85  # a plan estimated above this share of the budget may fail on fragmentation alone
-ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 # Measured host peak over the offloaded weights when they start on the GPU (1.64x FLUX.2-dev, 1.70x Qwen-Image on the
 # H200 machine): pageable and pinned copies coexist during setup (docs/budget.md).
 HOST_PEAK_FACTOR = 1.75
@@ -177,7 +176,8 @@ def apply_plan(pipe, plan: str, device: str | torch.device = "cuda") -> None:
 
 def expandable_segments() -> bool:
     """Whether PyTorch's allocator was told to map segments on demand (its environment variables, read at start)."""
-    return any("expandable_segments:true" in os.environ.get(v, "").replace(" ", "").lower() for v in ALLOC_CONF_VARS)
+    wanted = EXPANDABLE_SEGMENTS.lower()
+    return any(wanted in (env_value(name) or "").replace(" ", "").lower() for name in ALLOC_CONF)
 
 
 def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = None,
@@ -205,9 +205,9 @@ def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = N
                        "at about %.0f GiB (measured %.2fx, docs/budget.md), and %.1f GiB is free", plan, need,
                        need * HOST_PEAK_FACTOR, HOST_PEAK_FACTOR, host_gib)
     if estimates[plan] > TIGHT_FRACTION * budget_gib and not expandable_segments():
-        logger.warning("diffusers-nvfp4-fast: plan %s is estimated at %.2f of %s GiB; start Python with "
-                       "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True so that fragmentation cannot fail it "
-                       "(docs/budget.md)", plan, estimates[plan], budget_gib)
+        logger.warning("diffusers-nvfp4-fast: plan %s is estimated at %.2f of %s GiB; start Python with %s=%s so "
+                       "that fragmentation cannot fail it (docs/budget.md)", plan, estimates[plan], budget_gib,
+                       ALLOC_CONF[0], EXPANDABLE_SEGMENTS)
     if device is None and not torch.cuda.is_available():
         warnings.warn(f"fit_to_budget: no CUDA device here, so the {budget_gib} GiB GPU budget does not apply; plan "
                       f"{plan!r} (chosen from GPU estimates) runs on the CPU, where offloading saves nothing. Pass "

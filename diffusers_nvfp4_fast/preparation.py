@@ -36,7 +36,7 @@ from .module_hooks import TORCH_FORWARD_HOOK, hooks_on
 from .ops import dispatch, verify
 from .progress import BarFactory, CallProgress, outside_trace_and_capture, repeated_blocks, tqdm_bar
 from .swaps import current_inner_forward
-from .switches import PARALLEL_COMPILE, env_value
+from .switches import PARALLEL_COMPILE, env_enabled, env_value
 
 _WATCHED: weakref.WeakSet[Preparation] = weakref.WeakSet()
 _REMOVE_LISTENER: list[Callable[[], None]] = []
@@ -207,7 +207,7 @@ def pipeline_bar(pipe: Any) -> BarFactory | None:
 def parallel_unavailable(model: nn.Module, device: torch.device, forward: Callable | None) -> str | None:
     """Why the first call of ``model`` gets no compile-only pass (None: it does)."""
     value = env_value(PARALLEL_COMPILE)
-    if value is not None and value.strip().lower() in ("", "0", "false", "off", "no"):
+    if value is not None and not env_enabled(PARALLEL_COMPILE):  # on unless switched off
         return f"{PARALLEL_COMPILE}={value}"
     if device.type != "cuda":
         return f"the model runs on {device}"

@@ -33,6 +33,10 @@ PARALLEL_COMPILE = "DIFFUSERS_NVFP4_PARALLEL_COMPILE"
 # 1 (the test suite sets it): every op call through the dispatcher checks that no output shares an input's storage;
 # read when the ops are defined.
 CHECK_OPS = "DIFFUSERS_NVFP4_CHECK_OPS"
+# PyTorch's allocator settings (its newer name second); fit_to_budget reads whether segments map on demand
+# (docs/budget.md, "The estimate"), and the budget benchmark's cases set the first.
+ALLOC_CONF = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+EXPANDABLE_SEGMENTS = "expandable_segments:True"
 
 # The switches read at every eager call, which pick kernels or change bytes: a captured CUDA graph keeps the values it
 # saw, so the graph runner keys its graphs on them (docs/design.md §8, "CUDA graphs").

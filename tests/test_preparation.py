@@ -233,7 +233,8 @@ def test_gpu_a_new_cache_is_reported_cold_and_the_next_process_warm(tmp_path):
     import sys
 
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU: runs on the GPU machine (pytest -m gpu tests/test_preparation.py)")
+        pytest.skip("the two-process cold / warm preparation run did not run: no CUDA GPU here; it runs on the GPU "
+                    "machine (pytest -m gpu tests/test_preparation.py)")
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     runs = []
     for _ in range(2):
