@@ -216,11 +216,11 @@ def run_checked(
     if kind in _FAILED_KINDS:
         stats.fallbacks[f"{kind}: verification failed earlier in this process"] += 1
         return reference()
-    if compiling_only():  # both paths' kernels compile; nothing is compared or counted
+    if _counted(stats, kind, call_key):  # the steady state: first, so that it pays for no other check
+        return fused()
+    if compiling_only():  # both paths' kernels compile; nothing is compared (a pass keeps the counters, stats_kept)
         fused()
         return reference()
-    if _counted(stats, kind, call_key):
-        return fused()
     key = f"{kind}|{call_key}"
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         stats.fallbacks[f"{kind}: not yet verified when captured into a CUDA graph"] += 1
