@@ -122,12 +122,13 @@ def qwen3_config(model: str):
 
 def text_encoder(model: str, device, nvfp4: bool = False) -> nn.Module:
     """The text encoder with random weights on ``device``, or left on the meta device where ``device`` is "meta";
-    ``nvfp4``: the Linears ModelOpt's LLM recipe quantizes become NVFP4 (``quantize_text_encoder``'s recipe) and an
-    untied ``lm_head`` is left out, as ``load_nvfp4_text_encoder(..., lm_head=False)`` loads it for a pipeline."""
+    ``nvfp4``: the Linears ModelOpt's LLM recipe quantizes become NVFP4 (``quantize_text_encoder``'s recipe) and the
+    ``lm_head`` is left out, as ``load_nvfp4_text_encoder(..., lm_head=False)`` loads it for a pipeline (a tied one
+    held no bytes of its own)."""
     from accelerate import init_empty_weights
     from transformers import Mistral3ForConditionalGeneration, Qwen2_5_VLForConditionalGeneration, Qwen3ForCausalLM
 
-    from diffusers_nvfp4_fast.loaders.text_encoder import NoLogits
+    from diffusers_nvfp4_fast.loaders.text_encoder import drop_lm_head
     from diffusers_nvfp4_fast.quantize.recipes import modelopt_llm_disabled
 
     with init_empty_weights(include_buffers=False):
@@ -135,8 +136,8 @@ def text_encoder(model: str, device, nvfp4: bool = False) -> nn.Module:
               else Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config()) if model == "qwen-image"
               else Qwen3ForCausalLM(qwen3_config(model)))
     te.tie_weights()  # transformers 5 ties at from_pretrained only: Qwen3-4B's lm_head is its embedding
-    if nvfp4 and te.lm_head.weight is not te.get_input_embeddings().weight:
-        te.lm_head = NoLogits(te.lm_head.in_features)
+    if nvfp4:
+        drop_lm_head(te)
     te = te.to(torch.bfloat16) if str(device) == "meta" else randomize_(te, device, seed=1)
     return nvfp4_linears_(te, modelopt_llm_disabled, str(device) == "meta") if nvfp4 else te
 

@@ -75,7 +75,8 @@ LM_HEAD = "lm_head"
 NO_LM_HEAD_HINT = "a text encoder stored without its output head loads with lm_head=False (a pipeline never reads it)"
 
 
-def _drop_lm_head(model: nn.Module) -> None:
+def drop_lm_head(model: nn.Module) -> None:
+    """``model``'s ``lm_head`` Linear replaced by ``NoLogits`` (what ``lm_head=False`` loads)."""
     head = getattr(model, LM_HEAD, None)
     if isinstance(head, nn.Linear):
         setattr(model, LM_HEAD, NoLogits(head.in_features))
@@ -158,7 +159,7 @@ def _plan(model: nn.Module, model_dir: Path, qinfo: QuantizationInfo, files: Seq
         return marker or (not lm_head and rename(key).startswith(LM_HEAD + "."))
 
     if not lm_head:
-        _drop_lm_head(model)
+        drop_lm_head(model)
     index = RenamedIndex(files, rename, skip, problems)
     if marked is not None:
         nvfp4 = {module(m) for m in marked}

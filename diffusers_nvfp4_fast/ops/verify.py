@@ -102,7 +102,7 @@ def stats_kept(stats_id: int) -> Iterator[None]:
     try:
         yield
     finally:
-        if stats is not None and saved is not None:
+        if stats is not None:
             for name, value in vars(saved).items():  # in place: sites hold the counters themselves
                 current = getattr(stats, name)
                 if isinstance(current, dict):
