@@ -37,3 +37,7 @@ if not _hub_package_in_our_place():
         globals().update({name: getattr(_module, name) for name in _module.__all__})
         __all__ += _module.__all__
     del _name, _module
+    # Every kernel's Triton cache key in one order, whatever the process launches first (triton_compat).
+    from .triton_compat import settle_cache_keys
+
+    settle_cache_keys(__name__)

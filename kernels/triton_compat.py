@@ -17,7 +17,8 @@ What is read, and where Triton keeps it:
 * ``torch._C._cuda_getCurrentRawStream`` (``current_raw_stream``);
 * Triton's specialization rules (``specialization_key``, checked against ``native_specialize_impl``);
 * the compilation listener ``knobs.compilation.listener`` and the cache directory ``knobs.cache.dir``
-  (``add_compile_listener``, ``triton_cache_dir``).
+  (``add_compile_listener``, ``triton_cache_dir``);
+* ``JITCallable.cache_key`` and the functions a kernel calls (``settle_cache_keys``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import CodeType, ModuleType
 from typing import Any
 
 import torch
@@ -42,6 +45,54 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # The CUDA stream handle launches go to; torch's public torch.cuda.current_stream() builds a Stream object per call.
 current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def settle_cache_keys(module_prefix: str) -> None:
+    """Compute the ``cache_key`` of every JIT function in the loaded modules under ``module_prefix``, each after those
+    of the JIT functions it calls.
+
+    Triton 3.6 folds a callee's global constants into its caller's key before it computes the callee's own key, so a
+    caller hashed before its callee gets another key than one hashed after: a process that hashes in another order
+    (a compile-only pass against a first call) misses every binary in Triton's cache (docs/design.md, "One cache
+    key per kernel")."""
+    from triton.runtime import jit
+
+    callable_type = getattr(jit, "JITCallable", jit.JITFunction)
+    done: set[int] = set()
+
+    def settle(fn: Any) -> None:
+        if id(fn) in done:
+            return
+        done.add(id(fn))
+        for callee in _callees(fn, callable_type):
+            settle(callee)
+        fn.cache_key  # noqa: B018  (computed once, then kept by Triton)
+
+    for name, module in sorted(sys.modules.items()):
+        if module is not None and (name == module_prefix or name.startswith(module_prefix + ".")):
+            for value in list(vars(module).values()):
+                if isinstance(value, callable_type) and getattr(value, "__module__", None) == name:
+                    settle(value)
+
+
+def _callees(fn: Any, callable_type: type) -> list:
+    """The JIT functions ``fn``'s source names: globals, and attributes of global modules."""
+    code = getattr(getattr(fn, "fn", None), "__code__", None)
+    names, found = _code_names(code) if code is not None else [], []
+    scope = getattr(fn, "__globals__", {})
+    for name in names:
+        value = scope.get(name)
+        if isinstance(value, ModuleType):
+            found += [getattr(value, other, None) for other in names]
+        else:
+            found.append(value)
+    return [value for value in found if isinstance(value, callable_type) and value is not fn]
+
+
+def _code_names(code: CodeType) -> list[str]:
+    """The global and attribute names a code object and the code objects nested in it read."""
+    return [*code.co_names, *(name for const in code.co_consts if isinstance(const, CodeType)
+                              for name in _code_names(const))]
 
 
 def hooks_installed() -> bool:

@@ -416,3 +416,67 @@ def test_without_a_listener_knob_the_reason_names_the_triton(monkeypatch):
                                                      "(triton.knobs.compilation.listener, Triton 3.4 and later)")
     with pytest.raises(RuntimeError, match="no compilation listener"):
         compat.add_compile_listener(print)
+
+
+_KEYS_IN_ORDER = """
+import sys
+from triton.runtime import jit
+import diffusers_nvfp4_fast.kernels
+callable_type = getattr(jit, "JITCallable", jit.JITFunction)
+found = sorted((name + "." + attr, value) for name, module in list(sys.modules.items())
+               if name.startswith("diffusers_nvfp4_fast.kernels.")
+               for attr, value in vars(module).items()
+               if isinstance(value, callable_type) and value.__module__ == name)
+keys = {name: fn.cache_key for name, fn in (found[::-1] if sys.argv[1] == "callers_first" else found)}
+print(sorted(keys.items()))
+"""
+
+
+def test_every_kernel_has_one_cache_key_whatever_is_hashed_first():
+    """Triton 3.6 keys a caller differently when it is hashed before its callees, so a warm process that launched in
+    another order than the cold one recompiled 12 of Qwen-Image's 21 binaries (benchmarks/results/first_image-h100.json,
+    ``recompiled``). The package settles every key at import; two processes hashing in opposite orders agree."""
+    import subprocess
+    import sys
+
+    def keys(order: str) -> str:
+        run = subprocess.run([sys.executable, "-c", _KEYS_IN_ORDER, order], capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return run.stdout
+
+    first = keys("callees_first")
+    assert "_quantize_nvfp4_kernel" in first and first == keys("callers_first")
+
+
+def test_settling_hashes_the_callees_first(tmp_path, monkeypatch):
+    """``settle_cache_keys`` computes a helper's key before its caller's, through a global and a module attribute."""
+    source = textwrap.dedent('''
+        import triton
+        import triton.language as tl
+        SCALE = tl.constexpr(2)
+
+        @triton.jit
+        def caller(ptr):  # defined first: settling in definition order would hash it first
+            tl.store(ptr, helper(tl.load(ptr)))
+
+        @triton.jit
+        def helper(x):
+            return leaf(x) + 1
+
+        @triton.jit
+        def leaf(x):
+            return x * SCALE
+    ''')
+    (tmp_path / "settle_probe.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    probe = importlib.import_module("settle_probe")
+    order: list[str] = []
+    cache_key = type(probe.leaf).cache_key
+
+    def first_asked(fn):
+        order.extend([] if fn.__name__ in order else [fn.__name__])
+        return cache_key.fget(fn)
+
+    monkeypatch.setattr(type(probe.leaf), "cache_key", property(first_asked))
+    compat.settle_cache_keys("settle_probe")
+    assert order == ["leaf", "helper", "caller"]
