@@ -41,7 +41,7 @@ DEFAULT_HEADROOM_GIB = 4.0  # denoising or VAE-decoding activations and workspac
 TEXT_HEADROOM_GIB = 1.0  # text-encoder activations for 512 tokens, with every layer's hidden states kept
 CUDA_CONTEXT_GIB = 0.75  # held outside PyTorch's allocator: 0.61 GiB measured on the H100, 0.73-0.85 on the H200
 GIB = 2**30
-TIGHT_FRACTION = 0.85  # a plan estimated above this share of the budget may fail on fragmentation alone
+TIGHT_FRACTION = 0.85  # above this share of the budget: other decode bytes, slower, or out of memory (docs/budget.md)
 # Measured host peak over the offloaded weights when they start on the GPU (1.64x FLUX.2-dev, 1.70x Qwen-Image on the
 # H200 machine): pageable and pinned copies coexist during setup (docs/budget.md).
 HOST_PEAK_FACTOR = 1.75
@@ -204,10 +204,13 @@ def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = N
         logger.warning("diffusers-nvfp4-fast: plan %s moves %.1f GiB of weights to host memory; setting it up can peak "
                        "at about %.0f GiB (measured %.2fx, docs/budget.md), and %.1f GiB is free", plan, need,
                        need * HOST_PEAK_FACTOR, HOST_PEAK_FACTOR, host_gib)
-    if estimates[plan] > TIGHT_FRACTION * budget_gib and not expandable_segments():
-        logger.warning("diffusers-nvfp4-fast: plan %s is estimated at %.2f of %s GiB; start Python with %s=%s so "
-                       "that fragmentation cannot fail it (docs/budget.md)", plan, estimates[plan], budget_gib,
-                       ALLOC_CONF[0], EXPANDABLE_SEGMENTS)
+    if estimates[plan] > TIGHT_FRACTION * budget_gib:
+        logger.warning("diffusers-nvfp4-fast: plan %s is estimated at %.2f of %s GiB. This close to the cap PyTorch "
+                       "can run the VAE decode's convolutions with another algorithm, one needing less workspace, "
+                       "which changes the image's bytes, and the allocator frees and maps memory during the run "
+                       "(slower); a larger budget keeps both (docs/budget.md).%s", plan, estimates[plan], budget_gib,
+                       "" if expandable_segments() else f" Start Python with {ALLOC_CONF[0]}={EXPANDABLE_SEGMENTS} "
+                       "so that fragmentation cannot fail it.")
     if device is None and not torch.cuda.is_available():
         warnings.warn(f"fit_to_budget: no CUDA device here, so the {budget_gib} GiB GPU budget does not apply; plan "
                       f"{plan!r} (chosen from GPU estimates) runs on the CPU, where offloading saves nothing. Pass "
