@@ -405,8 +405,10 @@ def plans_for(args, estimates: dict[str, float], budget_gib: float) -> list[str]
 
     if args.plans != "chosen":
         return args.plans.split(",")
-    fitting = [p for p in budget.PLANS if estimates[p] <= budget_gib]
-    return fitting[:1] or ["group_offload_leaf"]
+    try:
+        return [budget.choose_plan(None, budget_gib, estimates=estimates)]
+    except ValueError:  # none fits: the smallest, to see by how much
+        return ["group_offload_leaf"]
 
 
 def print_estimates(args) -> None:

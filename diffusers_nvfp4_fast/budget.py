@@ -125,14 +125,16 @@ def choose_plan(pipe, budget_gib: float, headroom_gib: float = DEFAULT_HEADROOM_
                 estimates: dict[str, float] | None = None, host_gib: float | None = None) -> str:
     """The fastest plan whose estimate fits ``budget_gib`` (``estimates``: ``plan_estimates``' result, if already
     computed) and, when ``host_gib`` is given, whose ``host_bytes_needed`` fit ``host_gib`` GiB of free host memory;
-    ``ValueError`` naming the estimates and the host needs when none fits."""
+    ``ValueError`` naming the estimates and the host needs when none fits. ``resident`` estimated above
+    ``TIGHT_FRACTION`` of the budget gives way to ``text_encoder_offload`` where that one is not (``roomier``)."""
     if budget_gib <= 0:
         raise ValueError(f"budget_gib must be positive, got {budget_gib}")
     estimates = estimates or plan_estimates(pipe, headroom_gib)
     host_need = {} if host_gib is None else {plan: host_bytes_needed(pipe, plan) / GIB for plan in PLANS}
-    for plan in PLANS:
-        if estimates[plan] <= budget_gib and (host_gib is None or host_need[plan] <= host_gib):
-            return plan
+    fitting = [plan for plan in PLANS
+               if estimates[plan] <= budget_gib and (host_gib is None or host_need[plan] <= host_gib)]
+    if fitting:
+        return roomier(fitting, estimates, budget_gib)
     host = "" if host_gib is None else (
         f" and {host_gib:.1f} GiB of free host memory (host GiB each plan adds: "
         f"{ {p: round(v, 2) for p, v in host_need.items()} })")
@@ -140,6 +142,17 @@ def choose_plan(pipe, budget_gib: float, headroom_gib: float = DEFAULT_HEADROOM_
                      f"smallest, group_offload_leaf, needs about {estimates['group_offload_leaf']:.2f} GiB of GPU "
                      f"memory (estimates with {headroom_gib} GiB of headroom: "
                      f"{ {p: round(v, 2) for p, v in estimates.items()} })")
+
+
+def roomier(fitting: list[str], estimates: dict[str, float], budget_gib: float) -> str:
+    """The first of ``fitting``, unless it is ``resident`` near the cap and ``text_encoder_offload`` has room: close to
+    the cap a run is slower or decodes other bytes (Qwen-Image under 24 GiB, docs/budget.md), while offloading the
+    text encoder costs one copy of it per prompt."""
+    room = TIGHT_FRACTION * budget_gib
+    if fitting[0] == "resident" and estimates["resident"] > room and "text_encoder_offload" in fitting \
+            and estimates["text_encoder_offload"] <= room:
+        return "text_encoder_offload"
+    return fitting[0]
 
 
 def apply_plan(pipe, plan: str, device: str | torch.device = "cuda") -> None:
