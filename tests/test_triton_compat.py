@@ -480,3 +480,22 @@ def test_settling_hashes_the_callees_first(tmp_path, monkeypatch):
     monkeypatch.setattr(type(probe.leaf), "cache_key", property(first_asked))
     compat.settle_cache_keys("settle_probe")
     assert order == ["leaf", "helper", "caller"]
+
+
+def test_settling_leaves_a_kernel_triton_cannot_hash_to_its_first_compile(tmp_path, monkeypatch):
+    """A kernel whose key Triton refuses (it names a plain Python function) must not break the package's import."""
+    (tmp_path / "settle_refused.py").write_text(textwrap.dedent('''
+        import triton
+
+        def plain(x):
+            return x
+
+        @triton.jit
+        def refused(x):
+            return plain(x)
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    refused = importlib.import_module("settle_refused").refused
+    with pytest.raises(RuntimeError, match="Unsupported function referenced"):
+        refused.cache_key  # noqa: B018
+    compat.settle_cache_keys("settle_refused")
