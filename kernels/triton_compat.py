@@ -68,7 +68,7 @@ def settle_cache_keys(module_prefix: str) -> None:
             settle(callee)
         try:
             fn.cache_key  # noqa: B018  (computed once, then kept by Triton)
-        except Exception:  # noqa: BLE001  (its first compile raises it again, where the kernel is used)
+        except Exception:  # noqa: BLE001  (the kernel then fails in its own compile, where it is used)
             pass
 
     for name, module in sorted(sys.modules.items()):
