@@ -125,6 +125,7 @@ class FirstUseClock:
 def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
     """One case in this fresh process: times, PNG hashes and the first image's breakdown."""
     import bench_pipeline
+    import common
     import diffusers  # noqa: F401  (the import is part of what a user waits for)
     import torch
 
@@ -145,14 +146,17 @@ def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
             enable_fast_paths(pipe)
         _sync()
         record["enable_s"] = time.perf_counter() - t
-        hashes = []
+        hashes, stages, timer = [], {}, common.StageTimer(pipe, torch.cuda.is_available())
         for which in ("first_image_s", "second_image_s"):
+            before = dict(timer.seconds)
             t = time.perf_counter()
             with torch.inference_mode():
                 hashes.append(png_sha256(run_pipeline(pipe, call, size=size, steps=steps)))
             _sync()
             record[which] = time.perf_counter() - t
+            stages[which.split("_")[0]] = timer.split(record[which], before)
     record = {k: round(v, 3) for k, v in record.items()}
+    record["stages"] = stages  # where the first image's extra time is: text encoding, denoising or decoding
     record["png_sha256"], record["png_equal_second"] = hashes[0], hashes[0] == hashes[1]
     prep = {name: entry["preparation"] for name, entry in fast_path_report(pipe).items()
             if dtype == "nvfp4" and isinstance(entry, dict) and entry.get("preparation")}

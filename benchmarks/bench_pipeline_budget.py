@@ -240,31 +240,6 @@ def host_gib(field: str = "VmHWM") -> float:
     return 0.0
 
 
-class StageTimer:
-    """Wall seconds spent in ``pipe.encode_prompt`` and ``pipe.vae.decode`` (synchronized around each call)."""
-
-    def __init__(self, pipe, cuda: bool):
-        self.seconds = {"text": 0.0, "decode": 0.0}
-        self.cuda = cuda
-        pipe.encode_prompt = self._wrap(pipe.encode_prompt, "text")
-        pipe.vae.decode = self._wrap(pipe.vae.decode, "decode")
-
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def _wrap(self, fn, stage: str):
-        def timed(*args, **kwargs):
-            self._sync()
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self._sync()
-            self.seconds[stage] += time.perf_counter() - t0
-            return out
-
-        return timed
-
-
 def cap_allocator(budget_gib: float) -> float:
     """Cap PyTorch's allocator so that it plus what the CUDA context holds outside it stays within the budget.
     Returns the GiB held outside the allocator."""
@@ -279,6 +254,8 @@ def cap_allocator(budget_gib: float) -> float:
 
 
 def run_case(model: str, dtype: str, plan: str, budget_gib: float | None, tiny: bool) -> dict:
+    import common
+
     from diffusers_nvfp4_fast import budget, enable_fast_paths, fast_path_report
     from diffusers_nvfp4_fast.utils import png_sha256, run_pipeline
 
@@ -308,7 +285,7 @@ def run_case(model: str, dtype: str, plan: str, budget_gib: float | None, tiny: 
         torch.cuda.reset_peak_memory_stats()
     try:
         run_pipeline(pipe, call, size=size, steps=1)  # warm-up: compile, autotune, first-use verification
-        timer = StageTimer(pipe, cuda)
+        timer = common.StageTimer(pipe, cuda)
         t0 = time.perf_counter()
         image = run_pipeline(pipe, call, size=size, steps=steps)
         total = time.perf_counter() - t0

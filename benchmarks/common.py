@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -114,3 +115,35 @@ def shared_quantize_nodes() -> int:
     from diffusers_nvfp4_fast.inductor import SHARE_ACTIVATION_QUANTIZE
 
     return SHARE_ACTIVATION_QUANTIZE.rewritten
+
+
+class StageTimer:
+    """Wall seconds spent in ``pipe.encode_prompt`` and ``pipe.vae.decode`` (synchronized around each call); the rest
+    of a pipeline call is denoising."""
+
+    def __init__(self, pipe, cuda: bool):
+        self.seconds = {"text": 0.0, "decode": 0.0}
+        self.cuda = cuda
+        pipe.encode_prompt = self._wrap(pipe.encode_prompt, "text")
+        pipe.vae.decode = self._wrap(pipe.vae.decode, "decode")
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _wrap(self, fn, stage: str):
+        def timed(*args, **kwargs):
+            self._sync()
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self._sync()
+            self.seconds[stage] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+    def split(self, total_s: float, before: dict[str, float]) -> dict[str, float]:
+        """``total_s`` of one call as text / denoise / decode seconds, ``before`` being ``seconds`` at its start."""
+        spent = {k: self.seconds[k] - before.get(k, 0.0) for k in self.seconds}
+        return {"text": round(spent["text"], 3), "denoise": round(total_s - sum(spent.values()), 3),
+                "decode": round(spent["decode"], 3)}

@@ -265,3 +265,22 @@ def test_the_first_image_benchmark_says_how_a_warm_recompile_differs_from_the_co
         {"name": "g", "differs": "same key"}]
     assert [set(c) for c in warm["compiles"]] == [{"name", "hit", "key"}] * 3
     assert warm["compiles"][1]["key"] == cold["compiles"][1]["key"] != warm["compiles"][0]["key"]
+
+
+def test_the_benchmarks_split_a_pipeline_call_into_text_denoise_and_decode(monkeypatch):
+    """``common.StageTimer`` (``bench_first_image.py``'s ``stages``, the budget benchmark's seconds): time inside
+    ``encode_prompt`` is text, inside ``vae.decode`` decode, the rest of the call denoising."""
+    import types
+
+    import common
+
+    ticks = iter([1.0, 2.5, 7.0, 7.25, 9.0, 9.5])
+    monkeypatch.setattr(common, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    pipe = types.SimpleNamespace(encode_prompt=lambda prompt: prompt,
+                                 vae=types.SimpleNamespace(decode=lambda latents: latents))
+    timer = common.StageTimer(pipe, cuda=False)
+    assert pipe.encode_prompt("p") == "p" and pipe.vae.decode("z") == "z"
+    assert timer.split(5.0, {}) == {"text": 1.5, "denoise": 3.25, "decode": 0.25}
+    before = dict(timer.seconds)
+    pipe.encode_prompt("q")
+    assert timer.split(1.0, before) == {"text": 0.5, "denoise": 0.5, "decode": 0.0}
