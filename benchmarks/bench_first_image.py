@@ -6,7 +6,8 @@ Each case is a new process (``--child``) with ``TRITON_CACHE_DIR`` set: ``cold``
 one the cold run filled, BF16 (fast paths off) another. The child times imports, build (``bench_pipeline.build``),
 ``enable_fast_paths``, the first and second 1024x1024 image, and splits the first image's extra time into the
 compile-only pass (wall), Triton compiles outside it by kernel, autotune timing, first-use verification and plan
-building (each less the compiles inside it) and ``other``. Each compile's cache key parts are recorded; a binary the
+building (each less the compiles inside it) and ``other``, and each image into text, denoise and decode seconds
+(``stages``). Each compile's cache key parts are recorded; a binary the
 warm process compiles again is listed in its case (``recompiled``) with how its key differs from the cold process's.
 Writes benchmarks/results/first_image-<device>.json.
 """
