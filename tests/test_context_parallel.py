@@ -21,10 +21,20 @@ FUSED = {"flux2": {"flux2_swiglu", "flux2_token_cat_swiglu", "flux2_rotary", "fl
          "qwen": {"qwen_resnorm", "qwen_gelu", "qwen_adaln", "qwen_qk_rotary"}}
 
 
+# A rank that aborts in torch's teardown after both ranks' results are out and the process group is destroyed
+# (2026-12-06: in 2 of 3 full CPU suites and 2 of 20 runs of the ulysses cases under pytest, none of 40 launched from
+# a shell); such a run is launched again, at most twice.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _launch(tmp_path, *args: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(EXAMPLE),
            "--tiny", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    for _ in range(3):
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        finished = out.stdout.count("RANK ") == 2 and TEARDOWN_ABORT in out.stderr
+        if out.returncode == 0 or not finished:
+            break
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ranks = [json.loads(line[5:]) for line in out.stdout.splitlines() if line.startswith("RANK ")]
     assert [r["rank"] for r in ranks] == [0, 1], out.stdout
