@@ -22,7 +22,7 @@ FUSED = {"flux2": {"flux2_swiglu", "flux2_token_cat_swiglu", "flux2_rotary", "fl
 
 
 # A rank that aborts in torch's teardown after both ranks' results are out and the process group is destroyed
-# (2026-12-06: in 2 of 3 full CPU suites and 2 of 20 runs of the ulysses cases under pytest, none of 40 launched from
+# (2026-12-06: in 2 of 3 full CPU suites and 2 of 20 runs of the ulysses cases under pytest, none of 59 launched from
 # a shell); such a run is launched again, at most twice.
 TEARDOWN_ABORT = "terminate called without an active exception"
 
