@@ -155,7 +155,7 @@ def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
                 hashes.append(png_sha256(run_pipeline(pipe, call, size=size, steps=steps)))
             _sync()
             record[which] = time.perf_counter() - t
-            stages[which.split("_")[0]] = timer.split(record[which], before)
+            stages[which.split("_")[0]] = {k: round(v, 3) for k, v in timer.split(record[which], before).items()}
     record = {k: round(v, 3) for k, v in record.items()}
     record["stages"] = stages  # where the first image's extra time is: text encoding, denoising or decoding
     record["png_sha256"], record["png_equal_second"] = hashes[0], hashes[0] == hashes[1]

@@ -145,5 +145,4 @@ class StageTimer:
     def split(self, total_s: float, before: dict[str, float]) -> dict[str, float]:
         """``total_s`` of one call as text / denoise / decode seconds, ``before`` being ``seconds`` at its start."""
         spent = {k: self.seconds[k] - before.get(k, 0.0) for k in self.seconds}
-        return {"text": round(spent["text"], 3), "denoise": round(total_s - sum(spent.values()), 3),
-                "decode": round(spent["decode"], 3)}
+        return {"text": spent["text"], "denoise": total_s - sum(spent.values()), "decode": spent["decode"]}

@@ -201,8 +201,8 @@ def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = N
     ``device``: the compute device; by default the GPU where there is one, else the CPU (where the plans still run,
     without streams, and save nothing: a warning says so). ``host_gib``: free host memory in GiB; by default what the
     OS reports (no host check where it reports nothing). Logs a warning when setting the plan up may peak above the
-    free host memory, and when the plan's estimate is close to the budget while the allocator does not map segments
-    on demand (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``).
+    free host memory, and when the plan's estimate is above ``TIGHT_FRACTION`` of the budget (the decode's bytes and
+    the speed at risk; naming ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` where it is not set).
 
     >>> enable_fast_paths(pipe)
     >>> fit_to_budget(pipe, 24)        # e.g. 'text_encoder_offload' for FLUX.2-dev with NVFP4 weights
