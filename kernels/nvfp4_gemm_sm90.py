@@ -45,6 +45,7 @@ reads as zero words and its scale pairs are forced to 0. Needs ``K % 32 == 0`` (
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import weakref
 from typing import cast
@@ -289,13 +290,21 @@ _WEIGHT_DESCRIPTORS: dict[tuple[int, int], tuple] = declare(
     "kernels.nvfp4_gemm_sm90.weight_descriptors", {}, "an entry is dropped when its weight or scale tensor is freed")
 
 
+class _CudaWords:
+    """``count`` int32 words at a CUDA address, through the CUDA array interface: a tensor made from it owns nothing."""
+
+    def __init__(self, address: int, count: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<i4", "data": (address, False), "version": 3}
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous byte tensor's storage as a flat int32 tensor that does not reference ``t`` itself (a view would,
-    through ``._base``, and keep it alive from the descriptor cache)."""
-    nbytes = t.numel() * t.element_size()
-    alias = torch.empty(0, dtype=torch.uint8, device=t.device)
-    alias.set_(t.untyped_storage(), t.storage_offset() * t.element_size(), (nbytes,), (1,))
-    return alias.view(torch.int32)
+    """A contiguous byte tensor's memory as a flat int32 tensor that does not own it. The descriptor cache must not
+    keep a weight's memory alive: offloading hooks move a weight off the GPU between calls by swapping its ``.data``,
+    and an owning alias kept every offloaded layer's GPU copy (docs/budget.md). Each use checks the address first."""
+    count = t.numel() * t.element_size() // 4
+    if t.is_cuda:
+        return torch.as_tensor(_CudaWords(t.data_ptr(), count), device=t.device)
+    return torch.frombuffer((ctypes.c_int32 * count).from_address(t.data_ptr()), dtype=torch.int32)
 
 
 def _weight_descriptors(w_packed: torch.Tensor, w_scales: torch.Tensor) -> tuple[TensorDescriptor, TensorDescriptor]:
@@ -304,7 +313,8 @@ def _weight_descriptors(w_packed: torch.Tensor, w_scales: torch.Tensor) -> tuple
     Building them (four tensor views, two descriptor objects) costs about 20 us of host time per GEMM on the H200
     machine, and an eager step is bound by host time. An entry is keyed by the two tensors' identities, checked
     against their current data pointers and shapes (a weight moved or replaced in place gets new descriptors), and
-    dropped when either tensor is freed: the descriptors hold aliases of the storage, which must not outlive it.
+    dropped when either tensor is freed. The descriptors' bases own no memory (``_words``), so an entry never keeps a
+    weight on the GPU after an offloading hook moved it.
     """
     key = (id(w_packed), id(w_scales))
     where = (w_packed.data_ptr(), w_scales.data_ptr(), w_packed.shape, w_scales.shape)

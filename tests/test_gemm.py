@@ -313,6 +313,31 @@ def test_sm90_weight_descriptors_are_reused_rebuilt_and_freed():
     assert not len(descriptors), "a freed weight's descriptors (and their storage views) are dropped"
 
 
+def test_sm90_weight_descriptors_do_not_keep_a_moved_weight_in_memory():
+    """Offloading hooks move a weight away between calls by swapping its ``.data``; the descriptor cache, keyed by the
+    weight object, must not keep the old memory alive until that weight's next call (with an owning alias it kept a
+    whole group-offloaded text encoder on the GPU: FLUX.2-dev's ``text_encoder_offload`` ran out of memory)."""
+    import gc
+    import importlib
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    _need_gluon_hopper("SM90 weight-descriptor ownership check", module="triton.experimental.gluon.nvidia.hopper")
+    sm90 = importlib.import_module("diffusers_nvfp4_fast.kernels.nvfp4_gemm_sm90")
+    w = torch.nn.Parameter(torch.randint(0, 256, (256, 64), dtype=torch.uint8), requires_grad=False)
+    s = torch.nn.Parameter(torch.randint(0, 256, (256, 8), dtype=torch.uint8), requires_grad=False)
+    w_desc, s_desc = sm90._weight_descriptors(w, s)
+    assert torch.equal(w_desc.base.reshape(-1).view(torch.uint8), w.reshape(-1))
+    assert torch.equal(s_desc.base.reshape(-1).view(torch.uint8), s.reshape(-1))
+    moved = [StorageWeakRef(w.untyped_storage()), StorageWeakRef(s.untyped_storage())]
+    del w_desc, s_desc
+    w.data, s.data = w.data.clone(), s.data.clone()  # what an offloading hook does
+    gc.collect()
+    assert all(ref.expired() for ref in moved), "the cached descriptors kept a moved weight's memory alive"
+    rebuilt = sm90._weight_descriptors(w, s)
+    assert rebuilt[0].base.data_ptr() == w.data_ptr() and rebuilt[1].base.data_ptr() == s.data_ptr()
+
+
 def test_sm90_layouts_keep_the_text_triton_specializes_on():
     """The descriptors' layouts repr once; Triton's launch key (and the kernel signature parsed from it) must see the
     same text and the same layout type as a plain ``NVMMASharedLayout``."""
@@ -542,6 +567,31 @@ def test_gpu_sm90_site_launches_run_the_binders_binary(monkeypatch):
             got = sm90.nvfp4_gemm_sm90(x16, wp, ws, alpha.reshape(1), out, bias=bias, block_m=block_m)
             assert torch.equal(got, want), (m, dtype, offset, with_bias, block_m, call)
     assert len(set(checked)) == len(cases), f"sites checked: {len(set(checked))} of {len(cases)}"
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_weight_moved_off_the_gpu_frees_its_memory():
+    """A weight an offloading hook moves to the CPU (``.data`` swapped) gives its GPU memory back at once, though the
+    GEMM cached its descriptors; moved back, the GEMM gives the same bytes."""
+    _skip_unless_sm90()
+    sm90 = _sm90()
+    xp, xs, wp, ws, alpha = _operands(300, 256, 1024, seed=9)
+    x16 = gemm_mod.decode_nvfp4_rows(xp, xs)
+    w, s = torch.nn.Parameter(wp, requires_grad=False), torch.nn.Parameter(ws, requires_grad=False)
+    del wp, ws
+
+    def gemm() -> torch.Tensor:
+        return sm90.nvfp4_gemm_sm90(x16, w, s, alpha.reshape(1), torch.empty(300, 256, device=DEV,
+                                                                            dtype=torch.bfloat16))
+
+    want = gemm()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    w.data, s.data = w.data.cpu(), s.data.cpu()
+    freed = before - torch.cuda.memory_allocated()
+    assert freed >= w.numel() + s.numel(), f"{freed} bytes freed of {w.numel() + s.numel()}"
+    w.data, s.data = w.data.to(DEV), s.data.to(DEV)
+    assert torch.equal(gemm(), want)
 
 
 @pytest.mark.gpu
