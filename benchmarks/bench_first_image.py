@@ -2,14 +2,16 @@
 
     python benchmarks/bench_first_image.py --model flux2-klein-4b qwen-image flux2-dev   # --tiny: CPU dry run
 
-Each case is a new process (``--child``) with ``TRITON_CACHE_DIR`` set: ``cold`` a new empty directory, ``warm`` the
-one the cold run filled, BF16 (fast paths off) another. The child times imports, build (``bench_pipeline.build``),
-``enable_fast_paths``, the first and second 1024x1024 image, and splits the first image's extra time into the
-compile-only pass (wall), Triton compiles outside it by kernel, autotune timing, first-use verification and plan
-building (each less the compiles inside it) and ``other``, and each image into text, denoise and decode seconds
-(``stages``). Each compile's cache key parts are recorded; a binary the
-warm process compiles again is listed in its case (``recompiled``) with how its key differs from the cold process's.
-Writes benchmarks/results/first_image-<device>.json.
+Each case is a new process (``--child``) with its own ``TRITON_CACHE_DIR`` and ``CUDA_CACHE_PATH``: ``cold`` new empty
+directories, ``warm`` the ones the cold run filled, BF16 (fast paths off) new ones too. CUDA's cache is kept per case
+because something outside the process made the second process's first text encoding 1.2 s faster, inside torch's
+attention (docs/performance.md): a BF16 case sharing the first case's caches would not pay what a new user pays.
+The child times imports, build (``bench_pipeline.build``), ``enable_fast_paths``, the first and second 1024x1024
+image, and splits the first image's extra time into the compile-only pass (wall), Triton compiles outside it by
+kernel, autotune timing, first-use verification and plan building (each less the compiles inside it) and ``other``,
+and each image into text, denoise and decode seconds (``stages``). Each compile's cache key parts are recorded; a
+binary the warm process compiles again is listed in its case (``recompiled``) with how its key differs from the cold
+process's. Writes benchmarks/results/first_image-<device>.json.
 """
 
 from __future__ import annotations
@@ -205,7 +207,8 @@ def explain_recompiles(cold: dict, warm: dict) -> None:
 def run_case(model: str, dtype: str, cache: str, cache_dir: Path, args) -> dict:
     command = [sys.executable, __file__, "--child", "--model", model, "--dtype", dtype, "--size", str(args.size),
                "--steps", str(args.steps or STEPS[model])] + (["--tiny"] if args.tiny else [])
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir / "triton"), "CUDA_CACHE_PATH": str(cache_dir / "cuda"),
+           "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     case = {"model": model, "dtype": dtype, "cache": cache, "steps": args.steps or STEPS[model], "size": args.size}
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
