@@ -70,8 +70,6 @@ ALLOWED_PRIVATE = {
     # Triton 3.6's Gluon names the shared-memory reinterpret `_reinterpret` (3.9: `reinterpret`); inside a jit
     # function, checked by the SM90 AOT builds of tests/test_gemm.py for both names.
     ("nvfp4_gemm_sm90.py", "s_view = s_smem.index(s)._reinterpret(gl.int32, [BLOCK_N], s_rows_layout)"),
-    # Prose: a docstring that says why a view is not used.
-    ("nvfp4_gemm_sm90.py", "through ``._base``, and keep it alive from the descriptor cache).\"\"\""),
     # Prose: the project's own function format._rcp_approx named in a docstring.
     ("rcp_approx.py", "\"\"\"``rcp.approx.ftz.f32`` elementwise, for references: with it in place of "
                       "``format._rcp_approx``, the pure-torch"),
