@@ -91,7 +91,9 @@ def gelu_quantize_triton(
     return launch_block_quantize(_gelu_quantize_kernel, h, global_scale, fast_math, block_r, block_c, num_warps)
 
 
-@triton.jit
+# One binary for row counts divisible by 16 and not (Qwen-Image's image and text streams): the hint changes
+# no code of this kernel (tests/test_specialization.py; docs/performance.md, "First image").
+@triton.jit(do_not_specialize_on_alignment=["M"])
 def _gelu_quantize_decoded_kernel(
     h_ptr, g_ptr, out_ptr, M, K, row_stride, col_tiles,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,

@@ -296,7 +296,9 @@ def _split_block_step(out_row, scale_row, shift_row, row_mean, rstd, r64, col, g
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+# One binary for row counts divisible by 16 and not (Qwen-Image's image and text streams): the hint changes
+# no code of this kernel (tests/test_specialization.py; docs/performance.md, "First image").
+@triton.jit(do_not_specialize_on_alignment=["M", "L"])
 def _resnorm_quantize_kernel(
     res_ptr, x_ptr, bias_ptr, gate_ptr, scale_ptr, shift_ptr, g_ptr, rout_ptr, packed_ptr, scales_ptr,
     M, L, eps,

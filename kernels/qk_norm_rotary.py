@@ -78,7 +78,9 @@ def _complex_product(a, b, c, d, REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr)
     return sum_of_products(a, c, negate(b), d, REAL_FMA), sum_of_products(a, d, b, c, IMAG_FMA)
 
 
-@triton.jit
+# One binary for row counts divisible by 16 and not (Qwen-Image's image and text streams): the hint changes
+# no code of this kernel (tests/test_specialization.py; docs/performance.md, "First image").
+@triton.jit(do_not_specialize_on_alignment=["S"])
 def _qk_norm_rotary_kernel(
     x_ptr, w_ptr, freqs_ptr, out_ptr, mean_ptr, rows, S, H, eps,
     BLOCK_R: tl.constexpr, APPROX_RSQRT: tl.constexpr, REAL_FMA: tl.constexpr, IMAG_FMA: tl.constexpr,

@@ -117,7 +117,9 @@ def store_words(w0, w1, w2, w3, rows, kbs, out_ptr, K, mask):
     tl.store(p + 3, w3, mask=mask)
 
 
-@triton.jit
+# One binary for row counts divisible by 16 and not (Qwen-Image's image and text streams): the hint changes
+# no code of this kernel (tests/test_specialization.py; docs/performance.md, "First image").
+@triton.jit(do_not_specialize_on_alignment=["M"])
 def _quantize_nvfp4_decoded_kernel(
     x_ptr, g_ptr, out_ptr, M, K, row_stride, col_tiles,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, IS_BF16: tl.constexpr, FAST_MATH: tl.constexpr,

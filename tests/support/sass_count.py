@@ -33,17 +33,24 @@ SIGNATURES = {k.name: (getattr(importlib.import_module(f"diffusers_nvfp4_fast.ke
 QUANTIZE_KERNELS = [name for name, (fn, _) in SIGNATURES.items() if "BLOCK_C" in inspect.signature(fn.fn).parameters]
 
 
-def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, block_c: int = 32, num_warps: int = 4):
+def compile_kernel(kernel: str, arch: int, fast_math: bool, block_r: int = 8, block_c: int = 32, num_warps: int = 4,
+                   divisible: tuple[str, ...] = ()):
     """Compile ``kernel`` (one of ``QUANTIZE_KERNELS``) for compute capability ``arch`` (x10) without a GPU; the
     hardware E2M1 conversion is selected from SM100 on, and the grid dependency wait (kernels that take ``PDL``) from
-    SM90 on, as at run time."""
+    SM90 on, as at run time. ``divisible``: arguments told divisible by 16."""
     fn, sig = SIGNATURES[kernel]
     consts = {"BLOCK_R": block_r, "BLOCK_C": block_c, "IS_BF16": True, "FAST_MATH": fast_math, "HW_E2M1": arch >= 100}
     options = {"enable_fp_fusion": False, "num_warps": num_warps}
     if "PDL" in inspect.signature(fn.fn).parameters:
         consts["PDL"] = options["launch_pdl"] = arch >= 90
-    return triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts),
+    return triton.compile(ASTSource(fn, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
+                                    attrs=divisible_by_16(fn, divisible)),
                           target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def divisible_by_16(fn, names: tuple[str, ...]) -> dict:
+    """Triton's attributes saying that the arguments ``names`` of ``fn`` are divisible by 16."""
+    return {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
 
 
 def compile_rotary(arch: int, head_dim: int = 128, block_r: int = 16, num_warps: int = 4):
@@ -57,7 +64,7 @@ def compile_rotary(arch: int, head_dim: int = 128, block_r: int = 16, num_warps:
 
 
 def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree: int = 1, block_r: int = 16,
-                           num_warps: int = 4, norm: bool = True):
+                           num_warps: int = 4, norm: bool = True, divisible: tuple[str, ...] = ()):
     """Compile the Qwen-Image QK-norm + rotary kernel for ``arch`` (x10) without a GPU, as ``qk_norm_rotary_triton``
     launches it there (``rsqrt.approx.f32``, hardware BF16 conversions, FMA contraction off); ``norm=False``: the
     rotary embedding alone, as ``qwen_rotary_triton`` launches it."""
@@ -65,7 +72,7 @@ def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree
     consts = {"BLOCK_R": block_r, "APPROX_RSQRT": norm, "REAL_FMA": real_fma, "IMAG_FMA": imag_fma,
               "SOFT_BF16": False, "WRITE_MEAN": False, "TREE": tree, "NORM": norm}
     return triton.compile(ASTSource(kernel, {**sig, **dict.fromkeys(consts, "constexpr")},
-                                    constexprs=consts),
+                                    constexprs=consts, attrs=divisible_by_16(kernel, divisible)),
                           target=GPUTarget("cuda", arch, 32),
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
 
@@ -124,11 +131,11 @@ def compile_gemv(x_packed: bool, arch: int = 90, has_bias: bool = True):
 
 
 def compile_qwen_resnorm(d: int = 3072, arch: int = 90, has_residual: bool = True, decoded: bool = False,
-                         has_shift: bool = True):
+                         has_shift: bool = True, divisible: tuple[str, ...] = ()):
     """Compile the fused residual-norm quantize kernel for hidden size ``d`` as ``resnorm_quantize_triton`` launches
     it (register cap, no FMA contraction, 4 warps), without a GPU; row strides divisible by 16 as at run time.
     ``has_residual=False``: the adaptive-LayerNorm variant; ``decoded``: FP16 output instead of packed bytes;
-    ``has_shift=False``: no shift (Qwen-Image 2.1's modulation)."""
+    ``has_shift=False``: no shift (Qwen-Image 2.1's modulation); ``divisible``: more arguments told divisible by 16."""
     mod = importlib.import_module("diffusers_nvfp4_fast.kernels.layer_norm_quantize")
     consts = {"D": d, "HAS_BIAS": has_residual, "APPROX_RSQRT": True, "SOFT_BF16": False,
               "MEAN_FMA": mod.TORCH_MEAN_FMA, "FAST_MATH": True, "HW_E2M1": arch >= 100, "ONE_SAMPLE": True,
@@ -138,7 +145,7 @@ def compile_qwen_resnorm(d: int = 3072, arch: int = 90, has_residual: bool = Tru
     sig = {n: pointer_types.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
            for n in names if n not in consts}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n.endswith("_ptr") or n.startswith("s_") or n == "padded_cols"}
+             if n.endswith("_ptr") or n.startswith("s_") or n == "padded_cols" or n in divisible}
     src = ASTSource(mod._resnorm_quantize_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
                     attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
