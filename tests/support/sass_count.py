@@ -88,9 +88,10 @@ def compile_flux2_qk_norm_rotary(arch: int, tree: int = 1, block_r: int = 16, nu
 
 
 def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, has_bias: bool = False,
-                      pdl: bool = True):
+                      pdl: bool = True, divisible: tuple[str, ...] = ()):
     """Compile the Gluon SM90 GEMM (``kernels/nvfp4_gemm_sm90.py``) for sm_90a without a GPU (``pdl``: with its grid
-    dependency wait, as it launches on SM90 unless DIFFUSERS_NVFP4_PDL=0)."""
+    dependency wait, as it launches on SM90 unless DIFFUSERS_NVFP4_PDL=0); ``divisible``: ``("M",)`` tells M
+    divisible by 16, which the launch does not (the kernel is not specialized on it)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -104,7 +105,8 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, 
            "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "scale_rows_per_tile": "i32"}
     consts = {"BLOCK_M": block_m, "BLOCK_N": mod.BLOCK_N, "BLOCK_K": mod.BLOCK_K, "STAGES": stages, "GROUP_N": 8,
               "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET, "HAS_BIAS": has_bias, "PDL": pdl}
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 11)}  # as Triton specializes them at run time
+    names = mod._nvfp4_gemm_sm90_kernel.arg_names  # alpha_ptr .. scale_rows_per_tile as Triton specializes them
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 11) if names[i] != "M" or "M" in divisible}
     src = GluonASTSource(mod._nvfp4_gemm_sm90_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": mod.NUM_WARPS, "maxnreg": mod.MAX_REGISTERS, "launch_pdl": pdl})
