@@ -543,10 +543,10 @@ def test_gpu_sm90_kernel_equals_triton_kernel(m, n, k, random_bytes):
 
 @pytest.mark.gpu
 def test_gpu_sm90_site_launches_run_the_binders_binary(monkeypatch):
-    """``launch_by_site``: for every property Triton specializes the GEMM on (M equal to 1 or divisible by 16, output
-    dtype, output alignment, bias, tile height), the binary recorded for the GEMM's site key is the one Triton's
-    binder picks for the same call, and the keyed launches give the bytes of the binder's launch and of the Triton
-    kernel."""
+    """``launch_by_site``: for every property Triton specializes the GEMM on (M equal to 1, output dtype, output
+    alignment, bias, tile height; M divisible by 16 or not, which it no longer tells apart, checked too), the binary
+    recorded for the GEMM's site key is the one Triton's binder picks for the same call, and the keyed launches give
+    the bytes of the binder's launch and of the Triton kernel."""
     _skip_unless_sm90()
     sm90 = _sm90()
     checked = check_sites_against_binder(sm90, monkeypatch)
