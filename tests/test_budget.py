@@ -255,6 +255,21 @@ def test_budget_benchmark_runs_a_larger_cap_again_after_a_tight_one():
     assert not bench.unbound_by_cap(dict(roomy, fits=False))
 
 
+def test_budget_benchmark_flags_live_memory_over_the_estimate():
+    """The H100 rows of 2026-12-06 (benchmarks/results/pipeline_budget-h100.json): Qwen-Image's text encoder offloaded
+    while the SM90 GEMM's descriptors kept its layers on the GPU ran 3.5 GiB over its estimate; the same plan with the
+    BF16 encoder, and Qwen-Image resident, did not. An uncapped case counts the context at the estimate's figure."""
+    import bench_pipeline_budget as bench
+
+    leaked = {"estimate_gib": 17.57, "peak_allocated_gib": 20.41, "outside_allocator_gib": 0.69}
+    assert bench.live_over_estimate(leaked) == 3.53 > bench.ESTIMATE_SLACK_GIB
+    bf16_offload = {"estimate_gib": 22.88, "peak_allocated_gib": 20.56, "outside_allocator_gib": 0.81}
+    assert bench.live_over_estimate(bf16_offload) < 0
+    resident = {"estimate_gib": 23.26, "peak_allocated_gib": 22.69}
+    assert bench.live_over_estimate(resident) == round(22.69 + budget.CUDA_CONTEXT_GIB - 23.26, 2)
+    assert bench.live_over_estimate(resident) <= bench.ESTIMATE_SLACK_GIB
+
+
 def test_budget_benchmark_runs_a_tiny_klein_case():
     """``--tiny`` for FLUX.2-klein (both sizes share the tiny klein pipeline): the cases in this process, NVFP4
     transformer and text encoder resident and under a plan, with the fused sites, every stage timed, the same PNG."""
