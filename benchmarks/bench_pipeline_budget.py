@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diffusers_nvfp4_fast.budget import TIGHT_FRACTION
+from diffusers_nvfp4_fast.budget import CUDA_CONTEXT_GIB, tight
 from diffusers_nvfp4_fast.switches import ALLOC_CONF, EXPANDABLE_SEGMENTS
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -467,8 +467,6 @@ def live_over_estimate(case: dict) -> float:
     """GiB by which the live peak (PyTorch's allocated peak plus what the CUDA context holds outside it) exceeded the
     plan's estimate. Above ``ESTIMATE_SLACK_GIB`` the estimate missed something: an offloaded text encoder whose GPU
     copies stayed alive showed so (17.6 GiB estimated, 21.1 live; docs/budget.md)."""
-    from diffusers_nvfp4_fast.budget import CUDA_CONTEXT_GIB
-
     context = case.get("outside_allocator_gib", CUDA_CONTEXT_GIB)
     return round(case["peak_allocated_gib"] + context - case["estimate_gib"], 2)
 
@@ -478,7 +476,7 @@ def unbound_by_cap(case: dict) -> bool:
     ``TIGHT_FRACTION`` of the cap. Near the cap the allocator frees and maps memory again during the run, and the VAE
     decode's convolutions run with another algorithm (other bytes): a larger cap then gives another result."""
     return bool(case.get("fits") and case.get("png_equal") and case.get("budget_gib")
-                and (case.get("peak_gpu_gib") or 0.0) <= TIGHT_FRACTION * case["budget_gib"])  # with the context
+                and not tight(case.get("peak_gpu_gib") or 0.0, case["budget_gib"]))  # peak with the context
 
 
 def write(args, cases: list[dict]) -> None:

@@ -144,13 +144,17 @@ def choose_plan(pipe, budget_gib: float, headroom_gib: float = DEFAULT_HEADROOM_
                      f"{ {p: round(v, 2) for p, v in estimates.items()} })")
 
 
+def tight(gib: float, budget_gib: float) -> bool:
+    """Whether ``gib`` (an estimate or a measured peak) is above ``TIGHT_FRACTION`` of ``budget_gib``."""
+    return gib > TIGHT_FRACTION * budget_gib
+
+
 def roomier(fitting: list[str], estimates: dict[str, float], budget_gib: float) -> str:
     """The first of ``fitting``, unless it is ``resident`` near the cap and ``text_encoder_offload`` has room: close to
     the cap a run is slower or decodes other bytes (Qwen-Image under 24 GiB, docs/budget.md), while offloading the
     text encoder costs one copy of it per prompt."""
-    room = TIGHT_FRACTION * budget_gib
-    if fitting[0] == "resident" and estimates["resident"] > room and "text_encoder_offload" in fitting \
-            and estimates["text_encoder_offload"] <= room:
+    if fitting[0] == "resident" and tight(estimates["resident"], budget_gib) and "text_encoder_offload" in fitting \
+            and not tight(estimates["text_encoder_offload"], budget_gib):
         return "text_encoder_offload"
     return fitting[0]
 
@@ -217,7 +221,7 @@ def fit_to_budget(pipe, budget_gib: float, device: str | torch.device | None = N
         logger.warning("diffusers-nvfp4-fast: plan %s moves %.1f GiB of weights to host memory; setting it up can peak "
                        "at about %.0f GiB (measured %.2fx, docs/budget.md), and %.1f GiB is free", plan, need,
                        need * HOST_PEAK_FACTOR, HOST_PEAK_FACTOR, host_gib)
-    if estimates[plan] > TIGHT_FRACTION * budget_gib:
+    if tight(estimates[plan], budget_gib):
         logger.warning("diffusers-nvfp4-fast: plan %s is estimated at %.2f of %s GiB. This close to the cap PyTorch "
                        "can run the VAE decode's convolutions with another algorithm, one needing less workspace, "
                        "which changes the image's bytes, and the allocator frees and maps memory during the run "

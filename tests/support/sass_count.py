@@ -146,10 +146,9 @@ def compile_qwen_resnorm(d: int = 3072, arch: int = 90, has_residual: bool = Tru
     pointer_types = {"g_ptr": "*fp32", "packed_ptr": "*i64" if decoded else "*i32", "scales_ptr": "*u8"}
     sig = {n: pointer_types.get(n, "*bf16") if n.endswith("_ptr") else "fp32" if n == "eps" else "i32"
            for n in names if n not in consts}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n.endswith("_ptr") or n.startswith("s_") or n == "padded_cols" or n in divisible}
+    aligned = tuple(n for n in names if n.endswith("_ptr") or n.startswith("s_") or n == "padded_cols")
     src = ASTSource(mod._resnorm_quantize_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, constexprs=consts,
-                    attrs=attrs)
+                    attrs=divisible_by_16(mod._resnorm_quantize_kernel, aligned + divisible))
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options={"enable_fp_fusion": False, "num_warps": 4, "maxnreg": mod.MAX_REGISTERS})
 
