@@ -406,7 +406,7 @@ def print_estimates(args) -> None:
 
 
 def merge(path: Path, header: dict, cases: list[dict]) -> dict:
-    """Keep the cases of ``path`` that this run did not redo (other models, dtypes, budgets or plans)."""
+    """Keep the cases of ``path`` that this run did not redo (other models, dtypes, budgets or plans), and its notes."""
     key = ("model", "dtype", "budget_gib", "plan")
     old = json.loads(path.read_text()) if path.exists() else {"cases": [], "runs": []}
     redone = {tuple(c[k] for k in key) for c in cases}
@@ -414,7 +414,7 @@ def merge(path: Path, header: dict, cases: list[dict]) -> dict:
     runs = [r for r in old.get("runs", []) if (r["model"], r["dtype"]) != (header["model"], header["dtype"])]
     return {k: v for k, v in header.items() if k not in ("model", "dtype", "cases")} | {
         "runs": runs + [{k: header[k] for k in ("model", "dtype", "date", "copy_bandwidth_GBps", "h2d_pinned_GBps")}],
-        "cases": kept + cases}
+        "cases": kept + cases} | ({"notes": old["notes"]} if "notes" in old else {})
 
 
 def main() -> None:

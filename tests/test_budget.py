@@ -270,6 +270,25 @@ def test_budget_benchmark_flags_live_memory_over_the_estimate():
     assert bench.live_over_estimate(resident) <= bench.ESTIMATE_SLACK_GIB
 
 
+def test_budget_benchmark_keeps_the_files_notes_and_other_cases(tmp_path):
+    """A run rewrites only its own rows: the notes written by hand beside the H200 rows (why a case failed) were lost
+    when a later run merged its cases into the file."""
+    import json
+
+    import bench_pipeline_budget as bench
+
+    path = tmp_path / "budget.json"
+    other = {"model": "qwen-image", "dtype": "bf16", "budget_gib": None, "plan": "resident", "s_per_image": 11.0}
+    redone = {"model": "flux2-dev", "dtype": "nvfp4", "budget_gib": 24.0, "plan": "text_encoder_offload"}
+    path.write_text(json.dumps({"cases": [other, dict(redone, s_per_image=9.0)], "runs": [],
+                                "notes": {"flux2-dev bf16 24 GiB": "killed by the host"}}))
+    header = {"benchmark": "pipeline_budget", "model": "flux2-dev", "dtype": "nvfp4", "date": "2026-12-06",
+              "copy_bandwidth_GBps": None, "h2d_pinned_GBps": None}
+    merged = bench.merge(path, header, [dict(redone, s_per_image=8.0)])
+    assert merged["notes"] == {"flux2-dev bf16 24 GiB": "killed by the host"}
+    assert merged["cases"] == [other, dict(redone, s_per_image=8.0)]
+
+
 def test_budget_benchmark_runs_a_tiny_klein_case():
     """``--tiny`` for FLUX.2-klein (both sizes share the tiny klein pipeline): the cases in this process, NVFP4
     transformer and text encoder resident and under a plan, with the fused sites, every stage timed, the same PNG."""
