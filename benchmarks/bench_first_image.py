@@ -11,7 +11,9 @@ image, and splits the first image's extra time into the compile-only pass (wall)
 kernel, autotune timing, first-use verification and plan building (each less the compiles inside it) and ``other``,
 and each image into text, denoise and decode seconds (``stages``). Each compile's cache key parts are recorded; a
 binary the warm process compiles again is listed in its case (``recompiled``) with how its key differs from the cold
-process's. Writes benchmarks/results/first_image-<device>.json.
+process's. ``--compile-workers N`` adds an NVFP4 cold case (its own empty caches) whose compile-only pass compiles
+in N worker processes (``DIFFUSERS_NVFP4_COMPILE_WORKERS``); its case says ``compile_workers``. Writes
+benchmarks/results/first_image-<device>.json.
 """
 
 from __future__ import annotations
@@ -204,13 +206,17 @@ def explain_recompiles(cold: dict, warm: dict) -> None:
         case["compiles"] = [{"name": e["name"], "hit": e["hit"], "key": key(e)} for e in case.get("compiles", [])]
 
 
-def run_case(model: str, dtype: str, cache: str, cache_dir: Path, args) -> dict:
+def run_case(model: str, dtype: str, cache: str, cache_dir: Path, args, workers: int = 0) -> dict:
+    """One case in a child process; ``workers``: the compile-only pass compiles in that many worker processes."""
+    from diffusers_nvfp4_fast.switches import COMPILE_WORKERS
     command = [sys.executable, __file__, "--child", "--model", model, "--dtype", dtype, "--size", str(args.size),
                "--steps", str(args.steps or STEPS[model])] + (["--tiny"] if args.tiny else [])
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir / "triton"), "CUDA_CACHE_PATH": str(cache_dir / "cuda"),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", COMPILE_WORKERS: str(workers)}
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     case = {"model": model, "dtype": dtype, "cache": cache, "steps": args.steps or STEPS[model], "size": args.size}
+    if workers:
+        case["compile_workers"] = workers
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:  # recorded (e.g. BF16 FLUX.2-dev does not fit an 80 GB GPU); the rest runs
         error = (done.stderr.strip().splitlines() or ["no output"])[-1]
@@ -239,6 +245,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's usual count)")
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--tiny", action="store_true", help="tiny pipelines on CPU: checks the logic, no timing value")
+    ap.add_argument("--compile-workers", type=int, default=0, metavar="N",
+                    help="also an NVFP4 cold case whose compile-only pass compiles in N worker processes")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="nvfp4", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -251,16 +259,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.model:
             nvfp4_dir = Path(tmp, model, "nvfp4")
-            for dtype, cache in CASES:
-                cache_dir = nvfp4_dir if dtype == "nvfp4" else Path(tmp, model, dtype)
-                cases.append(run_case(model, dtype, cache, cache_dir, args))
+            runs = [(dtype, cache, nvfp4_dir if dtype == "nvfp4" else Path(tmp, model, dtype), 0)
+                    for dtype, cache in CASES]
+            if args.compile_workers:
+                runs.append(("nvfp4", "cold", Path(tmp, model, "nvfp4-workers"), args.compile_workers))
+            for dtype, cache, cache_dir, workers in runs:
+                cases.append(run_case(model, dtype, cache, cache_dir, args, workers))
                 c = cases[-1]
                 if "error" not in c:
-                    print(f"[{time.time() - t0:6.1f}s] {model} {dtype} {cache}: first {c['first_image_s']:.2f} s, "
+                    label = f"{cache}, {workers} worker processes" if workers else cache
+                    print(f"[{time.time() - t0:6.1f}s] {model} {dtype} {label}: first {c['first_image_s']:.2f} s, "
                           f"second {c['second_image_s']:.2f} s, breakdown {json.dumps(c['breakdown'])}", flush=True)
             mine = [c for c in cases if c["model"] == model]
-            cold, warm = (next((c for c in mine if (c["dtype"], c["cache"]) == ("nvfp4", k)), None)
-                          for k in ("cold", "warm"))
+            cold, warm = (next((c for c in mine if (c["dtype"], c["cache"]) == ("nvfp4", k)
+                                and not c.get("compile_workers")), None) for k in ("cold", "warm"))
             if cold is not None and warm is not None:
                 explain_recompiles(cold, warm)
                 if warm["recompiled"]:

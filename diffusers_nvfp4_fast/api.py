@@ -25,7 +25,7 @@ from .ops.verify import FastPathStats, VerifyMode, drop_stats, new_stats
 from .patches.flux2 import patch_flux2
 from .patches.qwenimage import patch_qwenimage
 from .patches.qwenimage21 import patch_qwenimage21
-from .preparation import Preparation, pipeline_bar
+from .preparation import Preparation, compile_workers_wanted, pipeline_bar
 from .report import FastPathReport
 
 logger = logging.getLogger("diffusers_nvfp4_fast")
@@ -155,6 +155,7 @@ def enable_fast_paths(pipe_or_transformer, *, verify: VerifyMode = "first", fuse
     Returns:
         ``fast_path_report`` of the pipeline.
     """
+    compile_workers_wanted()  # a bad value fails here, naming the variable, before anything is changed
     for component, model in _models(pipe_or_transformer):
         state = _state(model)
         if state is not None and state.fused != fused:

@@ -8,7 +8,8 @@ call of it compiles nothing: its first call, and the next ones while they still 
 
 Before the first call runs, the same call runs once as a compile-only pass (``kernels/launch.compile_only``): each
 launch starts its binary's compile on a thread pool instead of running, so the kernels the call needs compile side by
-side; then the call itself runs on the compiled binaries. The pass is skipped (the kernels then compile one by one,
+side (in worker processes with ``switches.COMPILE_WORKERS``: ``kernels/compile_workers.py``); then the call itself
+runs on the compiled binaries. The pass is skipped (the kernels then compile one by one,
 as the call reaches them) where a second call could change something: a model with diffusers or accelerate hooks
 (caches, offloading), a compiled model, outside CUDA, or with ``switches.PARALLEL_COMPILE`` off.
 """
@@ -16,6 +17,7 @@ as the call reaches them) where a second call could change something: a model wi
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -23,7 +25,7 @@ import json
 import os
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
@@ -36,7 +38,7 @@ from .module_hooks import TORCH_FORWARD_HOOK, hooks_on
 from .ops import dispatch, verify
 from .progress import BarFactory, CallProgress, outside_trace_and_capture, repeated_blocks, tqdm_bar
 from .swaps import current_inner_forward
-from .switches import PARALLEL_COMPILE, env_enabled, env_value
+from .switches import COMPILE_WORKERS, PARALLEL_COMPILE, env_enabled, env_value
 
 _WATCHED: weakref.WeakSet[Preparation] = weakref.WeakSet()
 _REMOVE_LISTENER: list[Callable[[], None]] = []
@@ -83,6 +85,7 @@ class Preparation:
         self._compile_only = False
         self._stats_id, self._device, self._make_bar = stats_id, device, make_bar or tqdm_bar
         self._first_call: Any = None
+        self.compiled_elsewhere: list[tuple[str, float]] = []  # (kernel, seconds) compiled by worker processes
         if self.unavailable is not None:
             return
         compat = _compat()
@@ -142,10 +145,18 @@ class Preparation:
         launch = cast(ModuleType, dispatch.kernels).launch
         start = time.perf_counter()
         self._compile_only = True
-        with verify.stats_kept(self._stats_id or 0), torch.no_grad(), launch.compile_only() as pending:
-            forward(*args, **kwargs)
-        failures = self._wait(pending)
+        with _compile_workers() as processes:
+            with verify.stats_kept(self._stats_id or 0), torch.no_grad(), \
+                    launch.compile_only(processes=processes) as pending:
+                forward(*args, **kwargs)
+            failures = self._wait(pending)
         self.parallel = {"ran": True, "kernels": len(pending.futures), "seconds": round(time.perf_counter() - start, 3)}
+        if processes is not None:
+            self.parallel["processes"] = {"workers": processes.count, "compiled": len(pending.in_workers),
+                                          "worker_seconds": round(sum(s for _, s in pending.in_workers), 3)}
+            if pending.worker_failures:  # compiled in this process instead: the same binaries
+                self.parallel["processes"]["failed"] = pending.worker_failures[:3]
+        self.compiled_elsewhere = list(pending.in_workers)
         if failures:
             self.parallel["failed"] = [f"{type(e).__name__}: {e}"[:200] for e in failures[:3]]
         else:
@@ -177,21 +188,25 @@ class Preparation:
 
     def report(self) -> dict:
         """``cache``: "warm" (every kernel from Triton's cache), "cold" (some compiled), "unknown" (with ``reason``);
-        ``seconds`` (what triton.compile measured, compiles and loads), ``compiled``, ``from_cache``, ``calls``
+        ``seconds`` (what triton.compile measured, compiles and loads, here and in worker processes), ``compiled``
+        (worker processes' binaries included), ``from_cache``, ``calls``
         (first calls watched), ``kernels_compiled`` (name -> seconds)."""
         if self.unavailable is not None:
             return {"cache": "unknown", "reason": self.unavailable}
-        compiled = [e for e in self.events if not e.cache_hit]
+        # a binary a worker process compiled is loaded here from the cache: counted as compiled, with the worker's time
+        compiled = [(e.name, e.seconds) for e in self.events if not e.cache_hit] + self.compiled_elsewhere
+        loaded = [e for e in self.events if e.cache_hit]
+        from_cache = max(0, len(loaded) - len(self.compiled_elsewhere))
         out: dict[str, Any] = {"cache": "cold" if compiled else "warm" if self.events else "unknown",
-                               "seconds": round(sum(e.seconds for e in self.events), 3), "compiled": len(compiled),
-                               "from_cache": len(self.events) - len(compiled), "calls": self.calls,
+                               "seconds": round(sum(s for _, s in compiled) + sum(e.seconds for e in loaded), 3),
+                               "compiled": len(compiled), "from_cache": from_cache, "calls": self.calls,
                                "parallel": self.parallel}
         if not self.events:
             out["reason"] = NOT_CALLED if self.calls == 0 else NOTHING_HEARD
         if compiled:
             by_name: dict[str, float] = {}
-            for e in compiled:
-                by_name[e.name] = round(by_name.get(e.name, 0.0) + e.seconds, 3)
+            for name, seconds in compiled:
+                by_name[name] = round(by_name.get(name, 0.0) + seconds, 3)
             out["kernels_compiled"] = by_name
         return out
 
@@ -220,6 +235,28 @@ def parallel_unavailable(model: nn.Module, device: torch.device, forward: Callab
     return None if forward is not None else "the model's forward is wrapped by something unknown"
 
 
+def compile_workers_wanted() -> int:
+    """The worker processes the compile-only pass compiles in (``switches.COMPILE_WORKERS``; 0: on threads)."""
+    value = (env_value(COMPILE_WORKERS) or "").strip()
+    if not value:
+        return 0
+    if not value.isdigit():
+        raise ValueError(f"{COMPILE_WORKERS}={value!r}: expected a count of worker processes (0: compile on threads)")
+    return int(value)
+
+
+@contextlib.contextmanager
+def _compile_workers() -> Iterator[Any]:
+    """The worker processes for one pass (None where none are wanted), ended after it."""
+    count = compile_workers_wanted()
+    if count == 0:
+        yield None
+        return
+    module = importlib.import_module(cast(ModuleType, dispatch.kernels).__name__ + ".compile_workers")
+    with module.CompileWorkers(count) as workers:
+        yield workers
+
+
 def _eager_forward(model: nn.Module) -> Callable | None:
     """The model's own forward below this package's graph runner, or None where another wrapper sits there."""
     forward = current_inner_forward(model)
@@ -243,7 +280,7 @@ def prepared_record(model: nn.Module, device: torch.device, args: tuple, kwargs:
             return sorted(repr(v) for v in value)
         return repr(value)
 
-    switches = {k: v for k, v in os.environ.items() if k.startswith("DIFFUSERS_NVFP4_")}
+    switches = {k: v for k, v in os.environ.items() if k.startswith("DIFFUSERS_NVFP4_") and k != COMPILE_WORKERS}
     config: Any = getattr(model, "config", None)
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config or {})  # transformers' or diffusers'
     # private entries pick no kernel and some vary by process (diffusers' _use_default_values: a set's order)

@@ -30,6 +30,9 @@ GEMM_AUTOTUNE = "DIFFUSERS_NVFP4_GEMM_AUTOTUNE"
 PDL = "DIFFUSERS_NVFP4_PDL"
 # 0: no compile-only pass before a model's first call (docs/design.md §8, "Compile-only pass"); read at that call.
 PARALLEL_COMPILE = "DIFFUSERS_NVFP4_PARALLEL_COMPILE"
+# A count N > 0: the compile-only pass compiles in N worker processes instead of on threads (docs/design.md §8,
+# "Preparation"); unset or 0: threads. Read at the pass.
+COMPILE_WORKERS = "DIFFUSERS_NVFP4_COMPILE_WORKERS"
 # 1 (the test suite sets it): every op call through the dispatcher checks that no output shares an input's storage;
 # read when the ops are defined.
 CHECK_OPS = "DIFFUSERS_NVFP4_CHECK_OPS"

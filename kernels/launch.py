@@ -1,16 +1,22 @@
 """Launch helpers shared by the NVFP4-emitting kernels."""
 
+from __future__ import annotations
+
 import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import triton_compat as compat
 from .caches import declare
 from .triton_compat import INTERPRETING, DescriptorEncoding, DirectLaunch, direct_launch_unavailable, hooks_installed
+
+if TYPE_CHECKING:  # run as a program by its workers, so not imported with the package
+    from .compile_workers import CompileWorkers
 
 __all__ = ["INTERPRETING", "DescriptorEncoding", "DirectLaunch", "PendingCompiles", "compile_only", "compiling_only",
            "direct_launch_unavailable", "hooks_installed", "launch", "launch_by_site", "site_binary"]
@@ -259,10 +265,13 @@ class PendingCompiles:
     device in the same task.
     """
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, processes: CompileWorkers | None = None) -> None:
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvfp4-compile")
         self.seen: set = set()
         self.futures: list[Future] = []
+        self.processes = processes
+        self.in_workers: list[tuple[str, float]] = []  # (kernel, seconds) of each binary a worker process compiled
+        self.worker_failures: list[str] = []  # each compiled here instead: the same binary, later
 
     def add(self, kernel, grid: tuple[int, ...], device: int, args: tuple, kwargs: dict) -> None:
         compat.make_binder(kernel, device)
@@ -275,7 +284,20 @@ class PendingCompiles:
             return
         self.seen.add(key)
         args = warmup_arguments(args)
-        self.futures.append(self.pool.submit(_compile_one, kernel, grid, device, args, kwargs))
+        self.futures.append(self.pool.submit(self.compile_one, kernel, grid, device, args, kwargs))
+
+    def compile_one(self, kernel, grid: tuple[int, ...], device: int, args: tuple, kwargs: dict) -> None:
+        """One binary: compiled by a worker process where there are any (the warmup then loads it from Triton's
+        cache), else or where the worker failed here; then loaded onto the device."""
+        with torch.cuda.device(device):
+            if self.processes is not None:
+                try:
+                    spec = compat.capture_specialization(lambda: kernel.warmup(*args, grid=grid, **kwargs))
+                    if spec is not None:
+                        self.in_workers.append((spec.kernel, self.processes.compile(spec)))
+                except Exception as error:  # noqa: BLE001
+                    self.worker_failures.append(f"{type(error).__name__}: {error}"[:300])
+            compat.load_binary(kernel.warmup(*args, grid=grid, **kwargs))
 
     def wait(self, on_done: Callable[[], None] | None = None) -> list[BaseException]:
         """Wait for every compile, calling ``on_done`` after each; returns the failures (the launch itself then
@@ -299,11 +321,6 @@ def warmup_arguments(args: tuple) -> tuple:
     return tuple(a.dtype if a.__class__ is torch.Tensor and not a.data_ptr() & 15 else a for a in args)
 
 
-def _compile_one(kernel, grid, device: int, args: tuple, kwargs: dict) -> None:
-    with torch.cuda.device(device):
-        compat.load_binary(kernel.warmup(*args, grid=grid, **kwargs))
-
-
 _PENDING: list[PendingCompiles] = []  # the compile-only pass under way (at most one; read by every launch)
 
 
@@ -313,13 +330,15 @@ def compiling_only() -> bool:
 
 
 @contextlib.contextmanager
-def compile_only(workers: int | None = None) -> Iterator[PendingCompiles]:
+def compile_only(workers: int | None = None, processes: CompileWorkers | None = None) -> Iterator[PendingCompiles]:
     """Within the block, every ``launch`` / ``launch_by_site`` starts the compile of its binary (if Triton has not
-    got it yet) on a thread pool instead of running; the caller waits on ``futures`` after the block (leaving the
-    block with an exception cancels what has not started). Used from one thread, for one pass at a time."""
+    got it yet) on a thread pool instead of running, each thread handing it to one of ``processes`` where given; the
+    caller waits on ``futures`` after the block (leaving the block with an exception cancels what has not started).
+    Used from one thread, for one pass at a time."""
     if _PENDING:
         raise RuntimeError("compile_only: a compile-only pass is already under way")
-    pending = PendingCompiles(workers or min(8, os.cpu_count() or 1))
+    threads = workers or (processes.count if processes is not None else min(8, os.cpu_count() or 1))
+    pending = PendingCompiles(threads, processes)
     _PENDING.append(pending)
     try:
         yield pending

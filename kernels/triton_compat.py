@@ -18,16 +18,20 @@ What is read, and where Triton keeps it:
 * Triton's specialization rules (``specialization_key``, checked against ``native_specialize_impl``);
 * the compilation listener ``knobs.compilation.listener`` and the cache directory ``knobs.cache.dir``
   (``add_compile_listener``, ``triton_cache_dir``);
-* ``JITCallable.cache_key`` and the functions a kernel calls (``settle_cache_keys``).
+* ``JITCallable.cache_key`` and the functions a kernel calls (``settle_cache_keys``);
+* the JIT cache hook ``knobs.runtime.jit_cache_hook``, Triton's serialized specialization (``preload``'s format) and
+  ``ASTSource`` / ``GluonASTSource`` (``capture_specialization``, ``compile_specialization``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import CodeType, ModuleType
 from typing import Any
@@ -459,3 +463,116 @@ def triton_cache_dir() -> str:
     if found:
         return str(found)
     return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
+# Triton's JIT cache hook (``knobs.runtime.jit_cache_hook``, Triton 3.6 - 3.9): ``JITFunction._do_compile`` calls it
+# before it compiles a specialization, with the specialization in Triton's own JSON (``compile["specialization_data"]``,
+# what ``JITFunction.preload`` reads) and the function as ``fn`` (a ``JitFunctionInfo``); a true return skips the
+# compile. ``device_caches[device][2]`` is the target the binder was built for.
+
+_CAPTURING = threading.local()
+_HOOK_LOCK = threading.Lock()
+_HOOK_STATE: dict[str, Any] = {"users": 0, "previous": None, "hook": None}
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """What a worker process needs to compile one binary of a kernel exactly as this process's JIT would: the
+    kernel's module and name, Triton's serialized specialization, and the target (backend, arch, warp size)."""
+
+    module: str
+    kernel: str
+    data: str
+    target: dict
+
+
+def capture_unavailable() -> str | None:
+    """Why this Triton cannot hand a specialization to another process (None: it can)."""
+    runtime = getattr(knobs, "runtime", None) if knobs is not None else None
+    if runtime is None or not hasattr(runtime, "jit_cache_hook"):
+        import triton
+
+        return f"Triton {getattr(triton, '__version__', '?')} has no knobs.runtime.jit_cache_hook"
+    return None
+
+
+def _capturing_hook(**kwargs: Any) -> Any:
+    if not getattr(_CAPTURING, "on", False):  # another thread's compile: the hook that was there before decides
+        previous = _HOOK_STATE["previous"]
+        return previous(**kwargs) if previous is not None else None
+    info, compile_args = kwargs["fn"], kwargs["compile"]
+    target = info.jit_function.device_caches[compile_args["device"]][2]
+    _CAPTURING.found = Specialization(str(info.module), str(info.name), compile_args["specialization_data"],
+                                      dict(vars(target)))
+    return True
+
+
+@contextlib.contextmanager
+def _capturing_hook_installed() -> Iterator[None]:
+    with _HOOK_LOCK:
+        if _HOOK_STATE["users"] == 0:
+            _HOOK_STATE["previous"] = knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = _capturing_hook
+        _HOOK_STATE["users"] += 1
+    try:
+        yield
+    finally:
+        with _HOOK_LOCK:
+            _HOOK_STATE["users"] -= 1
+            if _HOOK_STATE["users"] == 0 and knobs.runtime.jit_cache_hook is _capturing_hook:
+                knobs.runtime.jit_cache_hook = _HOOK_STATE["previous"]
+
+
+def capture_specialization(run: Callable[[], Any]) -> Specialization | None:
+    """Call ``run`` (a kernel's ``warmup``) with this thread's compiles skipped, and return the specialization of the
+    binary it would have compiled; None where it compiled nothing (the binary was loaded in this process already).
+    Other threads' compiles go on as before. RuntimeError where ``capture_unavailable`` gives a reason."""
+    why = capture_unavailable()
+    if why is not None:
+        raise RuntimeError(why)
+    with _capturing_hook_installed():
+        _CAPTURING.on, _CAPTURING.found = True, None
+        try:
+            run()
+        finally:
+            _CAPTURING.on = False
+        return _CAPTURING.found
+
+
+def _decoded_constant(value: Any) -> Any:
+    """One constant of Triton's serialized specialization, decoded as ``JITFunction.preload`` decodes it."""
+    import triton.language as tl
+    from triton.runtime import jit
+
+    if tl.dtype.is_dtype(value):
+        return tl.dtype(value)
+    if isinstance(value, dict) and "constexpr" in value:
+        return tl.constexpr(jit.convert_to_tuple_if_list(value["constexpr"]))
+    if isinstance(value, dict) and "jit_function" in value:  # Triton 3.8: a JIT function passed as a constexpr
+        registry = getattr(jit, "_triton_jit_function_registry", {})
+        if value["jit_function"] not in registry:
+            raise RuntimeError(f"cannot resolve the JIT function {value['jit_function']} of a specialization")
+        return registry[value["jit_function"]]
+    return jit.convert_to_tuple_if_list(value)
+
+
+def compile_specialization(kernel: Any, spec: Specialization) -> Any:
+    """Compile ``spec`` of ``kernel`` into Triton's cache without a GPU: the source, constants, attributes and options
+    the capturing process's JIT would have compiled (decoded as ``JITFunction.preload`` decodes them), for its
+    target, so under the same cache key. Returns the CompiledKernel."""
+    import json
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import jit
+
+    data = json.loads(spec.data)
+    constants = {tuple(k): _decoded_constant(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = {tuple(k): v for k, v in zip(data["attrs_keys"], data["attrs_vals"])}
+    signature = {k: jit.convert_to_tuple_if_list(v) for k, v in data["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()}
+    source_class = triton.compiler.ASTSource
+    if getattr(kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source_class
+    return triton.compile(source_class(kernel, signature, constants, attrs), target=GPUTarget(**spec.target),
+                          options=options)

@@ -186,6 +186,29 @@ def test_without_a_listener_the_cache_is_unknown_with_the_reason(klein, monkeypa
     assert "preparation: Triton cache unknown (Triton 3.3 has no" in str(fast_path_report(pipe))
 
 
+def test_a_bad_worker_count_fails_enable_fast_paths_naming_it_and_changes_nothing(klein, monkeypatch):
+    pipe, _ = klein
+    monkeypatch.setenv("DIFFUSERS_NVFP4_COMPILE_WORKERS", "four")
+    with pytest.raises(ValueError, match="DIFFUSERS_NVFP4_COMPILE_WORKERS='four': expected a count"):
+        enable_fast_paths(pipe)
+    assert fast_path_report(pipe)["Flux2Transformer2DModel"]["enabled"] is False
+    assert "_nvfp4_fast_paths" not in pipe.transformer.__dict__ and "forward" not in pipe.transformer.__dict__
+
+
+def test_a_binary_compiled_by_a_worker_process_counts_as_compiled(klein):
+    """A worker's binary is loaded here from the cache (the listener hears a cache hit): the report counts it as
+    compiled, with the worker's seconds, and the cache as cold."""
+    pipe, kwargs = klein
+    enable_fast_paths(pipe)
+    _fire_in_block(pipe.transformer.single_transformer_blocks[0], cache_hit=True)
+    preparation = pipe.transformer.__dict__["_nvfp4_fast_paths"].preparation
+    preparation.compiled_elsewhere = [("_fake_kernel", 1.5)]
+    run_pipeline(pipe, kwargs, steps=1)
+    report = fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]
+    assert (report["cache"], report["compiled"], report["from_cache"]) == ("cold", 1, 0), report
+    assert report["kernels_compiled"] == {"_fake_kernel": 1.5}
+
+
 def test_under_the_graph_runner_the_first_call_is_captured_and_counted_once(klein):
     """The watch puts no hook inside the model, so the CUDA-graph runner (simulated capture: the call runs again)
     captures the first call as without it, and the blocks it runs twice count once."""
@@ -247,6 +270,34 @@ def test_gpu_a_new_cache_is_reported_cold_and_the_next_process_warm(tmp_path):
     assert warm["cache"] == "warm" and warm["compiled"] == 0, warm
     assert warm["from_cache"] == cold["compiled"] + cold["from_cache"], (cold, warm)
     assert cold["sha"] == warm["sha"]
+
+
+@pytest.mark.gpu
+def test_gpu_the_pass_in_worker_processes_compiles_the_same_binaries_and_image(tmp_path):
+    """A fresh process on an empty cache with ``DIFFUSERS_NVFP4_COMPILE_WORKERS=4``: every binary the pass asks for
+    is compiled by a worker and loaded here, none fails, the report counts them as compiled ("cold"), and the PNG is
+    that of a process compiling on threads."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not torch.cuda.is_available():
+        pytest.skip("the worker-process pass did not run: no CUDA GPU here; it runs on the GPU machine "
+                    "(pytest -m gpu tests/test_preparation.py)")
+    runs = []
+    for name, workers in (("threads", "0"), ("workers", "4")):
+        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / name), "DIFFUSERS_NVFP4_COMPILE_WORKERS": workers}
+        done = subprocess.run([sys.executable, "-c", _TWO_PROCESSES], env=env, capture_output=True, text=True,
+                              timeout=280)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    threads, workers = runs
+    processes = workers["parallel"]["processes"]
+    assert processes["workers"] == 4 and "failed" not in processes, workers
+    assert 0 < processes["compiled"] <= workers["parallel"]["kernels"], workers
+    assert workers["cache"] == "cold" and workers["compiled"] == threads["compiled"], (threads, workers)
+    assert workers["sha"] == threads["sha"]
 
 
 def test_the_first_image_benchmark_says_how_a_warm_recompile_differs_from_the_cold_binary():

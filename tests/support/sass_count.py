@@ -92,8 +92,17 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, 
     """Compile the Gluon SM90 GEMM (``kernels/nvfp4_gemm_sm90.py``) for sm_90a without a GPU (``pdl``: with its grid
     dependency wait, as it launches on SM90 unless DIFFUSERS_NVFP4_PDL=0); ``divisible``: ``("M",)`` tells M
     divisible by 16, which the launch does not (the kernel is not specialized on it)."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel, signature, consts, attrs, options = gemm_sm90_parts(stages, even_k, block_m, has_bias, pdl, divisible)
+    return triton.compile(GluonASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=options)
+
+
+def gemm_sm90_parts(stages: int = 4, even_k: bool = True, block_m: int = 256, has_bias: bool = False,
+                    pdl: bool = True, divisible: tuple[str, ...] = ()) -> tuple:
+    """(kernel, signature, constants, attributes, options) of the Gluon SM90 GEMM as ``compile_gemm_sm90`` builds it."""
+    from triton.experimental.gluon import language as gl
 
     from diffusers_nvfp4_fast.kernels import nvfp4_gemm_sm90 as mod
 
@@ -107,9 +116,8 @@ def compile_gemm_sm90(stages: int = 4, even_k: bool = True, block_m: int = 256, 
               "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET, "HAS_BIAS": has_bias, "PDL": pdl}
     names = mod._nvfp4_gemm_sm90_kernel.arg_names  # alpha_ptr .. scale_rows_per_tile as Triton specializes them
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 11) if names[i] != "M" or "M" in divisible}
-    src = GluonASTSource(mod._nvfp4_gemm_sm90_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": mod.NUM_WARPS, "maxnreg": mod.MAX_REGISTERS, "launch_pdl": pdl})
+    return (mod._nvfp4_gemm_sm90_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs,
+            {"num_warps": mod.NUM_WARPS, "maxnreg": mod.MAX_REGISTERS, "launch_pdl": pdl})
 
 
 def compile_gemv(x_packed: bool, arch: int = 90, has_bias: bool = True):

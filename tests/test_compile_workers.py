@@ -1,0 +1,157 @@
+"""Compiles in worker processes (``kernels/compile_workers.py``): a worker compiles the specialization this process's
+JIT captured, into the shared Triton cache under the key this process then looks up, so its next warmup loads the
+binary instead of compiling it. Run on the CPU against the installed Triton, whose JIT builds its binder for an SM90
+target given by a stand-in driver (no GPU); the compile-only pass with workers on a GPU is in tests/test_preparation.py.
+"""
+
+import importlib
+import types
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton", reason="Triton is not installed, so no kernel was compiled; CI installs it")
+
+compat = importlib.import_module("diffusers_nvfp4_fast.kernels.triton_compat")
+launch = importlib.import_module("diffusers_nvfp4_fast.kernels.launch")
+workers_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.compile_workers")
+quantize_mod = importlib.import_module("diffusers_nvfp4_fast.kernels.quantize_nvfp4")
+
+
+@pytest.fixture
+def sm90_jit(monkeypatch, tmp_path):
+    """The quantize kernel's JIT with a binder for an SM90 device 0, an empty Triton cache, and the compiles this
+    process runs or loads (kernel name, cache hit)."""
+    from triton.backends.compiler import GPUTarget
+
+    jit = importlib.import_module("triton.runtime.jit")
+    active = types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32),
+                                   get_current_device=lambda: 0, get_current_stream=lambda device: 0)
+    monkeypatch.setattr(jit, "driver", types.SimpleNamespace(active=active))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    kernel = quantize_mod._quantize_nvfp4_kernel
+    monkeypatch.setattr(kernel, "device_caches", type(kernel.device_caches)(kernel.create_binder))
+    monkeypatch.setattr(compat, "load_binary", lambda compiled: compiled is not None)  # no device to load onto
+    heard: list[tuple[str, bool]] = []
+    remove = compat.add_compile_listener(lambda event: heard.append((event.name, event.cache_hit)))
+    yield kernel, heard
+    remove()
+
+
+def _call(rows: int) -> tuple[tuple, dict]:
+    """One quantize launch's arguments (x as int64 words)."""
+    x, g = torch.zeros(64, 256, dtype=torch.int64), torch.ones(1)
+    packed, scales = torch.zeros(64, 64, dtype=torch.int64), torch.zeros(128, 64, dtype=torch.uint8)
+    options = {"BLOCK_R": 8, "BLOCK_C": 32, "IS_BF16": True, **launch.launch_options(torch.device("cpu"), True)}
+    return (x, g, packed, scales, rows, 1024, 256, 64, 2), options
+
+
+def _warmup(kernel, rows: int = 16):
+    """The warmup the compile-only pass runs for one launch (tensors as their dtypes)."""
+    args, options = _call(rows)
+    return lambda: kernel.warmup(*launch.warmup_arguments(args), grid=(1,), **options)
+
+
+def test_a_worker_compiles_the_captured_binary_under_this_processs_key(sm90_jit):
+    """Captured, nothing compiles here; a worker compiles it; this process's warmup then loads it from the cache. A
+    second capture of a binary this process holds finds nothing to compile."""
+    kernel, heard = sm90_jit
+    spec = compat.capture_specialization(_warmup(kernel))
+    assert spec is not None and heard == []
+    assert (spec.module, spec.kernel) == (kernel.fn.__module__, "_quantize_nvfp4_kernel")
+    assert spec.target == {"backend": "cuda", "arch": 90, "warp_size": 32}
+    assert triton.knobs.runtime.jit_cache_hook is None  # put back after the capture
+    with workers_mod.CompileWorkers(1) as workers:
+        assert workers.compile(spec) > 0
+    assert heard == []  # the worker's compile is not this process's
+    assert _warmup(kernel)() is not None
+    assert heard == [("_quantize_nvfp4_kernel", True)]
+    assert compat.capture_specialization(_warmup(kernel)) is None
+
+
+def test_capture_leaves_other_threads_compiles_to_the_hook_before_it(sm90_jit, monkeypatch):
+    """A hook the user installed keeps deciding for compiles outside a capture, and is back after it."""
+    kernel, _ = sm90_jit
+    calls = []
+    user_hook = lambda **kw: calls.append(kw["fn"].name)  # noqa: E731
+    monkeypatch.setattr(triton.knobs.runtime, "jit_cache_hook", user_hook)
+    assert compat.capture_specialization(_warmup(kernel, rows=17)) is not None
+    assert calls == [] and triton.knobs.runtime.jit_cache_hook is user_hook
+    with compat._capturing_hook_installed():
+        _warmup(kernel, rows=18)()  # not capturing on this thread: compiled here, the user's hook called
+    assert calls == ["_quantize_nvfp4_kernel"]
+
+
+def test_a_worker_compiles_the_gluon_gemm_under_this_processs_key(monkeypatch, tmp_path):
+    """The SM90 GEMM (a Gluon kernel) from a specialization in Triton's format, keyed as the JIT keys constants (by
+    argument index) with the options the JIT parses: compiled by a worker, then loaded from the cache here."""
+    import json
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    from support.sass_count import compile_gemm_sm90, gemm_sm90_parts
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    kernel, signature, constants, attrs, options = gemm_sm90_parts(block_m=128, has_bias=True)
+    target = GPUTarget("cuda", 90, 32)
+    indexed = {(kernel.arg_names.index(name),): value for name, value in constants.items()}
+    data = json.dumps({"name": kernel.fn.__qualname__, "signature": signature,
+                       "constant_keys": [list(k) for k in indexed], "constant_vals": list(indexed.values()),
+                       "attrs_keys": [list(k) for k in attrs], "attrs_vals": list(attrs.values()),
+                       "options": make_backend(target).parse_options(options).__dict__})
+    spec = compat.Specialization(kernel.fn.__module__, kernel.fn.__qualname__, data, dict(vars(target)))
+    with workers_mod.CompileWorkers(1) as workers:
+        workers.compile(spec)
+    heard: list[bool] = []
+    remove = compat.add_compile_listener(lambda event: heard.append(event.cache_hit))
+    try:
+        compile_gemm_sm90(block_m=128, has_bias=True)
+    finally:
+        remove()
+    assert heard == [True]
+
+
+def test_the_compile_only_pass_hands_each_binary_to_a_worker_and_loads_it(sm90_jit):
+    """The pass with worker processes: each specialization compiled once, by a worker; this process only loads."""
+    kernel, heard = sm90_jit
+    with workers_mod.CompileWorkers(2) as workers:
+        with launch.compile_only(processes=workers) as pending:
+            for rows in (16, 17, 32):  # 16 and 32: one specialization
+                pending.add(kernel, (1,), -1, *_call(rows))
+        assert pending.wait() == [] and pending.worker_failures == []
+    assert [name for name, _ in pending.in_workers] == ["_quantize_nvfp4_kernel"] * 2
+    assert heard == [("_quantize_nvfp4_kernel", True)] * 2
+
+
+def test_a_binary_a_worker_could_not_compile_is_compiled_here(sm90_jit):
+    """A worker's failure is recorded, and the binary compiled in this process instead (the same binary)."""
+    kernel, heard = sm90_jit
+
+    class Failing:
+        count = 1
+
+        def compile(self, spec):
+            raise RuntimeError(f"compile worker 1, {spec.kernel}: exited")
+
+    with launch.compile_only(processes=Failing()) as pending:
+        pending.add(kernel, (1,), -1, *_call(16))
+    assert pending.wait() == [] and pending.in_workers == []
+    assert pending.worker_failures == ["RuntimeError: compile worker 1, _quantize_nvfp4_kernel: exited"]
+    assert heard == [("_quantize_nvfp4_kernel", False)]
+
+
+def test_a_failing_worker_names_the_kernel_and_the_error():
+    """A specialization the worker cannot compile comes back as a RuntimeError with the kernel and the reason (the
+    pass then compiles that binary in its own process)."""
+    spec = compat.Specialization(quantize_mod.__name__, "_quantize_nvfp4_kernel", "{not json", {"backend": "cuda"})
+    with workers_mod.CompileWorkers(1) as workers, pytest.raises(RuntimeError) as error:
+        workers.compile(spec)
+    assert "_quantize_nvfp4_kernel" in str(error.value) and "JSONDecodeError" in str(error.value)
+
+
+def test_closed_workers_have_exited():
+    workers = workers_mod.CompileWorkers(2)
+    processes = list(workers.processes)
+    workers.close()
+    assert all(p.returncode is not None for p in processes)
