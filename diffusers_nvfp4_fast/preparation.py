@@ -17,15 +17,15 @@ as the call reaches them) where a second call could change something: a model wi
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import hashlib
 import importlib
 import importlib.metadata
 import json
 import os
+import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
@@ -86,6 +86,7 @@ class Preparation:
         self._stats_id, self._device, self._make_bar = stats_id, device, make_bar or tqdm_bar
         self._first_call: Any = None
         self.compiled_elsewhere: list[tuple[str, float]] = []  # (kernel, seconds) compiled by worker processes
+        self._awaits_workers = False
         if self.unavailable is not None:
             return
         compat = _compat()
@@ -97,6 +98,12 @@ class Preparation:
             _REMOVE_LISTENER.append(compat.add_compile_listener(_on_compile))
         _WATCHED.add(self)
         self._first_call = model.register_forward_pre_hook(self._compile_in_parallel, with_kwargs=True, prepend=True)
+        self._awaits_workers = device.type == "cuda" and _await_workers()
+
+    def _done_with_workers(self) -> None:
+        if self._awaits_workers:
+            self._awaits_workers = False
+            _stop_awaiting_workers()
 
     def heard(self, event: Any) -> None:
         """A compile or cache load: recorded when it is this package's kernel during this model's watched call (or
@@ -131,6 +138,7 @@ class Preparation:
             self.parallel = {"ran": False, "reason": f"the compile-only pass failed: {type(error).__name__}: {error}"}
         finally:
             self._compile_only = False
+            self._done_with_workers()
 
     def _run_pass(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         forward = _eager_forward(model)
@@ -145,11 +153,11 @@ class Preparation:
         launch = cast(ModuleType, dispatch.kernels).launch
         start = time.perf_counter()
         self._compile_only = True
-        with _compile_workers() as processes:
-            with verify.stats_kept(self._stats_id or 0), torch.no_grad(), \
-                    launch.compile_only(processes=processes) as pending:
-                forward(*args, **kwargs)
-            failures = self._wait(pending)
+        processes = _WORKERS["pool"] if self._awaits_workers else None
+        with verify.stats_kept(self._stats_id or 0), torch.no_grad(), \
+                launch.compile_only(processes=processes) as pending:
+            forward(*args, **kwargs)
+        failures = self._wait(pending)
         self.parallel = {"ran": True, "kernels": len(pending.futures), "seconds": round(time.perf_counter() - start, 3)}
         if processes is not None:
             self.parallel["processes"] = {"workers": processes.count, "compiled": len(pending.in_workers),
@@ -177,7 +185,9 @@ class Preparation:
             bar.close()
 
     def stop(self) -> None:
-        """Stop watching (the hooks out; the listener too once no model is watched)."""
+        """Stop watching (the hooks out; the listener too once no model is watched; the worker processes once no model
+        awaits them)."""
+        self._done_with_workers()
         if self._first_call is not None:
             self._first_call.remove()
         if self.progress is not None:
@@ -245,16 +255,32 @@ def compile_workers_wanted() -> int:
     return int(value)
 
 
-@contextlib.contextmanager
-def _compile_workers() -> Iterator[Any]:
-    """The worker processes for one pass (None where none are wanted), ended after it."""
+# The worker processes (switches.COMPILE_WORKERS), shared by the models awaiting their compile-only pass: started when
+# the first of them is enabled, so that their imports overlap what runs before its first call; ended when none awaits.
+_WORKERS: dict[str, Any] = {"pool": None, "awaiting": 0}
+_WORKERS_LOCK = threading.Lock()
+
+
+def _await_workers() -> bool:
+    """Count one more model awaiting a pass in worker processes, starting them if wanted; False: none wanted."""
     count = compile_workers_wanted()
     if count == 0:
-        yield None
-        return
-    module = importlib.import_module(cast(ModuleType, dispatch.kernels).__name__ + ".compile_workers")
-    with module.CompileWorkers(count) as workers:
-        yield workers
+        return False
+    with _WORKERS_LOCK:
+        if _WORKERS["pool"] is None:
+            module = importlib.import_module(cast(ModuleType, dispatch.kernels).__name__ + ".compile_workers")
+            _WORKERS["pool"] = module.CompileWorkers(count)
+        _WORKERS["awaiting"] += 1
+    return True
+
+
+def _stop_awaiting_workers() -> None:
+    """One model fewer awaiting its pass; the last one ends the workers."""
+    with _WORKERS_LOCK:
+        _WORKERS["awaiting"] -= 1
+        if _WORKERS["awaiting"] == 0 and _WORKERS["pool"] is not None:
+            _WORKERS["pool"].close()
+            _WORKERS["pool"] = None
 
 
 def _eager_forward(model: nn.Module) -> Callable | None:

@@ -23,6 +23,9 @@ from dataclasses import asdict
 from . import triton_compat as compat
 
 WORKER_MODULE = __name__
+# Workers are started when a model awaiting its first call is enabled; one that gets no task this long ends itself,
+# so a model never called does not keep them (a later pass then compiles on its threads).
+IDLE_EXIT_S = 600.0
 
 
 class CompileWorkers:
@@ -91,11 +94,17 @@ class CompileWorkers:
         self.close()
 
 
-def _serve(tasks, replies) -> None:
-    """The worker's loop: each task line is a ``Specialization``; each reply says ok and seconds, or the error."""
+def _serve(tasks, replies, idle_s: float = IDLE_EXIT_S) -> None:
+    """The worker's loop: each task line is a ``Specialization``; each reply says ok and seconds, or the error. Ends
+    at the end of its input, or after ``idle_s`` without a task (its parent asks for a task only after the reply to
+    the previous one, so no second line waits in the input's buffer)."""
     import importlib
+    import select
 
-    for line in tasks:
+    while select.select([tasks], [], [], idle_s)[0]:
+        line = tasks.readline()
+        if not line:
+            return
         start = time.perf_counter()
         try:
             spec = compat.Specialization(**json.loads(line))

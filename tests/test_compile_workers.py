@@ -155,3 +155,46 @@ def test_closed_workers_have_exited():
     processes = list(workers.processes)
     workers.close()
     assert all(p.returncode is not None for p in processes)
+
+
+def test_a_worker_ends_at_the_end_of_its_input_or_when_idle():
+    """The worker's loop answers each task line, and returns at end of input, or when no task came for a while (a
+    model enabled but never called leaves no processes behind)."""
+    import io
+    import os
+
+    read, write = os.pipe()
+    with os.fdopen(read) as tasks, os.fdopen(write, "w") as feed:
+        replies = io.StringIO()
+        workers_mod._serve(tasks, replies, idle_s=0.2)  # nothing comes: idle
+        assert replies.getvalue() == ""
+        feed.write("{not json\n")
+        feed.close()
+        workers_mod._serve(tasks, replies, idle_s=5)  # one task, then the end of the input
+    assert replies.getvalue().count("\n") == 1 and '"ok": false' in replies.getvalue()
+
+
+def test_models_awaiting_a_pass_share_one_set_of_workers_until_the_last_is_done(monkeypatch):
+    """With ``DIFFUSERS_NVFP4_COMPILE_WORKERS`` set, the first model awaiting its pass starts the workers, the next
+    one shares them, and they end when neither awaits one any more; unset, none start."""
+    from diffusers_nvfp4_fast import preparation
+
+    started = []
+
+    class Fake:
+        def __init__(self, count):
+            self.count, self.closed = count, False
+            started.append(self)
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(workers_mod, "CompileWorkers", Fake)
+    assert preparation._await_workers() is False and started == []
+    monkeypatch.setenv("DIFFUSERS_NVFP4_COMPILE_WORKERS", "3")
+    assert preparation._await_workers() and preparation._await_workers()
+    assert [w.count for w in started] == [3]
+    preparation._stop_awaiting_workers()
+    assert not started[0].closed
+    preparation._stop_awaiting_workers()
+    assert started[0].closed and preparation._WORKERS == {"pool": None, "awaiting": 0}
