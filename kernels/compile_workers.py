@@ -35,7 +35,6 @@ class CompileWorkers:
     def __init__(self, count: int) -> None:
         # no GPU visible: a worker only compiles (CUDA_VISIBLE_DEVICES is not part of Triton's cache key)
         env = dict(os.environ, TRITON_CACHE_DIR=compat.triton_cache_dir(), CUDA_VISIBLE_DEVICES="")
-        self.count = count
         self.stderr_log = tempfile.TemporaryFile()
         self.idle: queue.Queue[subprocess.Popen] = queue.Queue()
         self.processes = []
@@ -45,6 +44,10 @@ class CompileWorkers:
             self.processes.append(worker)
             self.idle.put(worker)
         self.closed = threading.Event()
+
+    @property
+    def count(self) -> int:
+        return len(self.processes)
 
     def compile(self, spec: compat.Specialization) -> float:
         """Have a worker compile ``spec`` into the cache; returns the seconds the worker spent. RuntimeError with the

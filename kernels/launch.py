@@ -289,15 +289,18 @@ class PendingCompiles:
     def compile_one(self, kernel, grid: tuple[int, ...], device: int, args: tuple, kwargs: dict) -> None:
         """One binary: compiled by a worker process where there are any (the warmup then loads it from Triton's
         cache), else or where the worker failed here; then loaded onto the device."""
+        def warmup():
+            return kernel.warmup(*args, grid=grid, **kwargs)
+
         with torch.cuda.device(device):
             if self.processes is not None:
                 try:
-                    spec = compat.capture_specialization(lambda: kernel.warmup(*args, grid=grid, **kwargs))
+                    spec = compat.capture_specialization(warmup)
                     if spec is not None:
                         self.in_workers.append((spec.kernel, self.processes.compile(spec)))
                 except Exception as error:  # noqa: BLE001
                     self.worker_failures.append(f"{type(error).__name__}: {error}"[:300])
-            compat.load_binary(kernel.warmup(*args, grid=grid, **kwargs))
+            compat.load_binary(warmup())
 
     def wait(self, on_done: Callable[[], None] | None = None) -> list[BaseException]:
         """Wait for every compile, calling ``on_done`` after each; returns the failures (the launch itself then

@@ -472,7 +472,7 @@ def triton_cache_dir() -> str:
 
 _CAPTURING = threading.local()
 _HOOK_LOCK = threading.Lock()
-_HOOK_STATE: dict[str, Any] = {"users": 0, "previous": None, "hook": None}
+_HOOK_STATE: dict[str, Any] = {"users": 0, "previous": None}
 
 
 @dataclass(frozen=True)
