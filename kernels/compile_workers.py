@@ -23,9 +23,28 @@ from dataclasses import asdict
 from . import triton_compat as compat
 
 WORKER_MODULE = __name__
+# A worker runs this module as a program after binding ``torch`` to a stand-in that imports torch at its first
+# attribute use (then shares its attributes): nothing in kernels/ uses a torch attribute at import
+# (tests/test_compile_workers.py), so a worker starts without torch's import, seconds on a busy host
+# (docs/performance.md, "First image"), and a compile that did use torch would still find it. (Python's own
+# LazyLoader does not do: an ``import torch`` statement reads the module's ``__spec__``, which loads it.)
+WORKER_PROGRAM = """
+import importlib, runpy, sys, types
+class TorchOnFirstUse(types.ModuleType):
+    def __getattr__(self, name):
+        del sys.modules["torch"]
+        torch = importlib.import_module("torch")
+        vars(self).update(vars(torch))
+        return getattr(torch, name)
+sys.modules["torch"] = TorchOnFirstUse("torch")
+runpy.run_module(sys.argv[1], run_name="__main__", alter_sys=True)
+"""
 # Workers are started when a model awaiting its first call is enabled; one that gets no task this long ends itself,
 # so a model never called does not keep them (a later pass then compiles on its threads).
 IDLE_EXIT_S = 600.0
+# A closed worker still importing or compiling gets this long to end before it is killed (by a thread: the process
+# that closes the workers does not wait for them).
+EXIT_GRACE_S = 5.0
 
 
 class CompileWorkers:
@@ -39,8 +58,8 @@ class CompileWorkers:
         self.idle: queue.Queue[subprocess.Popen] = queue.Queue()
         self.processes = []
         for _ in range(count):
-            worker = subprocess.Popen([sys.executable, "-m", WORKER_MODULE], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=self.stderr_log, env=env, text=True)
+            worker = subprocess.Popen(worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self.stderr_log, env=env, text=True)
             self.processes.append(worker)
             self.idle.put(worker)
         self.closed = threading.Event()
@@ -73,13 +92,21 @@ class CompileWorkers:
         self.stderr_log.seek(0)
         return self.stderr_log.read().decode(errors="replace").strip()[-500:] or "no output"
 
-    def close(self) -> None:
-        """End every worker (closing its stdin ends its loop; one that has not ended after 5 s is killed)."""
+    def close(self, wait: bool = False) -> None:
+        """End every worker: closing its stdin ends its loop; one that has not ended ``EXIT_GRACE_S`` later is killed.
+        Without ``wait`` a thread waits for that, not the caller (a worker may still be importing)."""
         self.closed.set()
         for worker in self.processes:
             if worker.stdin is not None:
                 worker.stdin.close()
-        deadline = time.monotonic() + 5
+        if wait:
+            self.reap()
+        else:
+            threading.Thread(target=self.reap, name="nvfp4-compile-workers-exit", daemon=True).start()
+
+    def reap(self) -> None:
+        """Wait for the closed workers to end, killing any still running ``EXIT_GRACE_S`` after ``close``."""
+        deadline = time.monotonic() + EXIT_GRACE_S
         for worker in self.processes:
             try:
                 worker.wait(max(0.0, deadline - time.monotonic()))
@@ -94,7 +121,12 @@ class CompileWorkers:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(wait=True)
+
+
+def worker_command() -> list[str]:
+    """The command line of one worker process."""
+    return [sys.executable, "-c", WORKER_PROGRAM, WORKER_MODULE]
 
 
 def _serve(tasks, replies, idle_s: float = IDLE_EXIT_S) -> None:

@@ -10,6 +10,8 @@ math library's implementation. Whether these bytes equal torch's is checked on t
 tests compare with the same arithmetic in NumPy.
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl

@@ -211,12 +211,13 @@ def _check_scales(scales: torch.Tensor, rows: int, k: int, name: str) -> None:
                          f"got {scales.dtype} {tuple(scales.shape)}")
 
 
-def decode_nvfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+def decode_nvfp4_rows(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """GPU ``format.decode_nvfp4``: packed uint8 ``[R, K/2]`` + 128x4 scales uint8 ``[round_up(R,128),
     round_up(K/16,4)]`` -> ``[R, K]`` ``e2m1 * e4m3`` in ``dtype`` (FP16 default, BF16 or FP32).
 
     Exact, so byte-identical to ``format.decode_nvfp4(packed, scales, scale_layout="128x4", dtype=dtype)``.
     """
+    dtype = torch.float16 if dtype is None else dtype
     rows, half_k = packed.shape
     k = 2 * half_k
     _check_scales(scales, rows, k, "scales")
@@ -456,7 +457,7 @@ def nvfp4_gemm(
     w_packed: torch.Tensor,
     w_scales: torch.Tensor,
     alpha: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16,
+    out_dtype: torch.dtype | None = None,
     *,
     x_decode: str = "auto",
     split_k: int | None = None,
@@ -488,6 +489,7 @@ def nvfp4_gemm(
         ``[M, N]`` in ``out_dtype``: the FP32 sum equals ``ops.emulated_nvfp4_gemm`` up to summation order, then one
         rounding for alpha and one for ``out_dtype``. Same bytes on every call for the same inputs and device.
     """
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     m, n, k = _check_gemm_args(x_packed, x_scales, w_packed, w_scales, alpha, out_dtype, x_decode, config, kernel)
     check_bias(bias, n, out_dtype, x_packed.device)
     x_packed = x_packed if x_packed.stride(1) == 1 else x_packed.contiguous()
@@ -534,7 +536,7 @@ def _run(sm90, x_packed, x_scales, w_packed, w_scales, alpha, bias, out, x16, pr
 
 def nvfp4_gemm_fp16_x(
     x16: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16, bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``nvfp4_gemm`` on an activation already decoded to its exact FP16 values (``decode_nvfp4_rows``, or the
     fused ``quantize_nvfp4_decoded``): the pre-decoded kernels of ``nvfp4_gemm``, so the bytes equal
@@ -546,6 +548,7 @@ def nvfp4_gemm_fp16_x(
     Returns:
         ``[M, N]`` in ``out_dtype``.
     """
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     if x16.dim() != 2 or x16.dtype != torch.float16 or not x16.is_contiguous():
         raise ValueError(f"nvfp4_gemm_fp16_x: x16 must be a contiguous 2-D float16 tensor, got "
                          f"{tuple(x16.shape)} {x16.dtype}")

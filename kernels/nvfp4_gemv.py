@@ -162,10 +162,10 @@ def gemv_reference(
 
 def nvfp4_gemv(
     x: torch.Tensor, w_packed: torch.Tensor, w_scales: torch.Tensor, alpha: torch.Tensor,
-    out_dtype: torch.dtype = torch.bfloat16, *, x_scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None, *, x_scales: torch.Tensor | None = None,
     bias: torch.Tensor | None = None, splits: int | None = None, tile: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """The NVFP4 product of one activation row with a packed weight: ``[1, N]`` in ``out_dtype``.
+    """The NVFP4 product of one activation row with a packed weight: ``[1, N]`` in ``out_dtype`` (default BF16).
 
     Args:
         x: the row as packed uint8 ``[1, K/2]`` (with ``x_scales``, 128x4) or as its exact FP16 decode ``[1, K]``
@@ -178,6 +178,7 @@ def nvfp4_gemv(
             does not apply).
     Both forms give the same bytes; they are those of ``gemv_reference``.
     """
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     n, k = w_packed.shape[0], 2 * w_packed.shape[1]
     device = w_packed.device
     bias = None if bias is None else bias.contiguous()  # the kernel reads it at unit stride

@@ -19,6 +19,8 @@ The tree and the FMA forms were read off the sm_90 machine code of torch 2.11.0+
 against torch on a GPU.
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl

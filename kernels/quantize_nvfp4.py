@@ -1,6 +1,8 @@
 """Standalone NVFP4 quantize: BF16/FP16 ``[M, K]`` -> packed ``[M, K/2]`` + 128x4 scales (the unfused GPU path), or
 straight to the exact FP16 values the large-M GEMM multiplies (``quantize_nvfp4_decoded``)."""
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl

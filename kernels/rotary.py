@@ -7,6 +7,8 @@ run as separate kernels (no FMA between them), materializing an FP32 copy, the r
 intermediates; this kernel reads ``x`` and the tables once and writes the result (FMA contraction off).
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl

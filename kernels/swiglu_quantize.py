@@ -15,6 +15,8 @@ result is subnormal, and there ``1 + exp(-x)`` rounds to the same value (1, or `
 The division stays IEEE (``div.rn.f32``, subnormal results kept, as in torch).
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl

@@ -5,6 +5,8 @@ to feed ``to_out``; with A and B multiples of 16 no 16-value block straddles the
 its own source gives exactly the bytes of quantizing the concatenation.
 """
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl

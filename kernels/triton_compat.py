@@ -14,7 +14,7 @@ What is read, and where Triton keeps it:
   ``direct_launch``, ``DirectLaunch``, ``DescriptorEncoding``;
 * a Gluon ``TensorDescriptor``'s instance dictionary (``descriptor_fields``, ``descriptor_over``) and an
   ``NVMMASharedLayout`` whose repr is computed once (``layout_with_fixed_repr``);
-* ``torch._C._cuda_getCurrentRawStream`` (``current_raw_stream``);
+* ``torch._C._cuda_getCurrentRawStream`` (``raw_stream_getter``, bound by ``current_raw_stream``);
 * Triton's specialization rules (``specialization_key``, checked against ``native_specialize_impl``);
 * the compilation listener ``knobs.compilation.listener`` and the cache directory ``knobs.cache.dir``
   (``add_compile_listener``, ``triton_cache_dir``);
@@ -47,8 +47,22 @@ except ImportError:  # Triton < 3.4 keeps its hooks elsewhere: every launch then
 # the variable once, at import, agrees with what Triton runs (and saves an environment read per launch).
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-# The CUDA stream handle launches go to; torch's public torch.cuda.current_stream() builds a Stream object per call.
-current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+def raw_stream_getter() -> Callable[[int], int]:
+    """torch's getter of the CUDA stream handle launches go to (torch.cuda.current_stream() builds an object per
+    call)."""
+    return torch._C._cuda_getCurrentRawStream
+
+
+def _bind_raw_stream(device: int) -> int:
+    """``current_raw_stream``'s first call binds it to torch's getter: nothing in ``kernels/`` touches torch at
+    import, so a compile worker (``compile_workers.py``) never loads it."""
+    global current_raw_stream
+    current_raw_stream = raw_stream_getter()
+    return current_raw_stream(device)
+
+
+current_raw_stream: Callable[[int], int] = _bind_raw_stream
 
 
 def settle_cache_keys(module_prefix: str) -> None:
@@ -152,15 +166,13 @@ def load_binary(compiled) -> bool:
 # specialize_impl): a tensor by its dtype and 16-byte alignment, an integer by == 1, divisibility by 16 and its
 # 32/64-bit range, a tensor descriptor by its dtype, block shape and layout, a constexpr by its value.
 
-_TENSOR = torch.Tensor
-
-
 def specialization_key(args: tuple, kwargs: dict) -> tuple:
     """A hashable key of a launch that determines everything Triton specializes it on, built by Triton's rules from
     the arguments themselves (finer where that is cheaper: an integer by its value, a descriptor with its shape and
     strides). Positional arguments are the runtime ones; ``kwargs`` (constexprs and launch options) enter by value,
     in the caller's order, so a call site passes them in one order with one type each."""
-    return (*[(a.dtype, not a.data_ptr() & 15) if a.__class__ is _TENSOR else a if a.__class__ is int
+    tensor = torch.Tensor  # read per call, not at import (a compile worker loads no torch)
+    return (*[(a.dtype, not a.data_ptr() & 15) if a.__class__ is tensor else a if a.__class__ is int
               else _other_key(a) for a in args], *kwargs.values())
 
 

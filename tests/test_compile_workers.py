@@ -154,8 +154,48 @@ def test_a_failing_worker_names_the_kernel_and_the_error():
 def test_closed_workers_have_exited():
     workers = workers_mod.CompileWorkers(2)
     processes = list(workers.processes)
-    workers.close()
+    workers.close(wait=True)
     assert all(p.returncode is not None for p in processes)
+
+
+def test_closing_does_not_wait_for_a_worker_still_starting(monkeypatch):
+    """A model whose pass needs no compiles closes the workers while they may still import: ``close`` returns at once
+    (it once waited for them, up to 5 s, inside the first image), and a worker that does not end is killed later."""
+    import sys
+    import time
+
+    monkeypatch.setattr(workers_mod, "worker_command", lambda: [sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(workers_mod, "EXIT_GRACE_S", 0.5)
+    workers = workers_mod.CompileWorkers(1)
+    worker = workers.processes[0]
+    workers.close()
+    assert worker.poll() is None  # still running: close did not wait
+    deadline = time.monotonic() + 30
+    while worker.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert worker.returncode is not None and worker.returncode < 0  # killed after the grace
+
+
+def test_a_worker_compiles_without_importing_torch(sm90_jit, monkeypatch):
+    """A worker's start is Triton's import and the kernels' (no torch: seconds less before it can compile); nothing
+    it runs for a compile imports torch. The import log of a worker that compiled a binary lists no torch module."""
+    import json
+    import os
+    import subprocess
+
+    kernel, heard = sm90_jit
+    spec = compat.capture_specialization(_warmup(kernel))
+    assert spec is not None
+    worker = subprocess.run(workers_mod.worker_command(), input=json.dumps(workers_mod.asdict(spec)) + "\n",
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1", "CUDA_VISIBLE_DEVICES": ""})
+    assert worker.returncode == 0, worker.stderr[-2000:]
+    assert json.loads(worker.stdout)["ok"], worker.stdout
+    log = worker.stderr.splitlines()
+    imported = [line.rsplit("|", 1)[-1].strip() for line in log if line.startswith("import time")]
+    assert "diffusers_nvfp4_fast.kernels.quantize_nvfp4" in imported
+    assert [m for m in imported if m == "torch" or m.startswith("torch.")] == []
+    assert _warmup(kernel)() is not None and heard == [("_quantize_nvfp4_kernel", True)]  # this process's key
 
 
 def test_a_worker_ends_at_the_end_of_its_input_or_when_idle():

@@ -342,7 +342,7 @@ def test_the_installed_torch_has_the_raw_stream_getter():
     if torch.version.cuda is None:
         pytest.skip(f"torch {torch.__version__} is a CPU build without CUDA stream functions, so the raw stream was "
                     "not checked; this runs with a CUDA build of torch, as on the GPU machine")
-    assert callable(compat.current_raw_stream)
+    assert callable(compat.raw_stream_getter())
 
 
 def test_the_verdict_on_direct_launch_for_the_installed_triton_is_stated():
