@@ -11,8 +11,9 @@ image, and splits the first image's extra time into the compile-only pass (wall)
 kernel, autotune timing, first-use verification and plan building (each less the compiles inside it) and ``other``,
 and each image into text, denoise and decode seconds (``stages``). Each compile's cache key parts are recorded; a
 binary the warm process compiles again is listed in its case (``recompiled``) with how its key differs from the cold
-process's. ``--compile-workers N`` adds an NVFP4 cold case (its own empty caches) whose compile-only pass compiles
-in N worker processes (``DIFFUSERS_NVFP4_COMPILE_WORKERS``); its case says ``compile_workers``. Writes
+process's. ``--compile-workers N [N ...]`` adds per N an NVFP4 cold case (its own empty caches) whose compile-only
+pass compiles in N worker processes (``DIFFUSERS_NVFP4_COMPILE_WORKERS``), and a warm case with the first N's cache
+(the workers start and idle); these cases say ``compile_workers``. Writes
 benchmarks/results/first_image-<device>.json.
 """
 
@@ -225,16 +226,23 @@ def run_case(model: str, dtype: str, cache: str, cache_dir: Path, args, workers:
     return {**case, **json.loads(lines[-1])}
 
 
+def merge(before: dict, header: dict, cases: list[dict], wall_s: float) -> dict:
+    """This run's cases over the file's: other models' cases stay, each with the date of its run, and so do the
+    file's ``notes`` (what a run beside the file's measured, written by hand)."""
+    fresh = {c["model"] for c in cases}
+    result = dict(header)
+    result["cases"] = [{"date": before.get("date"), **c} for c in before.get("cases", []) if c["model"] not in fresh]
+    result["cases"] += [{**c, "date": header["date"]} for c in cases]
+    result["wall_s"] = round(wall_s, 1)
+    return result | ({"notes": before["notes"]} if "notes" in before else {})
+
+
 def save(cases: list[dict], wall_s: float) -> None:
     import common
 
     path = common.RESULTS / f"first_image-{common.device_slug()}.json"
-    before = json.loads(path.read_text()) if path.exists() else {"cases": []}
-    result = common.header("first_image", common.copy_bandwidth_gbps())
-    fresh = {c["model"] for c in cases}  # cases of other models stay, each with the date of its run
-    result["cases"] = [{"date": before.get("date"), **c} for c in before["cases"] if c["model"] not in fresh]
-    result["cases"] += [{**c, "date": result["date"]} for c in cases]
-    result["wall_s"] = round(wall_s, 1)
+    before = json.loads(path.read_text()) if path.exists() else {}
+    result = merge(before, common.header("first_image", common.copy_bandwidth_gbps()), cases, wall_s)
     path.write_text(json.dumps(result, indent=1) + "\n")
     print("wrote", path, flush=True)
 
@@ -245,8 +253,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's usual count)")
     ap.add_argument("--size", type=int, default=1024)
     ap.add_argument("--tiny", action="store_true", help="tiny pipelines on CPU: checks the logic, no timing value")
-    ap.add_argument("--compile-workers", type=int, default=0, metavar="N",
-                    help="also an NVFP4 cold case whose compile-only pass compiles in N worker processes")
+    ap.add_argument("--compile-workers", type=int, nargs="+", default=[], metavar="N",
+                    help="also an NVFP4 cold case per N whose compile-only pass compiles in N worker processes, "
+                         "and a warm case with the first N (what idle workers cost)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="nvfp4", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -261,8 +270,11 @@ def main() -> None:
             nvfp4_dir = Path(tmp, model, "nvfp4")
             runs = [(dtype, cache, nvfp4_dir if dtype == "nvfp4" else Path(tmp, model, dtype), 0)
                     for dtype, cache in CASES]
+            for count in args.compile_workers:  # each count in its own caches; then warm with the first's
+                runs.append(("nvfp4", "cold", Path(tmp, model, f"nvfp4-workers{count}"), count))
             if args.compile_workers:
-                runs.append(("nvfp4", "cold", Path(tmp, model, "nvfp4-workers"), args.compile_workers))
+                first = args.compile_workers[0]
+                runs.append(("nvfp4", "warm", Path(tmp, model, f"nvfp4-workers{first}"), first))
             for dtype, cache, cache_dir, workers in runs:
                 cases.append(run_case(model, dtype, cache, cache_dir, args, workers))
                 c = cases[-1]
