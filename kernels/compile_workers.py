@@ -28,8 +28,8 @@ WORKER_MODULE = __name__
 # (tests/test_compile_workers.py), so a worker starts without torch's import, seconds on a busy host
 # (docs/performance.md, "First image"), and a compile that did use torch would still find it. (Python's own
 # LazyLoader does not do: an ``import torch`` statement reads the module's ``__spec__``, which loads it.)
-WORKER_PROGRAM = """
-import importlib, runpy, sys, types
+TORCH_ON_FIRST_USE = """
+import importlib, sys, types
 class TorchOnFirstUse(types.ModuleType):
     def __getattr__(self, name):
         del sys.modules["torch"]
@@ -37,6 +37,9 @@ class TorchOnFirstUse(types.ModuleType):
         vars(self).update(vars(torch))
         return getattr(torch, name)
 sys.modules["torch"] = TorchOnFirstUse("torch")
+"""
+WORKER_PROGRAM = TORCH_ON_FIRST_USE + """
+import runpy
 runpy.run_module(sys.argv[1], run_name="__main__", alter_sys=True)
 """
 # Workers are started when a model awaiting its first call is enabled; one that gets no task this long ends itself,

@@ -2,6 +2,8 @@
 quantizer computes the fast-math recipe exactly as the kernels do (docs/design.md §3), so fast-math kernel outputs
 can be compared byte for byte (the tests and ``diffusers-nvfp4-fast selftest``)."""
 
+from __future__ import annotations
+
 import torch
 import triton
 import triton.language as tl

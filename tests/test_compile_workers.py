@@ -176,6 +176,35 @@ def test_closing_does_not_wait_for_a_worker_still_starting(monkeypatch):
     assert worker.returncode is not None and worker.returncode < 0  # killed after the grace
 
 
+def test_no_kernel_module_uses_torch_at_import():
+    """Every module of kernels/ imports with torch's stand-in in place and leaves it unloaded (an annotation, a default
+    argument or a module constant that reads a torch attribute would load torch in every worker)."""
+    import pkgutil
+    import subprocess
+    import sys
+
+    package = importlib.import_module("diffusers_nvfp4_fast.kernels")
+    names = [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
+    program = workers_mod.TORCH_ON_FIRST_USE + (f"for name in {names!r}: importlib.import_module(name)\n"
+                                                "print(type(sys.modules['torch']).__name__, 'torch._C' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(names) > 15 and done.stdout.split() == ["TorchOnFirstUse", "False"]
+
+
+def test_the_stand_in_is_torch_from_its_first_use():
+    """Where a worker's compile did use torch, the module bound at import works as torch from then on."""
+    import subprocess
+    import sys
+
+    program = workers_mod.TORCH_ON_FIRST_USE + ("import torch\nbefore = 'torch._C' in sys.modules\n"
+                                                "print(before, torch.ones(3).sum().item(), torch.Tensor is "
+                                                "importlib.import_module('torch').Tensor)")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "3.0", "True"]
+
+
 def test_a_worker_compiles_without_importing_torch(sm90_jit, monkeypatch):
     """A worker's start is Triton's import and the kernels' (no torch: seconds less before it can compile); nothing
     it runs for a compile imports torch. The import log of a worker that compiled a binary lists no torch module."""
