@@ -205,17 +205,18 @@ def test_the_stand_in_is_torch_from_its_first_use():
     assert done.stdout.split() == ["False", "3.0", "True"]
 
 
-def test_a_worker_compiles_without_importing_torch(sm90_jit, monkeypatch):
+def test_a_worker_compiles_without_importing_torch(sm90_jit):
     """A worker's start is Triton's import and the kernels' (no torch: seconds less before it can compile); nothing
     it runs for a compile imports torch. The import log of a worker that compiled a binary lists no torch module."""
     import json
     import os
     import subprocess
+    from dataclasses import asdict
 
     kernel, heard = sm90_jit
     spec = compat.capture_specialization(_warmup(kernel))
     assert spec is not None
-    worker = subprocess.run(workers_mod.worker_command(), input=json.dumps(workers_mod.asdict(spec)) + "\n",
+    worker = subprocess.run(workers_mod.worker_command(), input=json.dumps(asdict(spec)) + "\n",
                             capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1", "CUDA_VISIBLE_DEVICES": ""})
     assert worker.returncode == 0, worker.stderr[-2000:]
