@@ -180,29 +180,31 @@ def test_no_kernel_module_uses_torch_at_import():
     """Every module of kernels/ imports with torch's stand-in in place and leaves it unloaded (an annotation, a default
     argument or a module constant that reads a torch attribute would load torch in every worker)."""
     import pkgutil
-    import subprocess
-    import sys
 
     package = importlib.import_module("diffusers_nvfp4_fast.kernels")
     names = [f"{package.__name__}.{m.name}" for m in pkgutil.iter_modules(package.__path__)]
-    program = workers_mod.TORCH_ON_FIRST_USE + (f"for name in {names!r}: importlib.import_module(name)\n"
-                                                "print(type(sys.modules['torch']).__name__, 'torch._C' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert len(names) > 15 and done.stdout.split() == ["TorchOnFirstUse", "False"]
+    printed = _with_the_stand_in(f"for name in {names!r}: importlib.import_module(name)\n"
+                                 "print(type(sys.modules['torch']).__name__, 'torch._C' in sys.modules)")
+    assert len(names) > 15 and printed == ["TorchOnFirstUse", "False"]
 
 
 def test_the_stand_in_is_torch_from_its_first_use():
     """Where a worker's compile did use torch, the module bound at import works as torch from then on."""
+    printed = _with_the_stand_in("import torch\nbefore = 'torch._C' in sys.modules\n"
+                                 "print(before, torch.ones(3).sum().item(), torch.Tensor is "
+                                 "importlib.import_module('torch').Tensor)")
+    assert printed == ["False", "3.0", "True"]
+
+
+def _with_the_stand_in(code: str) -> list[str]:
+    """What ``code`` prints, run in a new process after the workers' torch stand-in is bound."""
     import subprocess
     import sys
 
-    program = workers_mod.TORCH_ON_FIRST_USE + ("import torch\nbefore = 'torch._C' in sys.modules\n"
-                                                "print(before, torch.ones(3).sum().item(), torch.Tensor is "
-                                                "importlib.import_module('torch').Tensor)")
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", workers_mod.TORCH_ON_FIRST_USE + code], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["False", "3.0", "True"]
+    return done.stdout.split()
 
 
 def test_a_worker_compiles_without_importing_torch(sm90_jit):

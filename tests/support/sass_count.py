@@ -114,9 +114,9 @@ def gemm_sm90_parts(stages: int = 4, even_k: bool = True, block_m: int = 256, ha
            "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32", "scale_rows_per_tile": "i32"}
     consts = {"BLOCK_M": block_m, "BLOCK_N": mod.BLOCK_N, "BLOCK_K": mod.BLOCK_K, "STAGES": stages, "GROUP_N": 8,
               "EVEN_K": even_k, "NEW_REINTERPRET": mod._NEW_REINTERPRET, "HAS_BIAS": has_bias, "PDL": pdl}
-    names = mod._nvfp4_gemm_sm90_kernel.arg_names  # alpha_ptr .. scale_rows_per_tile as Triton specializes them
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 11) if names[i] != "M" or "M" in divisible}
-    return (mod._nvfp4_gemm_sm90_kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs,
+    kernel = mod._nvfp4_gemm_sm90_kernel  # alpha_ptr .. scale_rows_per_tile but M, as Triton specializes them
+    attrs = divisible_by_16(kernel, tuple(n for n in kernel.arg_names[3:11] if n != "M") + divisible)
+    return (kernel, {**sig, **dict.fromkeys(consts, "constexpr")}, consts, attrs,
             {"num_warps": mod.NUM_WARPS, "maxnreg": mod.MAX_REGISTERS, "launch_pdl": pdl})
 
 
