@@ -9,11 +9,12 @@ attention (docs/performance.md): a BF16 case sharing the first case's caches wou
 The child times imports, build (``bench_pipeline.build``), ``enable_fast_paths``, the first and second 1024x1024
 image, and splits the first image's extra time into the compile-only pass (wall), Triton compiles outside it by
 kernel, autotune timing, first-use verification and plan building (each less the compiles inside it) and ``other``,
-and each image into text, denoise and decode seconds (``stages``). Each compile's cache key parts are recorded; a
-binary the warm process compiles again is listed in its case (``recompiled``) with how its key differs from the cold
-process's. ``--compile-workers N [N ...]`` adds per N an NVFP4 cold case (its own empty caches) whose compile-only
-pass compiles in N worker processes (``DIFFUSERS_NVFP4_COMPILE_WORKERS``), and a warm case with the first N's cache
-(the workers start and idle); these cases say ``compile_workers``. Writes
+and each image into text, denoise and decode seconds (``stages``); ``pass_timeline``: when the compile-only pass
+began and each of its binaries' start and end, in seconds from the first image's start. Each compile's cache key
+parts are recorded; a binary the warm process compiles again is listed in its case (``recompiled``) with how its key
+differs from the cold process's. ``--compile-workers N [N ...]`` adds per N an NVFP4 cold case (its own empty
+caches) whose compile-only pass compiles in N worker processes (``DIFFUSERS_NVFP4_COMPILE_WORKERS``), and a warm case
+with the first N's cache (the workers start and idle); these cases say ``compile_workers``. Writes
 benchmarks/results/first_image-<device>.json.
 """
 
@@ -48,6 +49,8 @@ class FirstUseClock:
         self.spent: dict[str, float] = defaultdict(float)
         self._compile_total = self.pass_thread_s = 0.0
         self.in_pass = lambda: False
+        self.timeline: list[dict] = []  # the compile-only pass: when it began, and each binary's task
+        self.t0 = time.perf_counter()
 
     def _timed(self, what: str, fn):
         clock = self
@@ -72,6 +75,27 @@ class FirstUseClock:
         self.events.append({"name": event.name, "hit": event.cache_hit,
                             "spec": getattr(event, "specialization", {})})
 
+    def _pass_clock(self, compile_only):
+        """``launch.compile_only`` noting when a pass begins (seconds from ``t0``, the first image's start)."""
+        @contextlib.contextmanager
+        def wrapper(*args, **kwargs):
+            self.timeline.append({"pass_begins_s": round(time.perf_counter() - self.t0, 3)})
+            with compile_only(*args, **kwargs) as pending:
+                yield pending
+        return wrapper
+
+    def _task_clock(self, compile_one):
+        """``PendingCompiles.compile_one`` noting each binary's kernel, start and end (seconds from ``t0``)."""
+        def wrapper(pending, kernel, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return compile_one(pending, kernel, *args, **kwargs)
+            finally:
+                self.timeline.append({"kernel": getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel)),
+                                      "start_s": round(start - self.t0, 3),
+                                      "end_s": round(time.perf_counter() - self.t0, 3)})
+        return wrapper
+
     @contextlib.contextmanager
     def installed(self):
         """The compile listener, and timers on whatever of the other hooks this Triton and this project have (a
@@ -88,9 +112,12 @@ class FirstUseClock:
                    (fused, "run_checked", self._verifying(verdicts))]
         with contextlib.suppress(ImportError):
             from diffusers_nvfp4_fast import kernels
+            from diffusers_nvfp4_fast.kernels import launch
 
             patches += [(kernels, name, lambda f: self._timed("plan_build_s", f)) for name in ("linear_plan",
                                                                                                 "row_plan")]
+            patches += [(launch, "compile_only", self._pass_clock),
+                        (launch.PendingCompiles, "compile_one", self._task_clock)]
         saved = []
         for owner, name, wrap in patches:
             if callable(getattr(owner, name, None)):
@@ -156,6 +183,8 @@ def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
         for which in ("first_image_s", "second_image_s"):
             before = dict(timer.seconds)
             t = time.perf_counter()
+            if which == "first_image_s":
+                clock.t0 = t
             with torch.inference_mode():
                 hashes.append(png_sha256(run_pipeline(pipe, call, size=size, steps=steps)))
             _sync()
@@ -170,6 +199,7 @@ def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
     record["breakdown"] = clock.breakdown(record["first_image_s"] - record["second_image_s"], round(pass_s, 2))
     record["preparation"] = prep
     record["compiles"] = clock.events
+    record["pass_timeline"] = clock.timeline  # seconds from the first image's start
     return record
 
 

@@ -157,8 +157,10 @@ class Preparation:
         with verify.stats_kept(self._stats_id or 0), torch.no_grad(), \
                 launch.compile_only(processes=processes) as pending:
             forward(*args, **kwargs)
+        forward_s = time.perf_counter() - start
         failures = self._wait(pending)
-        self.parallel = {"ran": True, "kernels": len(pending.futures), "seconds": round(time.perf_counter() - start, 3)}
+        self.parallel = {"ran": True, "kernels": len(pending.futures), "seconds": round(time.perf_counter() - start, 3),
+                         "forward_s": round(forward_s, 3)}
         if processes is not None:
             self.parallel["processes"] = {"workers": processes.count, "compiled": len(pending.in_workers),
                                           "worker_seconds": round(sum(s for _, s in pending.in_workers), 3)}
