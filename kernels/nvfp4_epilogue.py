@@ -231,8 +231,18 @@ def split4(x):
 @triton.jit
 def e2m1_words(x, HW_E2M1: tl.constexpr):
     """Scaled FP32 ``[..., 8]`` -> int32 ``[...]``: each row of eight values as four packed bytes."""
-    x0, x1, x2, x3, x4, x5, x6, x7 = split8(x)
-    return e2m1_word(x0, x1, x2, x3, x4, x5, x6, x7, HW_E2M1)
+    # The codes are computed on the whole tensor, split only to pack: the same per-element arithmetic in an eighth of
+    # the IR ops, which Triton's coalescing pass costs quadratically (docs/performance.md, "First image").
+    if HW_E2M1:
+        x0, x1, x2, x3, x4, x5, x6, x7 = split8(x)
+        return e2m1_word(x0, x1, x2, x3, x4, x5, x6, x7, HW_E2M1)
+    else:
+        u, s = _e2m1_parts(x)
+        u0, u1, u2, u3, u4, u5, u6, u7 = split8(u)
+        s0, s1, s2, s3, s4, s5, s6, s7 = split8(s)
+        mags = _low_bytes((u1 << 4) + u0, (u3 << 4) + u2, (u5 << 4) + u4, (u7 << 4) + u6)
+        word = (_sign_nibbles(s7, s6, s5, s4, s3, s2, s1, s0) & 0x88888888) | mags
+        return word.to(tl.int32, bitcast=True)
 
 
 @triton.jit
