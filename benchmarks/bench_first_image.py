@@ -10,11 +10,13 @@ The child times imports, build (``bench_pipeline.build``), ``enable_fast_paths``
 image, and splits the first image's extra time into the compile-only pass (wall), Triton compiles outside it by
 kernel, autotune timing, first-use verification and plan building (each less the compiles inside it) and ``other``,
 and each image into text, denoise and decode seconds (``stages``); ``pass_timeline``: when the compile-only pass
-began and each of its binaries' start and end, in seconds from the first image's start. Each compile's cache key
-parts are recorded; a binary the warm process compiles again is listed in its case (``recompiled``) with how its key
-differs from the cold process's. ``--compile-workers N [N ...]`` adds per N an NVFP4 cold case (its own empty
-caches) whose compile-only pass compiles in N worker processes (``DIFFUSERS_NVFP4_COMPILE_WORKERS``), and a warm case
-with the first N's cache (the workers start and idle); these cases say ``compile_workers``. Writes
+began and each of its binaries' start and end, in seconds from the first image's start; ``verifications``: the
+report's passed and failed first-use checks (a fused kernel whose bytes differ falls back: same PNG, one failure).
+Each compile's cache key parts are recorded; a binary the warm process compiles again is listed in its case
+(``recompiled``) with how its key differs from the cold process's. ``--compile-workers N [N ...]`` adds per N an
+NVFP4 cold case (its own empty caches) whose compile-only pass compiles in N worker processes
+(``DIFFUSERS_NVFP4_COMPILE_WORKERS``), and a warm case with the first N's cache (the workers start and idle); these
+cases say ``compile_workers``. Writes
 benchmarks/results/first_image-<device>.json.
 """
 
@@ -198,6 +200,9 @@ def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
     pass_s = sum((p.get("parallel") or {}).get("seconds", 0.0) for p in prep.values())
     record["breakdown"] = clock.breakdown(record["first_image_s"] - record["second_image_s"], round(pass_s, 2))
     record["preparation"] = prep
+    record["verifications"] = {name: {k: entry["verifications"][k] for k in ("passed", "failed")}
+                               for name, entry in fast_path_report(pipe).items()
+                               if isinstance(entry, dict) and entry.get("verifications")}
     record["compiles"] = clock.events
     record["pass_timeline"] = clock.timeline  # seconds from the first image's start
     return record
