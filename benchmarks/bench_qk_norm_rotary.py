@@ -1,12 +1,13 @@
 """Query/key RMSNorm + rotary embedding (Qwen-Image, then FLUX.2-dev): which arithmetic torch's CUDA ops use, and the
 fused kernels vs diffusers' chain (eager) vs ``torch.compile`` of it.
 
-Usage: python benchmarks/bench_qk_norm_rotary.py [--seq 512 4096] [--heads 24]
+Usage: python benchmarks/bench_qk_norm_rotary.py [--seq 512 4096] [--heads 24] [--tiles]
 Probe (exactness, before timing): each stage of the kernel's arithmetic against torch itself on this GPU: the mean of
 squares (reduction tree), ``torch.rsqrt`` on every positive finite FP32 value, the complex product for each FMA form,
 and the whole chain for each form (mismatching values; the kernel's default form, with the tree ``tree_match``
 found, must give 0). Bytes moved by the kernel: read x and write the result (BF16), read the FP32 rotary table once.
-Writes benchmarks/results/qk_norm_rotary-<device>.json.
+``--tiles`` also times the norm kernels' tiles (rows and warps per program) and checks their bytes against the
+default tile's. Writes benchmarks/results/qk_norm_rotary-<device>.json.
 """
 
 from __future__ import annotations
@@ -23,7 +24,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import bandwidth_cases, copy_bandwidth_gbps, header, print_bandwidth_cases, time_us, write_result  # noqa: E402,E501
 
 from diffusers_nvfp4_fast.kernels import flux2_qk_norm_rotary_triton, qk_norm_rotary_triton  # noqa: E402
-from diffusers_nvfp4_fast.kernels.qk_norm_rotary import FMA_FORMS, _complex_product  # noqa: E402
+from diffusers_nvfp4_fast.kernels.qk_norm_rotary import (  # noqa: E402
+    FMA_FORMS,
+    NORM_BLOCK_R,
+    NORM_WARPS,
+    _complex_product,
+)
 from diffusers_nvfp4_fast.kernels.rounding import rsqrt_like_torch  # noqa: E402
 from diffusers_nvfp4_fast.ops.qk_norm_rotary import (  # noqa: E402
     EPS,
@@ -109,10 +115,39 @@ def probe() -> dict:
     return result
 
 
+TILES = ((16, 4), (8, 2), (8, 1), (4, 1), (2, 1))  # (rows, warps) per program of the norm kernels
+
+
+def tiles() -> list[dict]:
+    """Each tile's kernel time at Qwen-Image's 4096 x 24 and FLUX.2-dev's 4608 x 48 rows, and whether its bytes equal
+    the default tile's (they must: the tile only regroups rows). The tree sits in every thread's registers, so fewer
+    threads per program repeat less work and compile faster (docs/performance.md, "First image")."""
+    out = []
+    for model, seq, heads in (("qwen-image", 4096, 24), ("flux2-dev", 4608, 48)):
+        x, weight, freqs = qk_inputs(1, seq, heads, device="cuda", seed=seq)
+        cos, sin = flux2_tables(freqs)
+
+        def run(block_r: int, num_warps: int, model=model, x=x, weight=weight, freqs=freqs, cos=cos, sin=sin):
+            if model == "qwen-image":
+                return qk_norm_rotary_triton(x, weight, freqs, EPS, block_r=block_r, num_warps=num_warps)
+            return flux2_qk_norm_rotary_triton(x, weight, cos, sin, EPS, block_r=block_r, num_warps=num_warps)
+
+        default = run(NORM_BLOCK_R, NORM_WARPS)
+        for block_r, num_warps in TILES:
+            equal = torch.equal(run(block_r, num_warps), default)
+            us = time_us(lambda: run(block_r, num_warps))  # noqa: B023 (timed before the next tile)
+            out.append({"model": model, "seq": seq, "heads": heads, "block_r": block_r, "num_warps": num_warps,
+                        "us": round(us, 2), "equal_to_default": equal,
+                        "default": (block_r, num_warps) == (NORM_BLOCK_R, NORM_WARPS)})
+            print(out[-1], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seq", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--heads", type=int, default=24)
+    ap.add_argument("--tiles", action="store_true", help="also time the norm kernels' tiles (rows, warps per program)")
     args = ap.parse_args()
     copy = copy_bandwidth_gbps()
     result = header("qk_norm_rotary", copy)
@@ -146,6 +181,8 @@ def main() -> None:
               "compiled": time_us(lambda: flux2_compiled(x, weight, cos, sin, EPS))}
         result["cases"] += bandwidth_cases({"model": "flux2-dev", "seq": seq, "heads": 48}, us, nbytes, copy, exact,
                                            compiled_exact)
+    if args.tiles:
+        result["tiles"] = tiles()
     print_bandwidth_cases(result["cases"], copy, write_result(result))
 
 

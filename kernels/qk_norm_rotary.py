@@ -31,6 +31,10 @@ from .rounding import SOFT_CONVERT, narrow_bf16, negate, rsqrt_like_torch, sum_o
 __all__ = ["flux2_qk_norm_rotary_triton", "qk_norm_rotary_triton", "qwen_rotary_triton"]
 
 HEAD_DIM = 128
+# Rows and warps per program of the norm kernels (the tile measured on the GPU). Triton keeps the reduction tree in
+# every thread's registers, so a smaller tile repeats less work and compiles faster with the same bytes; which tile
+# runs fastest is for `bench_qk_norm_rotary.py --tiles` to say (docs/performance.md, "Cheaper compiles").
+NORM_BLOCK_R, NORM_WARPS = 16, 4
 FMA_FORMS = [(real, imag) for real in range(3) for imag in range(3)]  # (REAL_FMA, IMAG_FMA) of _complex_product
 
 
@@ -152,7 +156,7 @@ def _qwen_operands(name: str, x: torch.Tensor, freqs: torch.Tensor) -> tuple[tor
 
 def flux2_qk_norm_rotary_triton(
     x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, *, tree: int = 1,
-    approx_rsqrt: bool | None = None, block_r: int = 16, num_warps: int = 4,
+    approx_rsqrt: bool | None = None, block_r: int = NORM_BLOCK_R, num_warps: int = NORM_WARPS,
 ) -> torch.Tensor:
     """x ``[B, S, H, 128]`` BF16, weight BF16 ``[128]``, cos / sin FP32 ``[S, 128]`` -> ``[B, S, H, 128]`` BF16:
     ``apply_rotary_emb(F.rms_norm(x, (128,), weight, eps), (cos, sin), sequence_dim=1)`` as torch 2.11 computes it on
@@ -177,7 +181,7 @@ def flux2_qk_norm_rotary_triton(
 
 def qk_norm_rotary_triton(
     x: torch.Tensor, weight: torch.Tensor, freqs: torch.Tensor, eps: float, *, real_fma: int = 1, imag_fma: int = 1,
-    tree: int = 1, approx_rsqrt: bool | None = None, block_r: int = 16, num_warps: int = 4,
+    tree: int = 1, approx_rsqrt: bool | None = None, block_r: int = NORM_BLOCK_R, num_warps: int = NORM_WARPS,
     mean_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x ``[B, S, H, 128]`` BF16 (rows contiguous), weight BF16 ``[128]``, freqs complex64 ``[S, 64]`` ->

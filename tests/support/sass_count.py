@@ -24,6 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from diffusers_nvfp4_fast.kernels.qk_norm_rotary import NORM_BLOCK_R, NORM_WARPS
 from diffusers_nvfp4_fast.ops.registry import aot_kernels
 
 # build name -> (the @triton.jit kernel, the types of its arguments that are not constexprs), from each op's declaration
@@ -63,12 +64,14 @@ def compile_rotary(arch: int, head_dim: int = 128, block_r: int = 16, num_warps:
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
 
 
-def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree: int = 1, block_r: int = 16,
-                           num_warps: int = 4, norm: bool = True, divisible: tuple[str, ...] = ()):
+def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree: int = 1, block_r: int | None = None,
+                           num_warps: int | None = None, norm: bool = True, divisible: tuple[str, ...] = ()):
     """Compile the Qwen-Image QK-norm + rotary kernel for ``arch`` (x10) without a GPU, as ``qk_norm_rotary_triton``
     launches it there (``rsqrt.approx.f32``, hardware BF16 conversions, FMA contraction off); ``norm=False``: the
     rotary embedding alone, as ``qwen_rotary_triton`` launches it."""
     kernel, sig = SIGNATURES["qk_norm_rotary"]
+    tile = (NORM_BLOCK_R, NORM_WARPS) if norm else (16, 4)  # as the norm and the rotary-only wrappers launch it
+    block_r, num_warps = block_r or tile[0], num_warps or tile[1]
     consts = {"BLOCK_R": block_r, "APPROX_RSQRT": norm, "REAL_FMA": real_fma, "IMAG_FMA": imag_fma,
               "SOFT_BF16": False, "WRITE_MEAN": False, "TREE": tree, "NORM": norm}
     return triton.compile(ASTSource(kernel, {**sig, **dict.fromkeys(consts, "constexpr")},
@@ -77,7 +80,7 @@ def compile_qk_norm_rotary(arch: int, real_fma: int = 1, imag_fma: int = 1, tree
                           options={"enable_fp_fusion": False, "num_warps": num_warps})
 
 
-def compile_flux2_qk_norm_rotary(arch: int, tree: int = 1, block_r: int = 16, num_warps: int = 4):
+def compile_flux2_qk_norm_rotary(arch: int, tree: int = 1, block_r: int = NORM_BLOCK_R, num_warps: int = NORM_WARPS):
     """Compile the FLUX.2 QK-norm + rotary kernel for ``arch`` (x10) without a GPU, as its wrapper launches it."""
     kernel, sig = SIGNATURES["flux2_qk_norm_rotary"]
     consts = {"BLOCK_R": block_r, "APPROX_RSQRT": True, "SOFT_BF16": False, "TREE": tree}
