@@ -403,10 +403,10 @@ def _resnorm_quantize_kernel(
     elif not DECODED:
         # Padding row of the 128x4 scale layout: its scale bytes are 0 (D % 512 == 0, so D/16 == padded_cols and
         # every k-block is covered by the chunks).
-        for j in tl.static_range(D // CHUNK):
-            kblocks = j * (CHUNK // 16) + tl.arange(0, CHUNK // 16)
-            offs_sf = swizzled_scale_offset(row.to(tl.int64), kblocks, padded_cols)
-            tl.store(scales_ptr + offs_sf, tl.zeros([CHUNK // 16], tl.uint8))
+        # One store for the whole row (each store costs the compile's coalescing pass a walk of the whole kernel).
+        kblocks = tl.arange(0, triton.next_power_of_2(D // CHUNK))[:, None] * (CHUNK // 16) + tl.arange(0, CHUNK // 16)
+        offs_sf = swizzled_scale_offset(row.to(tl.int64), kblocks, padded_cols)
+        tl.store(scales_ptr + offs_sf, tl.zeros(kblocks.shape, tl.uint8), mask=kblocks < D // 16)
 
 
 @triton.jit
