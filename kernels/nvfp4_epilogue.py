@@ -140,10 +140,16 @@ def e2m1_word(x0, x1, x2, x3, x4, x5, x6, x7, HW_E2M1: tl.constexpr):
         u5, s5 = _e2m1_parts(x5)
         u6, s6 = _e2m1_parts(x6)
         u7, s7 = _e2m1_parts(x7)
-        # (u_hi << 4) + u_lo: the pair's byte in the low 8 bits (u's bits 3..21 are zero, so nothing carries in).
-        mags = _low_bytes((u1 << 4) + u0, (u3 << 4) + u2, (u5 << 4) + u4, (u7 << 4) + u6)
-        word = (_sign_nibbles(s7, s6, s5, s4, s3, s2, s1, s0) & 0x88888888) | mags
-        return word.to(tl.int32, bitcast=True)
+        return _packed_codes(u0, u1, u2, u3, u4, u5, u6, u7, s0, s1, s2, s3, s4, s5, s6, s7)
+
+
+@triton.jit
+def _packed_codes(u0, u1, u2, u3, u4, u5, u6, u7, s0, s1, s2, s3, s4, s5, s6, s7):
+    """Eight ``_e2m1_parts`` results -> one int32 of their codes, ``u0``/``s0``'s in the lowest nibble."""
+    # (u_hi << 4) + u_lo: the pair's byte in the low 8 bits (u's bits 3..21 are zero, so nothing carries in).
+    mags = _low_bytes((u1 << 4) + u0, (u3 << 4) + u2, (u5 << 4) + u4, (u7 << 4) + u6)
+    word = (_sign_nibbles(s7, s6, s5, s4, s3, s2, s1, s0) & 0x88888888) | mags
+    return word.to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -240,9 +246,7 @@ def e2m1_words(x, HW_E2M1: tl.constexpr):
         u, s = _e2m1_parts(x)
         u0, u1, u2, u3, u4, u5, u6, u7 = split8(u)
         s0, s1, s2, s3, s4, s5, s6, s7 = split8(s)
-        mags = _low_bytes((u1 << 4) + u0, (u3 << 4) + u2, (u5 << 4) + u4, (u7 << 4) + u6)
-        word = (_sign_nibbles(s7, s6, s5, s4, s3, s2, s1, s0) & 0x88888888) | mags
-        return word.to(tl.int32, bitcast=True)
+        return _packed_codes(u0, u1, u2, u3, u4, u5, u6, u7, s0, s1, s2, s3, s4, s5, s6, s7)
 
 
 @triton.jit
