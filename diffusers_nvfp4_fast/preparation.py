@@ -86,7 +86,8 @@ class Preparation:
         self._stats_id, self._device, self._make_bar = stats_id, device, make_bar or tqdm_bar
         self._first_call: Any = None
         self.compiled_elsewhere: list[tuple[str, float]] = []  # (kernel, seconds) compiled by worker processes
-        self._awaits_workers = False
+        self._awaits_workers = self._awaits_key = False
+        self._key_waited_s: float | None = None  # how long the first call waited for Triton's key (None: it did not)
         if self.unavailable is not None:
             return
         compat = _compat()
@@ -99,6 +100,7 @@ class Preparation:
         _WATCHED.add(self)
         self._first_call = model.register_forward_pre_hook(self._compile_in_parallel, with_kwargs=True, prepend=True)
         self._awaits_workers = device.type == "cuda" and _await_workers()
+        self._awaits_key = start_key_parts(device)
 
     def _done_with_workers(self) -> None:
         if self._awaits_workers:
@@ -132,6 +134,8 @@ class Preparation:
         if not outside_trace_and_capture():
             return
         self._first_call.remove()
+        if self._awaits_key:
+            self._key_waited_s = await_key_parts()
         try:
             self._run_pass(model, args, kwargs)
         except Exception as error:  # noqa: BLE001
@@ -213,6 +217,9 @@ class Preparation:
                                "seconds": round(sum(s for _, s in compiled) + sum(e.seconds for e in loaded), 3),
                                "compiled": len(compiled), "from_cache": from_cache, "calls": self.calls,
                                "parallel": self.parallel}
+        if self._key_waited_s is not None:
+            out["triton_key"] = {"seconds": _KEY_PARTS.get("seconds"), "waited_s": self._key_waited_s,
+                                 **({"failed": _KEY_PARTS["failed"]} if "failed" in _KEY_PARTS else {})}
         if not self.events:
             out["reason"] = NOT_CALLED if self.calls == 0 else NOTHING_HEARD
         if compiled:
@@ -221,6 +228,47 @@ class Preparation:
                 by_name[name] = round(by_name.get(name, 0.0) + seconds, 3)
             out["kernels_compiled"] = by_name
         return out
+
+
+# Triton's once-per-process cache-key parts (triton_compat.compute_cache_key_parts), computed on a thread from the
+# first enable_fast_paths of a CUDA model, so that they overlap what runs before its first call (docs/design.md §8).
+_KEY_PARTS: dict[str, Any] = {}
+_KEY_PARTS_LOCK = threading.Lock()
+
+
+def start_key_parts(device: torch.device) -> bool:
+    """Start computing Triton's cache-key parts for ``device``'s architecture, once per process; False off CUDA."""
+    if device.type != "cuda":
+        return False
+    with _KEY_PARTS_LOCK:
+        if _KEY_PARTS:
+            return True
+        major, minor = torch.cuda.get_device_capability(device)
+        thread = threading.Thread(target=_compute_key_parts, args=(major * 10 + minor,), name="nvfp4-triton-key",
+                                  daemon=True)
+        _KEY_PARTS["thread"] = thread
+        thread.start()
+    return True
+
+
+def _compute_key_parts(arch: int) -> None:
+    start = time.perf_counter()
+    try:
+        _compat().compute_cache_key_parts(arch)
+    except Exception as error:  # noqa: BLE001  (the first compile computes them itself, and raises there if it must)
+        _KEY_PARTS["failed"] = f"{type(error).__name__}: {error}"[:200]
+    _KEY_PARTS["seconds"] = round(time.perf_counter() - start, 3)
+
+
+def await_key_parts() -> float | None:
+    """Wait for Triton's cache-key parts, so that no compile computes them again; the seconds waited (None: not
+    started in this process)."""
+    thread = _KEY_PARTS.get("thread")
+    if thread is None:
+        return None
+    start = time.perf_counter()
+    thread.join()
+    return round(time.perf_counter() - start, 3)
 
 
 def pipeline_bar(pipe: Any) -> BarFactory | None:

@@ -20,7 +20,8 @@ What is read, and where Triton keeps it:
   (``add_compile_listener``, ``triton_cache_dir``);
 * ``JITCallable.cache_key`` and the functions a kernel calls (``settle_cache_keys``);
 * the JIT cache hook ``knobs.runtime.jit_cache_hook``, Triton's serialized specialization (``preload``'s format) and
-  ``ASTSource`` / ``GluonASTSource`` (``capture_specialization``, ``compile_specialization``).
+  ``ASTSource`` / ``GluonASTSource`` (``capture_specialization``, ``compile_specialization``);
+* ``runtime.cache.triton_key`` and the backend's ``hash`` (``compute_cache_key_parts``).
 """
 
 from __future__ import annotations
@@ -475,6 +476,19 @@ def triton_cache_dir() -> str:
     if found:
         return str(found)
     return os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
+def compute_cache_key_parts(arch: int) -> None:
+    """Compute what Triton computes once per process for every cache key, before the first compile or cache load can
+    use it: Triton's own key (``runtime.cache.triton_key``: hashes of its compiler's sources and of its ~400 MB
+    library, 0.3 s on one core) and the CUDA backend's for ``arch`` (``ptxas --version``). Both are cached pure
+    functions, so a compile racing this one computes the same values (docs/design.md §8, "Triton's key ahead")."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import triton_key
+
+    triton_key()
+    make_backend(GPUTarget("cuda", arch, 32)).hash()
 
 
 # Triton's JIT cache hook (``knobs.runtime.jit_cache_hook``, Triton 3.6 - 3.9): ``JITFunction._do_compile`` calls it

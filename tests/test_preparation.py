@@ -227,6 +227,55 @@ def test_under_the_graph_runner_the_first_call_is_captured_and_counted_once(klei
     assert f"{n}/{n}" in out.getvalue() and f"{n + 1}/{n}" not in out.getvalue(), out.getvalue()
 
 
+def test_tritons_key_is_computed_once_on_a_thread_and_a_failure_is_reported_not_raised(monkeypatch):
+    """``start_key_parts`` computes Triton's cache-key parts for the device's architecture on one thread per process
+    (a second start starts nothing); ``await_key_parts`` waits for it. A failure there is recorded, not raised: the
+    first compile computes the parts itself and raises what it must."""
+    from triton.runtime.cache import triton_key
+
+    from diffusers_nvfp4_fast import preparation
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(preparation, "_KEY_PARTS", {})
+    assert preparation.await_key_parts() is None, "nothing started, nothing to wait for"
+    assert preparation.start_key_parts(torch.device("cpu")) is False and not preparation._KEY_PARTS
+    triton_key.cache_clear()
+    assert preparation.start_key_parts(torch.device("cuda", 0)) is True
+    thread = preparation._KEY_PARTS["thread"]
+    assert preparation.start_key_parts(torch.device("cuda", 0)) is True
+    assert preparation._KEY_PARTS["thread"] is thread and thread.name == "nvfp4-triton-key"
+    assert preparation.await_key_parts() >= 0 and not thread.is_alive()
+    assert preparation._KEY_PARTS["seconds"] > 0 and "failed" not in preparation._KEY_PARTS
+    assert triton_key.cache_info().currsize == 1
+
+    def fails(arch):
+        raise RuntimeError(f"no ptxas for sm_{arch}")
+
+    monkeypatch.setattr(preparation, "_KEY_PARTS", {})
+    monkeypatch.setattr(preparation._compat(), "compute_cache_key_parts", fails)
+    preparation.start_key_parts(torch.device("cuda", 0))
+    preparation.await_key_parts()
+    assert preparation._KEY_PARTS["failed"] == "RuntimeError: no ptxas for sm_90"
+
+
+def test_the_first_call_waits_for_tritons_key_before_its_first_block_and_reports_it(klein, monkeypatch):
+    """A first call joins the key's thread before anything of it runs (so no compile of the call computes the key
+    again), and the report gives the thread's seconds and the wait."""
+    from diffusers_nvfp4_fast import preparation
+
+    order: list[str] = []
+    thread = types.SimpleNamespace(join=lambda: order.append("joined"))
+    monkeypatch.setattr(preparation, "_KEY_PARTS", {"thread": thread, "seconds": 0.3})
+    monkeypatch.setattr(preparation, "start_key_parts", lambda device: True)  # as for a CUDA model
+    pipe, kwargs = klein
+    enable_fast_paths(pipe)
+    pipe.transformer.transformer_blocks[0].register_forward_pre_hook(lambda *_: order.append("block"))
+    run_pipeline(pipe, kwargs, steps=1)
+    assert order[:2] == ["joined", "block"] and order.count("joined") == 1, order
+    key = fast_path_report(pipe)["Flux2Transformer2DModel"]["preparation"]["triton_key"]
+    assert key["seconds"] == 0.3 and 0 <= key["waited_s"] < 1, key
+
+
 _TWO_PROCESSES = """
 import json, sys, tempfile
 from pathlib import Path
@@ -267,6 +316,7 @@ def test_gpu_a_new_cache_is_reported_cold_and_the_next_process_warm(tmp_path):
         runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     cold, warm = runs
     assert cold["cache"] == "cold" and cold["compiled"] > 0 and cold["seconds"] > 0, cold
+    assert all("failed" not in run["triton_key"] and run["triton_key"]["waited_s"] is not None for run in runs), runs
     assert warm["cache"] == "warm" and warm["compiled"] == 0, warm
     assert warm["from_cache"] == cold["compiled"] + cold["from_cache"], (cold, warm)
     assert cold["sha"] == warm["sha"]

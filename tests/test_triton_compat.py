@@ -383,6 +383,27 @@ def test_the_compile_listener_hears_a_compile_then_a_cache_load_and_chains(monke
     assert spec["constants"]["BLOCK_R"] == "8" and spec["constants"]["FAST_MATH"] == "True"
 
 
+def test_the_cache_key_parts_computed_ahead_are_the_ones_a_compile_uses(monkeypatch, tmp_path):
+    """``compute_cache_key_parts(90)`` computes Triton's own key and the sm_90 backend's ``ptxas`` version once; an
+    SM90 build (a miss, then a hit) afterwards computes neither again and reads both (they are what its cache key is
+    made of, so the first compile or cache load of a process no longer pays 0.3 s for them)."""
+    from triton.backends.nvidia.compiler import get_ptxas_version
+    from triton.runtime.cache import triton_key
+
+    from support.sass_count import compile_kernel
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    triton_key.cache_clear()
+    get_ptxas_version.cache_clear()
+    compat.compute_cache_key_parts(90)
+    assert (triton_key.cache_info().misses, get_ptxas_version.cache_info().misses) == (1, 1)
+    compile_kernel("quantize", 90, True)
+    compile_kernel("quantize", 90, True)
+    keys, ptxas = triton_key.cache_info(), get_ptxas_version.cache_info()
+    assert (keys.misses, ptxas.misses) == (1, 1), "a compile computed a part again: Triton keys on something else"
+    assert keys.hits >= 2 and ptxas.hits >= 1, (keys, ptxas)
+
+
 def test_two_specializations_of_one_kernel_differ_where_their_keys_do():
     """``CompileEvent.specialization`` of two sources of one kernel that Triton keys apart (an alignment attribute)
     differ in that argument's entry and nowhere else."""
