@@ -198,6 +198,7 @@ def child(model: str, dtype: str, steps: int, size: int, tiny: bool) -> dict:
     prep = {name: entry["preparation"] for name, entry in fast_path_report(pipe).items()
             if dtype == "nvfp4" and isinstance(entry, dict) and entry.get("preparation")}
     pass_s = sum((p.get("parallel") or {}).get("seconds", 0.0) for p in prep.values())
+    clock.spent["triton_key_wait_s"] = sum((p.get("triton_key") or {}).get("waited_s") or 0.0 for p in prep.values())
     record["breakdown"] = clock.breakdown(record["first_image_s"] - record["second_image_s"], round(pass_s, 2))
     record["preparation"] = prep
     record["verifications"] = {name: {k: entry["verifications"][k] for k in ("passed", "failed")}
