@@ -14,8 +14,7 @@ GLUON_HOPPER = "triton.experimental.gluon.language.nvidia.hopper"
 def _ptx_code(compiled) -> list[str]:
     """The PTX's instructions: no comments, file table or DWARF sections, which name the directory a cached binary was
     first compiled in (a fresh clone elsewhere shares Triton's cache, keyed by source)."""
-    ptx = compiled.asm["ptx"]
-    code = ptx[:ptx.find("\t.section\t.debug")] if "\t.section\t.debug" in ptx else ptx
+    code = compiled.asm["ptx"].split("\t.section\t.debug", 1)[0]
     return [line for line in code.splitlines() if not line.startswith("//") and ".file" not in line]
 
 
